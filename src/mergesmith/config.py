@@ -1,0 +1,223 @@
+"""The merge-config schema (mergekit's format, unchanged), parsed and validated with pydantic.
+
+Validation that needs no checkpoint happens here, so a bad config fails before any file is opened:
+unknown keys (with a did-you-mean), `models` and `slices` together, unknown methods, a missing base
+model, a slice whose sources cover different numbers of layers. Checks that need the models' headers
+(layer ranges past the end, shape mismatches) happen in the planner.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+ScalarOrGradient = Union[bool, int, float, str, list[float]]
+
+
+class ConditionalParameter(BaseModel):
+    """A value that applies to tensors whose name contains `filter` (or to all, without a filter)."""
+
+    model_config = ConfigDict(extra="forbid")
+    filter: str | None = None
+    value: ScalarOrGradient
+
+
+ParameterSetting = Union[ScalarOrGradient, ConditionalParameter, list[ConditionalParameter]]
+Parameters = dict[str, ParameterSetting]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class InputModelDefinition(_Strict):
+    model: str
+    parameters: Parameters | None = None
+
+
+class InputSliceDefinition(_Strict):
+    model: str
+    layer_range: tuple[int, int]
+    parameters: Parameters | None = None
+
+    @field_validator("layer_range")
+    @classmethod
+    def _ordered(cls, value: tuple[int, int]) -> tuple[int, int]:
+        start, end = value
+        if start < 0 or end <= start:
+            raise ValueError(f"must be [start, end) with 0 <= start < end, got [{start}, {end}]")
+        return value
+
+
+class OutputSliceDefinition(_Strict):
+    sources: list[InputSliceDefinition] = Field(min_length=1)
+    base_model: str | None = None
+    residual_weight: float | None = None
+    parameters: Parameters | None = None
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> OutputSliceDefinition:
+        lengths = {s.layer_range[1] - s.layer_range[0] for s in self.sources}
+        if len(lengths) > 1:
+            ranges = ", ".join(f"{s.model} {list(s.layer_range)}" for s in self.sources)
+            raise ValueError(f"layer_range: sources cover different numbers of layers ({ranges})")
+        return self
+
+
+class TokenEmbeddingConfig(_Strict):
+    source: str | dict[str, Any] | None = None
+    force: bool = False
+
+
+class TokenizerConfig(_Strict):
+    source: str = "base"
+    tokens: dict[str, TokenEmbeddingConfig] | None = None
+    pad_to_multiple_of: int | None = None
+
+
+class MergeConfiguration(_Strict):
+    merge_method: str
+    slices: list[OutputSliceDefinition] | None = None
+    models: list[InputModelDefinition] | None = None
+    parameters: Parameters | None = None
+    base_model: str | None = None
+    dtype: str | None = None
+    out_dtype: str | None = None
+    tokenizer_source: str | None = None
+    tokenizer: TokenizerConfig | None = None
+    chat_template: str | None = None
+
+    @model_validator(mode="after")
+    def _models_or_slices(self) -> MergeConfiguration:
+        if self.models and self.slices:
+            raise ValueError("give either `models` or `slices`, not both")
+        if not self.models and not self.slices:
+            raise ValueError("one of `models` or `slices` is required")
+        if self.tokenizer is not None and self.tokenizer_source is not None:
+            raise ValueError("give either `tokenizer` or `tokenizer_source`, not both")
+        return self
+
+    def referenced_models(self) -> list[str]:
+        """Every model the config names, base first, each once, in order of appearance."""
+        names: list[str] = []
+        if self.base_model:
+            names.append(self.base_model)
+        if self.models:
+            names.extend(m.model for m in self.models)
+        for s in self.slices or []:
+            if s.base_model:
+                names.append(s.base_model)
+            names.extend(src.model for src in s.sources)
+        return list(dict.fromkeys(names))
+
+    def base_or_first_model(self) -> str:
+        """The model whose config.json and non-layer tensor names the output inherits."""
+        if self.base_model:
+            return self.base_model
+        if self.models:
+            return self.models[0].model
+        assert self.slices
+        return self.slices[0].sources[0].model
+
+
+_UNION_LABELS = {"bool", "int", "float", "str", "ConditionalParameter"}
+
+
+def _known_keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The allowed keys of the pydantic model that sits at `loc` (for did-you-mean hints)."""
+    if "ConditionalParameter" in loc or "list[ConditionalParameter]" in loc:
+        return list(ConditionalParameter.model_fields)
+    model: Any = MergeConfiguration
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = _inner_model(field.annotation)
+    return list(getattr(model, "model_fields", {}).keys()) if model else []
+
+
+def _inner_model(annotation: Any) -> type[BaseModel] | None:
+    """Find the BaseModel inside Optional[list[Model]]-style annotations."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif str(part) in _UNION_LABELS or "[" in str(part) or str(part).startswith("function-"):
+            continue  # pydantic's union-branch labels say nothing to a user
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def _first_error_line(err: ValidationError, source: str) -> str:
+    errors = err.errors()
+    # Prefer the most specific error: an unknown key or a failed check over union noise.
+    errors.sort(key=lambda e: (e["type"] != "extra_forbidden", e["type"] != "value_error", -len(e["loc"])))
+    e = errors[0]
+    loc = tuple(e["loc"])
+    key = _format_loc(loc)
+    if e["type"] == "extra_forbidden":
+        known = _known_keys_at(loc)
+        hint = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        suggestion = f" (did you mean `{hint[0]}`?)" if hint else ""
+        return f"{source}: unknown key `{key}`{suggestion}"
+    if e["type"] == "missing":
+        return f"{source}: missing required key `{key}`"
+    msg = e["msg"].removeprefix("Value error, ")
+    return f"{source}: `{key}`: {msg}" if loc else f"{source}: {msg}"
+
+
+def parse_config(data: Any, source: str = "config") -> MergeConfiguration:
+    """Validate a loaded YAML document; any problem becomes one ConfigError line naming the key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
+    try:
+        config = MergeConfiguration.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_first_error_line(err, source)) from None
+    from .methods import validate_method_usage
+
+    validate_method_usage(config, source)
+    return config
+
+
+def load_config(path: str | Path) -> MergeConfiguration:
+    """Read and validate a YAML merge config from disk."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read config ({exc.__class__.__name__})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
+    return parse_config(data, str(path))
+
+
+def dump_config(config: MergeConfiguration) -> str:
+    """The config as YAML, without unset keys, for `mergesmith_config.yml` and the model card."""
+    return yaml.safe_dump(config.model_dump(exclude_none=True), sort_keys=False)

@@ -1,0 +1,102 @@
+"""The method registry: each merge method is a pure function plus a small spec of its parameters.
+
+Why a spec: the planner validates configs, resolves parameters and estimates memory from it
+without running any math; the math module stays a plain function of tensors and numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its name and default (`required=True` means no default)."""
+
+    name: str
+    default: Any = None
+    required: bool = False
+
+
+@dataclass
+class MergeInputs:
+    """What a method sees for one output tensor.
+
+    `tensors` holds one tensor per contributing model in config order, all in the compute dtype
+    and on the compute device, the base model's among them at `base_index` (None without a base).
+    `model_params[i]` are the resolved per-model parameters of `tensors[i]`; `params` the global ones.
+    `generator` is seeded by (random seed, output tensor name) for randomised methods, else None.
+    """
+
+    tensors: Sequence[torch.Tensor]
+    base_index: int | None
+    model_params: Sequence[dict[str, Any]]
+    params: dict[str, Any]
+    generator: torch.Generator | None = None
+    tensor_name: str = ""
+
+    @property
+    def base(self) -> torch.Tensor | None:
+        return None if self.base_index is None else self.tensors[self.base_index]
+
+    def others(self) -> list[int]:
+        """Indices of the non-base models (the task vectors' owners)."""
+        return [i for i in range(len(self.tensors)) if i != self.base_index]
+
+
+MergeFn = Callable[[MergeInputs], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """How the planner and executor treat a method.
+
+    - `params`: global parameters (one value per output tensor, from slice or top-level `parameters`);
+    - `model_params`: per-model parameters (from source, slice, model or top-level `parameters`);
+    - `requires_base`: validation fails early without a `base_model`;
+    - `min_models`/`max_models`: counted over all contributing models, the base included;
+    - `randomized`: the executor passes a generator seeded per output tensor;
+    - `elementwise`: the output row block depends only on the same row block of the inputs, so
+      huge tensors may be merged in row blocks to cap memory;
+    - `uses_base_in_models`: whether the base model contributes even when not listed in `models`.
+    """
+
+    name: str
+    merge: MergeFn
+    params: tuple[ParamSpec, ...] = ()
+    model_params: tuple[ParamSpec, ...] = ()
+    requires_base: bool = False
+    min_models: int = 1
+    max_models: int | None = None
+    randomized: bool = False
+    elementwise: bool = True
+    uses_base_in_models: bool = True
+    description: str = ""
+    aliases: tuple[str, ...] = field(default=())
+
+    def param_names(self) -> set[str]:
+        return {p.name for p in self.params} | {p.name for p in self.model_params}
+
+
+_REGISTRY: dict[str, MethodSpec] = {}
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    """Add a method (and its aliases) to the registry; names are unique."""
+    for name in (spec.name, *spec.aliases):
+        if name in _REGISTRY:
+            raise ValueError(f"merge method {name!r} registered twice")
+        _REGISTRY[name] = spec
+    return spec
+
+
+def get_method(name: str) -> MethodSpec | None:
+    return _REGISTRY.get(name)
+
+
+def method_names() -> list[str]:
+    return sorted(_REGISTRY)
