@@ -118,9 +118,7 @@ class Plan:
 
         payload = {
             "version": __version__,
-            "shards": [
-                {"file": s.filename, "recipes": [asdict(r) for r in s.recipes]} for s in self.shards
-            ],
+            "shards": [{"file": s.filename, "recipes": [asdict(r) for r in s.recipes]} for s in self.shards],
             "config": self.output_config,
             "inputs": self.input_identities,
             "options": self.options,
