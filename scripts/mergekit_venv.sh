@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Create (or reuse) a separate virtual environment holding mergekit 0.1.5, the reference
+# implementation mergesmith's outputs are compared against.
+#
+# Usage: scripts/mergekit_venv.sh            -> prints the venv's python path on its last line
+#   MERGEKIT_VENV=/path       where to put it (default ~/.cache/mergesmith/mergekit-venv)
+#   MERGEKIT_TORCH_SPEC=...   the torch pin (default torch==2.13.0+cpu, the CPU-only build, so no
+#                             CUDA wheels are pulled; a CPU wheel must be reachable: a local
+#                             find-links folder or e.g. PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)
+#   MERGEKIT_PYTHON=python3.11  the interpreter that creates the venv (default: python3)
+#
+# Idempotent: when the venv already has mergekit 0.1.5 and the pinned torch, it does nothing but
+# print the python path; a half-made venv is completed. Other scripts (benchmarks, fixture
+# regeneration) call this and read the last line of its output.
+set -euo pipefail
+
+VENV="${MERGEKIT_VENV:-$HOME/.cache/mergesmith/mergekit-venv}"
+TORCH_SPEC="${MERGEKIT_TORCH_SPEC:-torch==2.13.0+cpu}"
+PY="${MERGEKIT_PYTHON:-python3}"
+MERGEKIT_SPEC="mergekit==0.1.5"
+
+want_torch="${TORCH_SPEC#torch==}"
+
+installed_ok() {
+    [ -x "$VENV/bin/python" ] || return 1
+    "$VENV/bin/python" - "$want_torch" <<'EOF' >/dev/null 2>&1
+import sys
+from importlib.metadata import version
+assert version("mergekit") == "0.1.5"
+assert version("torch") == sys.argv[1]
+EOF
+}
+
+if installed_ok; then
+    echo "mergekit venv ready at $VENV" >&2
+    echo "$VENV/bin/python"
+    exit 0
+fi
+
+mkdir -p "$(dirname "$VENV")"
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+fi
+
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+# torch pinned to the CPU build: mergekit only says torch>=2.0.0, so without this pip would pick the
+# newest (CUDA) torch and its multi-gigabyte nvidia-* wheels.
+echo "$TORCH_SPEC" >"$constraints"
+
+"$VENV/bin/python" -m pip install --quiet --upgrade pip >&2 || true
+# Install torch first on its own, so a missing CPU wheel fails here with a clear message.
+"$VENV/bin/python" -m pip install --quiet -c "$constraints" "$TORCH_SPEC" >&2
+"$VENV/bin/python" -m pip install --quiet -c "$constraints" "$MERGEKIT_SPEC" >&2
+
+# Nothing CUDA may have slipped in.
+if "$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -i -E '^(nvidia-|triton==)' >&2; then
+    echo "error: CUDA packages were installed into $VENV; check the torch pin ($TORCH_SPEC)" >&2
+    exit 1
+fi
+if ! installed_ok; then
+    echo "error: $VENV does not hold $MERGEKIT_SPEC with torch $want_torch after install" >&2
+    exit 1
+fi
+echo "mergekit venv ready at $VENV" >&2
+echo "$VENV/bin/python"
