@@ -103,6 +103,7 @@ class Plan:
     options: dict[str, Any]
     random_seed: int | None = None
     warnings: list[str] = field(default_factory=list)
+    estimate: Estimate | None = None
 
     @property
     def recipes(self) -> list[TensorRecipe]:

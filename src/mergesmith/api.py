@@ -1,0 +1,199 @@
+"""The Python API: plan a merge, run it into a directory (resuming when possible).
+
+Output directory protocol, which makes merges crash-consistent:
+1. the journal (plan fingerprint) is written first, and any config.json/index from an earlier run
+   is removed, so a directory is never mistaken for complete while shards change;
+2. shards are written under `.mergesmith/partial/`, fsync'ed, renamed into place, journaled;
+3. tokenizer files, model card and `mergesmith_config.yml` are copied;
+4. the index and finally `config.json` are written atomically: a directory that has `config.json`
+   has all of its shards.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import MergeConfiguration, load_config
+from .errors import MergesmithError, OutputError
+from .executor import LocalExecutor, ProgressEvent
+from .io.checkpoint import Checkpoint
+from .io.journal import STATE_DIR, Journal, ensure_writable_dir
+from .io.safetensors_writer import file_checksum, write_file_atomic
+from .methods import require_method
+from .plan import Plan
+from .planner import MergeOptions, Planner
+
+INDEX_NAME = "model.safetensors.index.json"
+SMALL_FILES_MARGIN = 16 << 20
+
+
+@dataclass
+class MergeResult:
+    out_dir: Path
+    plan: Plan
+    shards_reused: int
+    already_complete: bool
+    seconds: float
+
+
+def as_config(config: str | Path | MergeConfiguration) -> tuple[MergeConfiguration, str]:
+    if isinstance(config, MergeConfiguration):
+        return config, "config"
+    return load_config(config), str(config)
+
+
+def open_checkpoints(config: MergeConfiguration) -> dict[str, Checkpoint]:
+    """Open (and validate the headers of) every model the config names."""
+    return {ref: Checkpoint.open(ref) for ref in config.referenced_models()}
+
+
+def build_plan(
+    config: str | Path | MergeConfiguration, options: MergeOptions | None = None, out_dir: str | Path | None = None
+) -> tuple[Plan, dict[str, Checkpoint]]:
+    """Plan a merge from headers alone. For randomised methods without a seed, reuse the seed an
+    interrupted run in `out_dir` recorded (so it can resume), or draw a new one."""
+    cfg, source = as_config(config)
+    options = options or MergeOptions()
+    if require_method(cfg.merge_method, source).randomized and options.random_seed is None:
+        previous = Journal.load(Path(out_dir)) if out_dir is not None else None
+        options.random_seed = (
+            previous.random_seed if previous and previous.random_seed is not None else secrets.randbelow(2**31)
+        )
+    checkpoints = open_checkpoints(cfg)
+    return Planner(cfg, checkpoints, options, source).build(), checkpoints
+
+
+def _owned_outputs(out_dir: Path) -> list[Path]:
+    """Files a merge writes (and so may remove with --overwrite); other files are left alone."""
+    names = {"config.json", INDEX_NAME, "README.md", "mergesmith_config.yml", "generation_config.json"}
+    from .planner import TOKENIZER_FILES
+
+    names.update(TOKENIZER_FILES)
+    found = [out_dir / n for n in names if (out_dir / n).exists()]
+    found += sorted(out_dir.glob("model*.safetensors"))
+    return found
+
+
+def _prepare_out_dir(out_dir: Path, fingerprint: str, overwrite: bool) -> Journal:
+    """Validate the output directory and return the journal to continue (or a fresh one)."""
+    ensure_writable_dir(out_dir)
+    journal = Journal.load(out_dir)
+    others = [p for p in out_dir.iterdir() if p.name != STATE_DIR]
+    if journal is not None and journal.fingerprint == fingerprint and not overwrite:
+        return journal
+    if overwrite:
+        for path in _owned_outputs(out_dir):
+            path.unlink()
+        shutil.rmtree(out_dir / STATE_DIR, ignore_errors=True)
+        (out_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    elif journal is not None:
+        raise OutputError(f"{out_dir}: holds a merge with a different config or inputs; use --overwrite to replace it")
+    elif others:
+        raise OutputError(f"{out_dir}: directory is not empty; use --overwrite to replace its model files")
+    return Journal(out_dir, fingerprint)
+
+
+def _verify_finished(out_dir: Path, plan: Plan, journal: Journal) -> int:
+    """Keep journaled shards whose file still has the recorded size and checksum; drop the rest."""
+    planned = {s.filename for s in plan.shards}
+    kept = 0
+    for name, record in list(journal.finished.items()):
+        path = out_dir / name
+        ok = name in planned and path.is_file() and path.stat().st_size == record.get("size")
+        if ok:
+            try:
+                ok = file_checksum(path) == record.get("checksum")
+            except (MergesmithError, OSError, ValueError):
+                ok = False
+        if ok:
+            kept += 1
+        else:
+            journal.finished.pop(name)
+            path.unlink(missing_ok=True)
+    return kept
+
+
+def _check_space(out_dir: Path, plan: Plan, journal: Journal, force: bool) -> None:
+    needed = sum(s.data_bytes for s in plan.shards if s.filename not in journal.finished) + SMALL_FILES_MARGIN
+    free = shutil.disk_usage(out_dir).free
+    if free < needed and not force:
+        raise OutputError(
+            f"{out_dir}: not enough free space: the merge needs {needed / 1e9:.2f} GB, the filesystem has "
+            f"{free / 1e9:.2f} GB free (use --force to try anyway)"
+        )
+
+
+def _write_small_files(out_dir: Path, plan: Plan) -> None:
+    for src, name in plan.files_to_copy:
+        write_file_atomic(out_dir / name, Path(src).read_bytes())
+    write_file_atomic(out_dir / "mergesmith_config.yml", plan.config_yaml.encode())
+    if plan.model_card is not None:
+        write_file_atomic(out_dir / "README.md", plan.model_card.encode())
+
+
+def _write_index_and_config(out_dir: Path, plan: Plan) -> None:
+    import json
+
+    if len(plan.shards) > 1:
+        weight_map = {r.name: s.filename for s in plan.shards for r in s.recipes}
+        index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        write_file_atomic(out_dir / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+    write_file_atomic(out_dir / "config.json", (json.dumps(plan.output_config, indent=2) + "\n").encode())
+
+
+def run_merge(
+    config: str | Path | MergeConfiguration,
+    out_dir: str | Path,
+    options: MergeOptions | None = None,
+    *,
+    overwrite: bool = False,
+    force: bool = False,
+    on_plan: Callable[[Plan], None] | None = None,
+    on_progress: Callable[[ProgressEvent], None] | None = None,
+    stop: threading.Event | None = None,
+) -> MergeResult:
+    """Merge into `out_dir`; rerunning after an interruption resumes where it stopped."""
+    started = time.monotonic()
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: output path exists and is not a directory")
+    options = options or MergeOptions()
+    plan, checkpoints = build_plan(config, options, out)
+    if on_plan is not None:
+        on_plan(plan)
+    fingerprint = plan.fingerprint()
+    journal = _prepare_out_dir(out, fingerprint, overwrite)
+    journal.random_seed = plan.random_seed
+    reused = _verify_finished(out, plan, journal)
+    if journal.complete and reused == len(plan.shards) and (out / "config.json").is_file():
+        return MergeResult(out, plan, reused, True, time.monotonic() - started)
+    journal.complete = False
+    for stale in (out / "config.json", out / INDEX_NAME):
+        stale.unlink(missing_ok=True)
+    journal.save()
+    _check_space(out, plan, journal, force)
+    try:
+        LocalExecutor(
+            plan,
+            checkpoints,
+            out,
+            journal,
+            threads=options.threads,
+            max_memory=options.max_memory,
+            device=options.device,
+            on_progress=on_progress,
+            stop=stop,
+        ).run()
+    except OSError as exc:
+        raise OutputError(f"{out}: write failed ({exc.strerror or exc})") from None
+    _write_small_files(out, plan)
+    _write_index_and_config(out, plan)
+    journal.complete = True
+    journal.save()
+    return MergeResult(out, plan, reused, False, time.monotonic() - started)

@@ -1,0 +1,240 @@
+"""The `mergesmith` command line: argument handling and printing, no logic of its own.
+
+A user mistake prints one line (`error: ...`) and exits 2; an unexpected failure prints one line
+too and exits 1, with the traceback only under `-v`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .errors import ConfigError, MergesmithError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?)([bB]?)\s*$")
+_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str | int, option: str) -> int:
+    """`5B`/`5G`/`500M`/`8GB` are decimal (5B = 5 billion bytes, as mergekit reads it); `8GiB` binary."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ConfigError(f"`{option}`: cannot read size {text!r} (examples: 5B, 500M, 2G, 8GB, 16GiB)")
+    number, unit, binary, b = m.groups()
+    unit = unit.lower()
+    if unit == "" and b == "B":  # "5B": billions, mergekit's spelling for shard sizes
+        return int(float(number) * 1e9)
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** _UNITS[unit])
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mergesmith")
+def cli() -> None:
+    """Merge language-model checkpoints (mergekit configs, streamed, resumable)."""
+
+
+def _merge_options(f: Any) -> Any:
+    opts = [
+        click.option(
+            "--out-shard-size",
+            default="5B",
+            show_default=True,
+            help="Bytes of tensor data per output shard: 5B, 500M, 2G...",
+        ),
+        click.option("--random-seed", type=int, default=None, help="Seed for randomised methods (DARE, DELLA)."),
+        click.option(
+            "--copy-tokenizer/--no-copy-tokenizer",
+            default=True,
+            show_default=True,
+            help="Copy the tokenizer (from the base model or tokenizer_source).",
+        ),
+        click.option("--write-model-card/--no-write-model-card", default=True, show_default=True),
+        click.option("--allow-crimes", is_flag=True, help="Allow mixing tensors of different shapes where possible."),
+        click.option(
+            "--clone-tensors",
+            is_flag=True,
+            help="Accepted for mergekit compatibility; has no effect (every tensor is always written "
+            "as its own bytes).",
+        ),
+        click.option(
+            "--lazy-unpickle",
+            is_flag=True,
+            help="Accepted for mergekit compatibility; has no effect (inputs are always read lazily).",
+        ),
+        click.option("--trust-remote-code", is_flag=True, help="Allow model code from checkpoints (off by default)."),
+        click.option(
+            "--device",
+            type=click.Choice(["cpu", "cuda", "mps", "auto"]),
+            default="cpu",
+            show_default=True,
+            help="Where the merge arithmetic runs.",
+        ),
+        click.option("--cuda", is_flag=True, help="Same as --device cuda."),
+        click.option(
+            "--threads", type=click.IntRange(1, 256), default=None, help="Worker threads (default: number of cores)."
+        ),
+        click.option("--max-memory", default=None, help="Bound on bytes in flight, e.g. 8GB."),
+        click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _options(kw: dict[str, Any]):
+    from .planner import MergeOptions
+
+    device = "cuda" if kw.get("cuda") else kw.get("device", "cpu")
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else ("mps" if torch.backends.mps.is_available() else "cpu")
+    elif device in ("cuda", "mps"):
+        import torch
+
+        available = torch.cuda.is_available() if device == "cuda" else torch.backends.mps.is_available()
+        if not available:
+            raise ConfigError(f"`--device {device}`: no {device} device is available on this machine")
+    return MergeOptions(
+        out_shard_size=parse_size(kw["out_shard_size"], "--out-shard-size"),
+        random_seed=kw.get("random_seed"),
+        copy_tokenizer=kw.get("copy_tokenizer", True),
+        write_model_card=kw.get("write_model_card", True),
+        allow_crimes=kw.get("allow_crimes", False),
+        trust_remote_code=kw.get("trust_remote_code", False),
+        threads=kw.get("threads") or (os.cpu_count() or 1),
+        max_memory=parse_size(kw["max_memory"], "--max-memory") if kw.get("max_memory") else None,
+        device=device,
+    )
+
+
+class _Interrupts:
+    """First Ctrl-C asks the merge to stop after the tensors in flight; a second one exits at once."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._previous: Any = None
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, _signum: int, _frame: Any) -> None:
+        if self.stop.is_set():
+            os._exit(130)
+        self.stop.set()
+        click.echo("\nstopping after the tensors in flight (Ctrl-C again to quit at once)...", err=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+@cli.command()
+@click.argument("config_file", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@_merge_options
+@click.option("--overwrite", is_flag=True, help="Replace a different merge already in OUT_DIR.")
+@click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, **kw: Any) -> None:
+    """Merge the models of CONFIG_FILE into OUT_DIR (rerun to resume an interrupted merge)."""
+    from .api import run_merge
+    from .progress import MergeProgress
+
+    options = _options(kw)
+    with _Interrupts() as interrupts, MergeProgress(enabled=not quiet) as progress:
+        result = run_merge(
+            config_file,
+            out_dir,
+            options,
+            overwrite=overwrite,
+            force=force,
+            on_plan=progress.start,
+            on_progress=progress.update,
+            stop=interrupts.stop,
+        )
+    plan = result.plan
+    if result.already_complete:
+        click.echo(f"{out_dir}: already complete (same config and inputs); nothing to do")
+        return
+    seed = f", random seed {plan.random_seed}" if plan.random_seed is not None else ""
+    resumed = f", resumed with {result.shards_reused} finished shard(s)" if result.shards_reused else ""
+    click.echo(
+        f"wrote {out_dir} ({len(plan.recipes)} tensors in {len(plan.shards)} shard(s), "
+        f"{_human(plan.total_size)}) in {result.seconds:.1f}s{seed}{resumed}"
+    )
+
+
+@cli.command("plan")
+@click.argument("config_file", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path), required=False)
+@_merge_options
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--tensors/--no-tensors", default=False, help="List every output tensor.")
+def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bool, **kw: Any) -> None:
+    """Show what a merge will do and cost, reading headers only (no tensor data)."""
+    from .api import build_plan
+    from .report import plan_report, render_plan_text
+
+    options = _options(kw)
+    plan, checkpoints = build_plan(config_file, options, out_dir)
+    report = plan_report(plan, checkpoints, out_dir, options)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(render_plan_text(report, show_tensors=tensors))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI, turning errors into one line and an exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    verbose = "-v" in args or "--verbose" in args
+    try:
+        cli.main(args=args, prog_name="mergesmith", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except MergesmithError as exc:
+        if verbose:
+            traceback.print_exc()
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, details with -v
+        if verbose:
+            traceback.print_exc()
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        click.echo(f"error: internal error: {exc.__class__.__name__}: {first} (rerun with -v for details)", err=True)
+        sys.exit(1)
+    sys.exit(0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

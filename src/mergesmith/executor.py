@@ -1,0 +1,253 @@
+"""The local executor: runs a Plan's recipes on a thread pool under a memory budget.
+
+Torch math and file I/O release the GIL, so a few threads overlap reading one tensor, merging
+another and writing a third. A recipe is admitted only while the estimated bytes in flight stay
+under the budget (one that alone exceeds it runs by itself), so peak memory depends on the largest
+tensors in flight, never on shard or model size. Shards finish (fsync + rename) as soon as their
+last tensor lands; progress inside a shard is journaled every second, so a kill loses little.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .dtypes import to_torch
+from .errors import MergeInterrupted
+from .io.checkpoint import Checkpoint
+from .io.journal import Journal, partial_path
+from .io.safetensors_writer import ShardWriter
+from .methods import MergeInputs, require_method
+from .plan import InputRef, Plan, ShardPlan, TensorRecipe
+from .planner import recipe_memory
+
+JOURNAL_INTERVAL_S = 1.0
+
+
+@dataclass
+class ProgressEvent:
+    tensors_done: int
+    tensors_total: int
+    bytes_written: int
+    recipe: TensorRecipe | None
+
+
+class MemoryBudget:
+    """Admits work while the bytes in flight fit; an oversized item waits until it is alone."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, cost: int, stop: threading.Event) -> bool:
+        with self._cond:
+            while self.limit is not None and self.in_flight > 0 and self.in_flight + cost > self.limit:
+                if stop.is_set():
+                    return False
+                self._cond.wait(0.2)
+            self.in_flight += cost
+            return True
+
+    def release(self, cost: int) -> None:
+        with self._cond:
+            self.in_flight -= cost
+            self._cond.notify_all()
+
+
+def load_input(ckpt: Checkpoint, ref: InputRef) -> torch.Tensor:
+    """An input tensor, its rows truncated or zero-padded to `ref.rows` when vocabularies differ."""
+    tensor = ckpt.get(ref.tensor)
+    if ref.rows is None or tensor.shape[0] == ref.rows:
+        return tensor
+    if tensor.shape[0] > ref.rows:
+        return tensor[: ref.rows]
+    padded = torch.zeros((ref.rows, *tensor.shape[1:]), dtype=tensor.dtype)
+    padded[: tensor.shape[0]] = tensor
+    return padded
+
+
+def compute(
+    recipe: TensorRecipe,
+    checkpoints: dict[str, Checkpoint],
+    compute_dtype: torch.dtype,
+    explicit_dtype: bool,
+    device: torch.device,
+) -> torch.Tensor:
+    """The output tensor of one recipe, in its output dtype, on the CPU."""
+    out_dtype = to_torch(recipe.dtype)
+    if recipe.op == "copy":
+        tensor = load_input(checkpoints[recipe.inputs[0].model], recipe.inputs[0])
+        if explicit_dtype and tensor.is_floating_point():
+            tensor = tensor.to(compute_dtype)  # mergekit loads in `dtype` first; the rounding must match
+        return tensor.to(out_dtype)
+    spec = require_method(recipe.method or "")
+    tensors = [load_input(checkpoints[ref.model], ref).to(device=device, dtype=compute_dtype) for ref in recipe.inputs]
+    generator = None
+    if recipe.seed is not None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(recipe.seed)
+    merged = spec.merge(
+        MergeInputs(
+            tensors=tensors,
+            base_index=recipe.base_index,
+            model_params=[dict(p) for p in recipe.model_params],
+            params=dict(recipe.params),
+            generator=generator,
+            tensor_name=recipe.name,
+        )
+    )
+    if tuple(merged.shape) != recipe.shape:
+        raise RuntimeError(
+            f"method {recipe.method} returned shape {list(merged.shape)} for {recipe.name!r}, "
+            f"planned {list(recipe.shape)}"
+        )
+    return merged.to(dtype=out_dtype).cpu()
+
+
+class LocalExecutor:
+    """Runs every unfinished shard of a plan into `out_dir`, journaling as it goes."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        checkpoints: dict[str, Checkpoint],
+        out_dir: Path,
+        journal: Journal,
+        *,
+        threads: int = 1,
+        max_memory: int | None = None,
+        device: str = "cpu",
+        on_progress: Callable[[ProgressEvent], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.plan = plan
+        self.ckpts = checkpoints
+        self.out_dir = out_dir
+        self.journal = journal
+        self.threads = max(1, threads)
+        self.budget = MemoryBudget(max_memory)
+        self.device = torch.device(device)
+        self.on_progress = on_progress
+        self.stop = stop or threading.Event()
+        self.compute_dtype = to_torch(plan.compute_dtype)
+        self.explicit_dtype = bool(plan.options.get("explicit_dtype"))
+        self._lock = threading.Lock()
+        self._writers: dict[str, ShardWriter] = {}
+        self._remaining: dict[str, int] = {}
+        self._last_journal = time.monotonic()
+        self._done = 0
+        self._bytes = 0
+        self._error: BaseException | None = None
+
+    def _open_writer(self, shard: ShardPlan) -> ShardWriter:
+        writer = ShardWriter(
+            self.out_dir / shard.filename,
+            partial_path(self.out_dir, shard.filename),
+            [(r.name, r.dtype, r.shape) for r in shard.recipes],
+            resume=self.journal.partial.get(shard.filename),
+        )
+        self._writers[shard.filename] = writer
+        return writer
+
+    def run(self) -> None:
+        pending = [s for s in self.plan.shards if s.filename not in self.journal.finished]
+        total = len(self.plan.recipes)
+        self._done = total - sum(len(s.recipes) for s in pending)
+        work: list[tuple[ShardPlan, TensorRecipe]] = []
+        for shard in pending:
+            writer = self._open_writer(shard)
+            done = writer.done
+            self._done += len(done)
+            todo = [r for r in shard.recipes if r.name not in done]
+            self._remaining[shard.filename] = len(todo)
+            if not todo:
+                self._finish_shard(shard.filename)
+            work.extend((shard, r) for r in todo)
+        self._emit(None)
+
+        slots = threading.Semaphore(self.threads)
+        with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="merge") as pool:
+            futures: list[Future[None]] = []
+            for shard, recipe in work:
+                if self.stop.is_set() or self._error is not None:
+                    break
+                cost = recipe_memory(recipe, self.plan.compute_dtype)
+                while not slots.acquire(timeout=0.2):
+                    if self.stop.is_set() or self._error is not None:
+                        break
+                else:
+                    if not self.budget.acquire(cost, self.stop):
+                        slots.release()
+                        break
+                    futures.append(pool.submit(self._run_one, shard, recipe, cost, slots))
+                    continue
+                break
+            for f in futures:
+                f.exception()  # wait for everything in flight
+        self._journal_progress(force=True)
+        if self._error is not None:
+            raise self._error
+        if self.stop.is_set():
+            finished = len(self.journal.finished)
+            raise MergeInterrupted(
+                f"interrupted: {finished} of {len(self.plan.shards)} shards and {self._done} of {total} tensors "
+                "are saved; run the same command again to resume"
+            )
+
+    def _run_one(self, shard: ShardPlan, recipe: TensorRecipe, cost: int, slots: threading.Semaphore) -> None:
+        try:
+            if self.stop.is_set() or self._error is not None:
+                return
+            tensor = compute(recipe, self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
+            self._writers[shard.filename].write(recipe.name, tensor)
+            del tensor
+            with self._lock:
+                self._done += 1
+                self._bytes += recipe.nbytes
+                self._remaining[shard.filename] -= 1
+                last = self._remaining[shard.filename] == 0
+            if last:
+                self._finish_shard(shard.filename)
+            else:
+                self._journal_progress()
+            self._emit(recipe)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which re-raises it
+            with self._lock:
+                if self._error is None:
+                    self._error = exc
+        finally:
+            self.budget.release(cost)
+            slots.release()
+
+    def _finish_shard(self, filename: str) -> None:
+        with self._lock:
+            writer = self._writers.pop(filename)
+        checksum = writer.finish()
+        with self._lock:
+            self.journal.finished[filename] = {"size": writer.size, "checksum": checksum}
+            self.journal.partial.pop(filename, None)
+            self.journal.save()
+
+    def _journal_progress(self, force: bool = False) -> None:
+        """Record durable tensors of shards in progress, at most once a second."""
+        now = time.monotonic()
+        if not force and now - self._last_journal < JOURNAL_INTERVAL_S:
+            return
+        with self._lock:
+            if not force and now - self._last_journal < JOURNAL_INTERVAL_S:
+                return
+            self._last_journal = now
+            for name, writer in list(self._writers.items()):
+                self.journal.partial[name] = writer.sync()
+            self.journal.save()
+
+    def _emit(self, recipe: TensorRecipe | None) -> None:
+        if self.on_progress is not None:
+            self.on_progress(ProgressEvent(self._done, len(self.plan.recipes), self._bytes, recipe))

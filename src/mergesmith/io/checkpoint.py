@@ -1,0 +1,308 @@
+"""Lazy, validated reading of checkpoints: a model directory, a single file, a sharded index, or a
+hub id already in the local Hugging Face cache.
+
+Why hand-parse safetensors headers: we must know every tensor's dtype and shape before computing
+(the plan fixes the output layout up front), and a malformed file must fail with one line naming the
+file instead of a crash mid-merge. Tensor data is then read from a private memory map, so a tensor
+costs no memory until its pages are touched, and nothing is copied unless a conversion needs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import pickle
+import struct
+import threading
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..dtypes import SAFETENSORS_TO_TORCH, dtype_size, from_torch
+from ..errors import CheckpointError
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+BIN_INDEX = "pytorch_model.bin.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives and what it is, known without reading its data."""
+
+    name: str
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+    file: Path
+    data_offset: int = 0  # absolute byte offset in the file (safetensors only)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * dtype_size(self.dtype)
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], bytes]:
+    """Parse and validate a safetensors header: (tensors, metadata, raw header bytes).
+
+    Rejects a truncated file, a header longer than the file, invalid JSON, unknown dtypes,
+    offsets that disagree with the shape, overlap, or run past the end of the file.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > size - 8 or header_len > MAX_HEADER_BYTES:
+                raise CheckpointError(
+                    f"{path}: safetensors header length {header_len} is larger than the file ({size} bytes)"
+                )
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + header_len
+    data_len = size - data_start
+    tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if dtype not in SAFETENSORS_TO_TORCH:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+        if any(d < 0 for d in shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has a negative dimension in shape {list(shape)}")
+        info = TensorInfo(name, dtype, shape, path, data_start + int(begin))
+        if not (0 <= begin <= end) or end - begin != info.nbytes:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} offsets [{begin}, {end}) do not match its shape {list(shape)} and {dtype}"
+            )
+        if end > data_len:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} runs past the end of the file (offset {end} > {data_len} data bytes; "
+                "truncated download?)"
+            )
+        tensors[name] = info
+        if end > begin:
+            spans.append((int(begin), int(end), name))
+    spans.sort()
+    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap in the file")
+    return tensors, {str(k): str(v) for k, v in metadata.items()}, raw
+
+
+def _inside(root: Path, relative: str, index_path: Path) -> Path:
+    """Resolve a shard path from an index, refusing any that escapes the model directory."""
+    candidate = (root / relative).resolve()
+    if not candidate.is_relative_to(root.resolve()):
+        raise CheckpointError(f"{index_path}: shard path {relative!r} escapes the model directory")
+    if not candidate.is_file():
+        raise CheckpointError(f"{index_path}: shard file {relative!r} is missing")
+    return candidate
+
+
+def resolve_model_path(ref: str) -> Path:
+    """A local path, or the snapshot of a hub id in the local Hugging Face cache (never downloads)."""
+    path = Path(ref).expanduser()
+    if path.exists():
+        return path
+    looks_like_hub_id = ref.count("/") == 1 and not ref.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(ref, local_files_only=True))
+        except Exception:
+            raise CheckpointError(
+                f"model {ref!r}: not a local path and not in the local Hugging Face cache "
+                f"(download it first, e.g. `hf download {ref}`)"
+            ) from None
+    raise CheckpointError(f"model {ref!r}: no such file or directory")
+
+
+class Checkpoint:
+    """One input model: its config.json (if any) and a lazy map of its tensors."""
+
+    def __init__(
+        self,
+        ref: str,
+        root: Path,
+        files: list[Path],
+        tensors: dict[str, TensorInfo],
+        config: dict[str, Any] | None,
+        header_hashes: dict[Path, str],
+        bin_state: dict[Path, dict[str, torch.Tensor]] | None = None,
+    ) -> None:
+        self.ref = ref
+        self.root = root
+        self.files = files
+        self.tensors = tensors
+        self.config = config
+        self._header_hashes = header_hashes
+        self._bin_state = bin_state or {}
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    # ----- opening -------------------------------------------------------------------------
+    @classmethod
+    def open(cls, ref: str) -> Checkpoint:
+        """Open `ref` (directory, file, or cached hub id), validating every header up front."""
+        path = resolve_model_path(ref)
+        root = path if path.is_dir() else path.parent
+        config = _read_config(root / "config.json") if (root / "config.json").is_file() else None
+        if path.is_dir():
+            files = _weight_files(path)
+        else:
+            files = [path]
+        tensors: dict[str, TensorInfo] = {}
+        hashes: dict[Path, str] = {}
+        bin_state: dict[Path, dict[str, torch.Tensor]] = {}
+        for file in files:
+            if file.suffix == ".safetensors":
+                found, _meta, raw = read_safetensors_header(file)
+                hashes[file] = hashlib.sha256(raw).hexdigest()
+            else:
+                state = _load_bin(file)
+                bin_state[file] = state
+                found = {n: TensorInfo(n, from_torch(t.dtype), tuple(t.shape), file) for n, t in state.items()}
+                hashes[file] = hashlib.sha256(
+                    json.dumps({n: [i.dtype, list(i.shape)] for n, i in found.items()}, sort_keys=True).encode()
+                ).hexdigest()
+            for name, info in found.items():
+                if name in tensors:
+                    raise CheckpointError(f"{file}: tensor {name!r} also appears in {tensors[name].file.name}")
+                tensors[name] = info
+        if not tensors:
+            raise CheckpointError(f"model {ref!r}: no tensors found in {', '.join(str(f) for f in files)}")
+        return cls(ref, root, files, tensors, config, hashes, bin_state)
+
+    # ----- reading -------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"model {self.ref!r}: tensor {name!r} not found") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor, backed by the file's memory map (no copy unless the data is misaligned)."""
+        info = self.info(name)
+        if info.file in self._bin_state:
+            return self._bin_state[info.file][name]
+        dtype = SAFETENSORS_TO_TORCH[info.dtype]
+        numel = 1
+        for d in info.shape:
+            numel *= d
+        if numel == 0:
+            return torch.empty(info.shape, dtype=dtype)
+        buf = self._map(info.file)
+        if info.data_offset % torch.empty((), dtype=dtype).element_size():
+            data = bytearray(buf[info.data_offset : info.data_offset + info.nbytes])
+            return torch.frombuffer(data, dtype=dtype, count=numel).reshape(info.shape)
+        return torch.frombuffer(buf, dtype=dtype, count=numel, offset=info.data_offset).reshape(info.shape)
+
+    def _map(self, file: Path) -> mmap.mmap:
+        with self._lock:
+            existing = self._maps.get(file)
+            if existing is None:
+                with open(file, "rb") as f:
+                    # ACCESS_COPY: a private, writable view, so torch gets a writable buffer while the
+                    # file itself can never be modified through it.
+                    existing = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._maps[file] = existing
+            return existing
+
+    def identity(self) -> list[tuple[str, int, int, str]]:
+        """(file name, size, mtime in ns, header hash) per weight file: what the resume fingerprint trusts."""
+        out = []
+        for f in self.files:
+            st = f.stat()
+            out.append((f.name, st.st_size, st.st_mtime_ns, self._header_hashes.get(f, "")))
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.nbytes for i in self.tensors.values())
+
+    def close(self) -> None:
+        with self._lock:
+            self._maps.clear()  # the maps close when the last tensor viewing them is freed
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def _weight_files(root: Path) -> list[Path]:
+    """The weight files of a model directory, preferring safetensors, following an index when sharded."""
+    for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
+        index_path = root / index_name
+        if index_path.is_file():
+            try:
+                index = json.loads(index_path.read_text(encoding="utf-8"))
+                weight_map = index["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+                raise CheckpointError(f"{index_path}: not a valid index (needs a `weight_map` object)") from None
+            ordered = list(dict.fromkeys(str(v) for v in weight_map.values()))
+            return [_inside(root, rel, index_path) for rel in ordered]
+    for single in (SAFETENSORS_SINGLE, BIN_SINGLE):
+        if (root / single).is_file():
+            return [root / single]
+    loose = sorted(root.glob("*.safetensors"))
+    if loose:
+        return loose
+    raise CheckpointError(
+        f"{root}: no model weights found (expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, {BIN_SINGLE} "
+        f"or {BIN_INDEX})"
+    )
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    """A PyTorch checkpoint, memory-mapped, with `weights_only` so it can never run code."""
+    mmap_ok = zipfile.is_zipfile(path)
+    try:
+        state = torch.load(path, map_location="cpu", mmap=mmap_ok, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"{path}: refused: the file holds objects other than tensors (loaded with weights_only=True)"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        raise CheckpointError(f"{path}: cannot load PyTorch checkpoint ({first})") from None
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: expected a dict of tensors, found {type(state).__name__}")
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{path}: entry {name!r} is a {type(value).__name__}, not a tensor")
+    return state

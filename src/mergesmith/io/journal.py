@@ -1,0 +1,86 @@
+"""The resume journal: `<out>/.mergesmith/journal.json`.
+
+It records the plan's fingerprint, the random seed, every finished shard (size and checksum), and
+for shards in progress the tensors already durable in their partial file (name -> CRC). It is only
+ever replaced atomically, and only after the bytes it vouches for were fsync'ed, so after any kill
+the journal never claims more than what is on disk.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import OutputError
+from .safetensors_writer import write_file_atomic
+
+STATE_DIR = ".mergesmith"
+JOURNAL_NAME = "journal.json"
+PARTIAL_DIR = "partial"
+
+
+@dataclass
+class Journal:
+    out_dir: Path
+    fingerprint: str
+    random_seed: int | None = None
+    finished: dict[str, dict[str, Any]] = field(default_factory=dict)
+    partial: dict[str, dict[str, int]] = field(default_factory=dict)
+    complete: bool = False
+
+    @property
+    def path(self) -> Path:
+        return journal_path(self.out_dir)
+
+    def save(self) -> None:
+        data = {
+            "format": 1,
+            "fingerprint": self.fingerprint,
+            "random_seed": self.random_seed,
+            "finished": self.finished,
+            "partial": self.partial,
+            "complete": self.complete,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+
+    @classmethod
+    def load(cls, out_dir: Path) -> Journal | None:
+        """The journal in `out_dir`, or None if there is none; a corrupt one is treated as absent."""
+        path = journal_path(out_dir)
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return cls(
+                out_dir=out_dir,
+                fingerprint=str(data["fingerprint"]),
+                random_seed=data.get("random_seed"),
+                finished=dict(data.get("finished") or {}),
+                partial={k: {n: int(c) for n, c in v.items()} for k, v in (data.get("partial") or {}).items()},
+                complete=bool(data.get("complete")),
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+
+def journal_path(out_dir: Path) -> Path:
+    return out_dir / STATE_DIR / JOURNAL_NAME
+
+
+def partial_path(out_dir: Path, shard: str) -> Path:
+    return out_dir / STATE_DIR / PARTIAL_DIR / f"{shard}.partial"
+
+
+def ensure_writable_dir(out_dir: Path) -> None:
+    """Create the output directory, or say in one line why it cannot be used."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputError(f"{out_dir}: output path exists and is not a directory")
+    try:
+        (out_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    except PermissionError:
+        raise OutputError(f"{out_dir}: permission denied creating the output directory") from None
+    except OSError as exc:
+        raise OutputError(f"{out_dir}: cannot create the output directory ({exc.strerror or exc})") from None

@@ -1,0 +1,263 @@
+"""Streaming safetensors writer: the layout is fixed first, each tensor's bytes land at their offset.
+
+A safetensors file is a little-endian u64 header length, a JSON header (dtype, shape, data offsets,
+optional `__metadata__`), then the raw bytes. Because the plan knows every output tensor's shape and
+dtype before anything is computed, the header can be written first and the file reserved at its full
+size; tensors then arrive in any order and are written with `pwrite` at their offsets, then freed.
+Memory is bounded by the tensors in flight, never by the shard.
+
+Every tensor is just bytes here: views, transposes, non-contiguous, zero-size and 0-dim tensors, and
+tensors sharing storage with others (tied embeddings, a layer used twice) all save with no flag and
+no warning. The file is written under a temporary name and only renamed into place once complete
+and fsync'ed, so a file with the final name is always whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import sys
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..dtypes import dtype_size, from_torch
+
+if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian by definition
+    raise ImportError("mergesmith's safetensors writer needs a little-endian machine")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor's place in a shard: absolute byte range in the file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def layout(
+    entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[Slot]]:
+    """The header bytes (length prefix included) and each tensor's absolute slot, in entry order."""
+    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    relative: list[tuple[str, str, tuple[int, ...], int, int]] = []
+    for name, dtype, shape in entries:
+        numel = 1
+        for d in shape:
+            numel *= d
+        size = numel * dtype_size(dtype)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        relative.append((name, dtype, tuple(shape), offset, offset + size))
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)  # pad so tensor data starts 8-byte aligned
+    prefix = struct.pack("<Q", len(blob)) + blob
+    base = len(prefix)
+    return prefix, [Slot(n, d, s, base + b, base + e) for n, d, s, b, e in relative]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's raw little-endian bytes in row-major order, whatever its strides or sharing."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)  # contiguous() copies only when the layout needs it
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data = data[written:]
+        offset += written
+
+
+class ShardWriter:
+    """Writes one shard file: header at creation, tensors at their offsets, rename on `finish`."""
+
+    def __init__(
+        self,
+        final_path: Path,
+        temp_path: Path,
+        entries: Sequence[tuple[str, str, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+        resume: dict[str, int] | None = None,
+    ) -> None:
+        """Create the partial file, or with `resume` (name -> CRC of tensors a journal says are durable)
+        reopen an existing one whose header matches, keeping each listed tensor whose bytes still
+        match its CRC; `done` then names the tensors that need no writing."""
+        self.final_path = final_path
+        self.temp_path = temp_path
+        header, slots = layout(entries, metadata)
+        self.slots = {s.name: s for s in slots}
+        self.size = slots[-1].end if slots else len(header)
+        self._crcs: dict[str, int] = {}
+        self._lock = threading.Lock()
+        temp_path.parent.mkdir(parents=True, exist_ok=True)
+        if resume and self._reopen(header, resume):
+            return
+        self._fd = os.open(temp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _reserve(self._fd, self.size)
+            _pwrite_all(self._fd, memoryview(header), 0)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _reopen(self, header: bytes, resume: dict[str, int]) -> bool:
+        try:
+            if self.temp_path.stat().st_size != self.size:
+                return False
+            fd = os.open(self.temp_path, os.O_RDWR)
+        except OSError:
+            return False
+        if os.pread(fd, len(header), 0) != header:
+            os.close(fd)
+            return False
+        self._fd = fd
+        for name, crc in resume.items():
+            slot = self.slots.get(name)
+            if slot is not None and _crc_of_range(fd, slot.start, slot.end) == crc:
+                self._crcs[name] = crc
+        return True
+
+    @property
+    def done(self) -> set[str]:
+        with self._lock:
+            return set(self._crcs)
+
+    def sync(self) -> dict[str, int]:
+        """Make every tensor written so far durable; returns their CRCs (safe to journal now)."""
+        with self._lock:
+            snapshot = dict(self._crcs)
+        if self._fd >= 0:
+            os.fdatasync(self._fd)
+        return snapshot
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Place `tensor`'s bytes in its slot. Thread-safe; each name is written once."""
+        slot = self.slots[name]
+        if from_torch(tensor.dtype) != slot.dtype or tuple(tensor.shape) != slot.shape:
+            raise ValueError(
+                f"tensor {name!r}: planned {slot.dtype}{list(slot.shape)}, got {from_torch(tensor.dtype)}"
+                f"{list(tensor.shape)}"
+            )
+        data = tensor_bytes(tensor)
+        crc = zlib.crc32(data)
+        _pwrite_all(self._fd, data, slot.start)
+        with self._lock:
+            if name in self._crcs:
+                raise ValueError(f"tensor {name!r} written twice")
+            self._crcs[name] = crc
+
+    @property
+    def complete(self) -> bool:
+        return len(self._crcs) == len(self.slots)
+
+    def checksum(self) -> str:
+        """A digest of every tensor's CRC in file order: independent of the order of writes."""
+        return combine_checksums([(s.name, self._crcs[s.name]) for s in self.slots.values()])
+
+    def finish(self) -> str:
+        """fsync, close and rename into place; returns the shard's checksum."""
+        missing = [n for n in self.slots if n not in self._crcs]
+        if missing:
+            raise ValueError(f"shard {self.final_path.name}: {len(missing)} tensors never written, e.g. {missing[0]!r}")
+        digest = self.checksum()
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        os.replace(self.temp_path, self.final_path)
+        fsync_dir(self.final_path.parent)
+        return digest
+
+    def abort(self) -> None:
+        """Close and delete the partial file (used on error; a kill leaves it for the next run to discard)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.temp_path.unlink(missing_ok=True)
+
+
+def combine_checksums(crcs: Sequence[tuple[str, int]]) -> str:
+    h = hashlib.sha256()
+    for name, crc in crcs:
+        h.update(name.encode("utf-8") + b"\0" + crc.to_bytes(4, "little"))
+    return h.hexdigest()
+
+
+def file_checksum(path: Path) -> str:
+    """Recompute a finished shard's checksum from its bytes (to verify it before a resume skips it)."""
+    from .checkpoint import read_safetensors_header
+
+    tensors, _meta, _raw = read_safetensors_header(path)
+    ordered = sorted(tensors.values(), key=lambda i: i.data_offset)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        crcs = [(i.name, _crc_of_range(fd, i.data_offset, i.data_offset + i.nbytes)) for i in ordered]
+    finally:
+        os.close(fd)
+    return combine_checksums(crcs)
+
+
+def _crc_of_range(fd: int, start: int, end: int) -> int:
+    crc = 0
+    pos = start
+    while pos < end:
+        chunk = os.pread(fd, min(end - pos, 64 << 20), pos)
+        if not chunk:
+            break
+        crc = zlib.crc32(chunk, crc)
+        pos += len(chunk)
+    return crc
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Claim the file's full size now, so a full disk fails at the start rather than mid-merge."""
+    if size == 0:
+        return
+    if hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, size)
+            return
+        except OSError as exc:
+            if exc.errno not in (getattr(os, "EOPNOTSUPP", 95), 95, 22):  # filesystems without fallocate
+                raise
+    os.ftruncate(fd, size)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename durable: fsync the directory that holds the entry."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write a small file (index, config) under a temporary name, fsync, then rename into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

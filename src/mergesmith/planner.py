@@ -1,0 +1,448 @@
+"""Planner for merge configs: config + checkpoints -> Plan, reading headers only.
+
+Decides, for every output tensor, which input tensors feed it, with which parameters, and what its
+shape and dtype will be; then cuts the recipes into shards. No tensor data is read here, so planning
+a 70B merge takes a second and fails fast on any inconsistency.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .architecture import (
+    LM_HEAD_NAMES,
+    LayerStack,
+    embedding_for_head,
+    find_layer_stack,
+    is_embedding,
+    rewrite_config,
+    ties_embeddings,
+)
+from .config import MergeConfiguration, Parameters, dump_config
+from .dtypes import dtype_size, is_float, parse_config_dtype
+from .errors import CheckpointError, ConfigError
+from .io.checkpoint import Checkpoint
+from .methods import MethodSpec, require_method
+from .parameters import is_missing, resolve
+from .plan import Estimate, InputRef, Plan, ShardPlan, TensorRecipe
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+DEFAULT_SHARD_SIZE = 5_000_000_000
+
+
+@dataclass
+class MergeOptions:
+    """Command-line options that shape the plan (and so belong in its fingerprint when they change bytes)."""
+
+    out_shard_size: int = DEFAULT_SHARD_SIZE
+    random_seed: int | None = None
+    copy_tokenizer: bool = True
+    write_model_card: bool = True
+    allow_crimes: bool = False
+    trust_remote_code: bool = False
+    threads: int = 1
+    max_memory: int | None = None
+    device: str = "cpu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SourceRange:
+    """One model's contribution to an output slice: layers [start, end) and its own parameters."""
+
+    model: str
+    start: int
+    end: int
+    parameters: Parameters | None
+
+
+@dataclass(frozen=True)
+class NormalizedSlice:
+    sources: tuple[SourceRange, ...]
+    base_model: str | None
+    parameters: Parameters | None
+
+    @property
+    def length(self) -> int:
+        return self.sources[0].end - self.sources[0].start
+
+
+def tensor_seed(global_seed: int, tensor_name: str) -> int:
+    """A per-tensor seed from (global seed, output tensor name): output bytes ignore execution order."""
+    digest = hashlib.sha256(f"{global_seed}:{tensor_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Planner:
+    """Builds the Plan for one merge configuration over opened checkpoints."""
+
+    def __init__(
+        self,
+        config: MergeConfiguration,
+        checkpoints: dict[str, Checkpoint],
+        options: MergeOptions,
+        config_source: str = "config",
+    ) -> None:
+        self.config = config
+        self.ckpts = checkpoints
+        self.options = options
+        self.source = config_source
+        self.spec: MethodSpec = require_method(config.merge_method, config_source)
+        self.base_ref = config.base_or_first_model()
+        self.base = checkpoints[self.base_ref]
+        if self.base.config is None:
+            raise CheckpointError(f"model {self.base_ref!r}: no config.json in {self.base.root}")
+        self.stacks: dict[str, LayerStack | None] = {
+            ref: find_layer_stack(ck.tensors, ck.config) for ref, ck in checkpoints.items()
+        }
+        self.compute_dtype = parse_config_dtype(config.dtype, "dtype") if config.dtype else "F32"
+        self.out_dtype = self._out_dtype()
+        self.warnings: list[str] = []
+
+    # ----- dtype ---------------------------------------------------------------------------
+    def _out_dtype(self) -> str:
+        if self.config.out_dtype:
+            return parse_config_dtype(self.config.out_dtype, "out_dtype")
+        if self.config.dtype:
+            return parse_config_dtype(self.config.dtype, "dtype")
+        cfg = self.base.config or {}
+        named = cfg.get("torch_dtype") or cfg.get("dtype") or (cfg.get("text_config") or {}).get("torch_dtype")
+        if isinstance(named, str):
+            try:
+                return parse_config_dtype(named, "torch_dtype")
+            except ConfigError:
+                pass
+        float_dtypes = [i.dtype for i in self.base.tensors.values() if is_float(i.dtype)]
+        return max(set(float_dtypes), key=float_dtypes.count) if float_dtypes else "F32"
+
+    # ----- slices ----------------------------------------------------------------------------
+    def _slices(self) -> list[NormalizedSlice]:
+        cfg = self.config
+        if cfg.slices:
+            out = []
+            for i, s in enumerate(cfg.slices):
+                for j, src in enumerate(s.sources):
+                    stack = self.stacks[src.model]
+                    n = stack.count if stack else 0
+                    if src.layer_range[1] > n:
+                        raise ConfigError(
+                            f"{self.source}: `slices[{i}].sources[{j}].layer_range`: [{src.layer_range[0]}, "
+                            f"{src.layer_range[1]}) is past the {n} layers of model {src.model!r}"
+                        )
+                sources = tuple(SourceRange(src.model, *src.layer_range, src.parameters) for src in s.sources)
+                out.append(NormalizedSlice(sources, s.base_model or cfg.base_model, s.parameters))
+            return out
+        assert cfg.models
+        counts = {m.model: (self.stacks[m.model].count if self.stacks[m.model] else 0) for m in cfg.models}
+        if len(set(counts.values())) > 1:
+            detail = ", ".join(f"{m} has {n}" for m, n in counts.items())
+            raise ConfigError(f"{self.source}: `models`: the models have different numbers of layers ({detail})")
+        n = next(iter(counts.values()))
+        sources = tuple(SourceRange(m.model, 0, n, m.parameters) for m in cfg.models)
+        return [NormalizedSlice(sources, cfg.base_model, None)]
+
+    # ----- parameters ----------------------------------------------------------------------
+    def _model_levels(self, source: SourceRange | None, sl: NormalizedSlice) -> list[Parameters | None]:
+        """Precedence: slice source (or `models` entry) > slice > top level."""
+        levels: list[Parameters | None] = []
+        if source is not None:
+            levels.append(source.parameters)
+        levels.extend([sl.parameters, self.config.parameters])
+        return levels
+
+    def _resolve_params(
+        self, specs: Sequence[Any], levels: list[Parameters | None], tensor: str, t: float, who: str
+    ) -> tuple[tuple[str, Any], ...]:
+        resolved = []
+        for p in specs:
+            value = resolve(p.name, levels, tensor, t)
+            if is_missing(value):
+                if p.required:
+                    raise ConfigError(
+                        f"{self.source}: `parameters.{p.name}` is required by method {self.spec.name!r} "
+                        f"for {who} (tensor {tensor})"
+                    )
+                value = p.default
+            resolved.append((p.name, value))
+        return tuple(resolved)
+
+    # ----- recipes -------------------------------------------------------------------------
+    def _tensor_name_for(self, ref: str, canonical: str, layer: int | None, rest: str | None) -> str | None:
+        """The name of the tensor in model `ref` that plays the role of `canonical`."""
+        ck = self.ckpts[ref]
+        if layer is not None and rest is not None:
+            stack = self.stacks[ref]
+            if stack is None:
+                return None
+            name = stack.name(layer, rest)
+            return name if ck.has(name) else None
+        if ck.has(canonical):
+            return canonical
+        if canonical in LM_HEAD_NAMES and ties_embeddings(ck.config, ck.tensors):
+            return embedding_for_head(ck.tensors, self.stacks[ref])
+        return None
+
+    def _recipe(
+        self,
+        out_name: str,
+        canonical: str,
+        sl: NormalizedSlice,
+        members: list[SourceRange],
+        layer_offset: int | None,
+        rest: str | None,
+        t: float,
+    ) -> TensorRecipe:
+        """One output tensor merged from `members` (each at its own layer start + offset)."""
+        base_ref = sl.base_model
+        refs: list[tuple[str, SourceRange | None, int | None]] = [
+            (m.model, m, None if layer_offset is None else m.start + layer_offset) for m in members
+        ]
+        listed = [r for r, _, _ in refs]
+        if base_ref and self.spec.uses_base_in_models and base_ref not in listed:
+            base_layer = None if layer_offset is None else members[0].start + layer_offset
+            refs.append((base_ref, None, base_layer))
+        base_index = next((i for i, (r, _, _) in enumerate(refs) if r == base_ref), None)
+
+        inputs: list[InputRef] = []
+        infos = []
+        for ref, _src, layer in refs:
+            name = self._tensor_name_for(ref, canonical, layer, rest)
+            if name is None:
+                raise CheckpointError(
+                    f"model {ref!r}: tensor {canonical if layer is None else f'layer {layer} {rest}'!r}"
+                    f" not found (needed for output tensor {out_name!r})"
+                )
+            inputs.append(InputRef(ref, name))
+            infos.append(self.ckpts[ref].info(name))
+
+        shapes = {i.shape for i in infos}
+        shape = infos[base_index if base_index is not None else 0].shape
+        if len(shapes) > 1:
+            same_tail = len({s[1:] for s in shapes}) == 1
+            if (is_embedding(canonical) or canonical in LM_HEAD_NAMES) and same_tail:
+                rows = min(s[0] for s in shapes)
+                inputs = [
+                    InputRef(i.model, i.tensor, rows if info.shape[0] != rows else None)
+                    for i, info in zip(inputs, infos)
+                ]
+                shape = (rows, *shape[1:])
+                self._vocab_rows = rows
+            elif not self.options.allow_crimes:
+                detail = ", ".join(f"{r.model} {list(i.shape)}" for r, i in zip(inputs, infos))
+                raise CheckpointError(f"tensor {out_name!r}: shapes differ across models ({detail})")
+
+        dtype = self.out_dtype if is_float(infos[0].dtype) else infos[0].dtype
+        model_params = tuple(
+            self._resolve_params(
+                self.spec.model_params, self._model_levels(src, sl), inputs[i].tensor, t, f"model {ref!r}"
+            )
+            for i, (ref, src, _l) in enumerate(refs)
+        )
+        params = self._resolve_params(
+            self.spec.params, [sl.parameters, self.config.parameters], out_name, t, "the merge"
+        )
+        single_copy = (
+            len(inputs) == 1
+            and self.spec.name == "passthrough"
+            and all(v is None or float(v) == 1.0 for _k, v in model_params[0])
+        )
+        if single_copy or not is_float(infos[0].dtype):
+            return TensorRecipe(out_name, tuple(shape), dtype, "copy", (inputs[base_index or 0],))
+        seed = None
+        if self.spec.randomized:
+            assert self.options.random_seed is not None
+            seed = tensor_seed(self.options.random_seed, out_name)
+        return TensorRecipe(
+            out_name,
+            tuple(shape),
+            dtype,
+            "merge",
+            tuple(inputs),
+            self.spec.name,
+            base_index,
+            model_params,
+            params,
+            seed,
+        )
+
+    def recipes(self) -> tuple[list[TensorRecipe], list[int] | None]:
+        """All output recipes in file order (embeddings, layers, head) and each output layer's source."""
+        slices = self._slices()
+        base_stack = self.stacks[self.base_ref]
+        base_names = list(self.base.tensors)
+        tied = ties_embeddings(self.base.config, base_names)
+        non_layer = [n for n in base_names if base_stack is None or base_stack.split(n) is None]
+        if tied:
+            non_layer = [n for n in non_layer if n not in LM_HEAD_NAMES]
+        pre = [n for n in non_layer if is_embedding(n)]
+        post = [n for n in non_layer if not is_embedding(n)]
+        self._vocab_rows: int | None = None
+
+        recipes: list[TensorRecipe] = []
+        first, last = slices[0], slices[-1]
+        for name in pre:
+            recipes.append(self._recipe(name, name, first, list(first.sources), None, None, 0.0))
+
+        layer_sources: list[int] | None = None
+        if self.config.slices or base_stack is not None:
+            layer_sources = []
+            out_stack = base_stack
+            out_index = 0
+            for sl in slices:
+                lead = sl.sources[0]
+                lead_stack = self.stacks[lead.model]
+                if lead_stack is None:
+                    raise CheckpointError(f"model {lead.model!r}: no layer stack found to slice")
+                if out_stack is None:
+                    out_stack = lead_stack
+                for i in range(sl.length):
+                    t = 1.0 if sl.length == 1 else i / (sl.length - 1)
+                    src_layer = lead.start + i
+                    rests = [
+                        r
+                        for n in self.ckpts[lead.model].tensors
+                        if (hit := lead_stack.split(n)) is not None and hit[0] == src_layer
+                        for r in [hit[1]]
+                    ]
+                    for rest in rests:
+                        out_name = out_stack.name(out_index, rest)
+                        recipes.append(
+                            self._recipe(out_name, lead_stack.name(src_layer, rest), sl, list(sl.sources), i, rest, t)
+                        )
+                    layer_sources.append(src_layer)
+                    out_index += 1
+            if not self.config.slices:
+                layer_sources = None  # a `models:` merge keeps the base's layers as they are
+
+        for name in post:
+            recipes.append(self._recipe(name, name, last, list(last.sources), None, None, 0.0))
+        return recipes, layer_sources
+
+    # ----- sharding and the rest --------------------------------------------------------------
+    def shards(self, recipes: list[TensorRecipe]) -> list[ShardPlan]:
+        """Cut recipes into shards: a new shard starts when the next tensor would pass the limit."""
+        limit = self.options.out_shard_size
+        groups: list[list[TensorRecipe]] = [[]]
+        size = 0
+        for r in recipes:
+            if groups[-1] and size + r.nbytes > limit:
+                groups.append([])
+                size = 0
+            groups[-1].append(r)
+            size += r.nbytes
+        n = len(groups)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        return [ShardPlan(name, group) for name, group in zip(names, groups)]
+
+    def files_to_copy(self) -> list[tuple[str, str]]:
+        files: list[tuple[str, str]] = []
+        if self.options.copy_tokenizer:
+            tok_ref = self._tokenizer_source()
+            tok_root = self.ckpts[tok_ref].root if tok_ref in self.ckpts else Checkpoint.open(tok_ref).root
+            for name in TOKENIZER_FILES:
+                if (tok_root / name).is_file():
+                    files.append((str(tok_root / name), name))
+        gen = self.base.root / "generation_config.json"
+        if gen.is_file():
+            files.append((str(gen), "generation_config.json"))
+        return files
+
+    def _tokenizer_source(self) -> str:
+        source = self.config.tokenizer_source
+        if self.config.tokenizer is not None:
+            source = self.config.tokenizer.source
+            if self.config.tokenizer.tokens:
+                raise ConfigError(f"{self.source}: `tokenizer.tokens` is not supported yet")
+        if source in (None, "base"):
+            return self.base_ref
+        if source == "union":
+            raise ConfigError(f"{self.source}: `tokenizer_source: union` (vocabulary merging) is not supported yet")
+        return source
+
+    def estimate(self, recipes: list[TensorRecipe]) -> Estimate:
+        """Bytes read and written, and peak working memory for the chosen concurrency."""
+        seen: set[tuple[str, str]] = set()
+        bytes_read = 0
+        for r in recipes:
+            for ref in r.inputs:
+                if (ref.model, ref.tensor) not in seen:
+                    seen.add((ref.model, ref.tensor))
+                    bytes_read += self.ckpts[ref.model].info(ref.tensor).nbytes
+        costs = [(recipe_memory(r, self.compute_dtype), r) for r in recipes] or [(0, None)]
+        costs.sort(key=lambda c: c[0], reverse=True)
+        threads = max(1, self.options.threads)
+        peak = sum(c for c, _ in costs[:threads])
+        if self.options.max_memory:
+            peak = max(min(peak, self.options.max_memory), costs[0][0])
+        largest = costs[0][1]
+        return Estimate(
+            bytes_read, sum(r.nbytes for r in recipes), peak, largest.name if largest else "", costs[0][0], threads
+        )
+
+    def build(self) -> Plan:
+        recipes, layer_sources = self.recipes()
+        vocab = self._vocab_rows
+        base_vocab = (self.base.config or {}).get("vocab_size") or (
+            (self.base.config or {}).get("text_config") or {}
+        ).get("vocab_size")
+        output_config = rewrite_config(
+            self.base.config or {},
+            layer_sources,
+            self.out_dtype,
+            vocab if vocab is not None and vocab != base_vocab else None,
+        )
+        from .card import model_card
+
+        config_yaml = dump_config(self.config)
+        if self.spec.randomized and self.options.random_seed is not None:
+            config_yaml += f"# random seed used: {self.options.random_seed} (pass --random-seed to reproduce)\n"
+        card = (
+            model_card(self.config, self.options.random_seed if self.spec.randomized else None)
+            if self.options.write_model_card
+            else None
+        )
+        plan = Plan(
+            shards=self.shards(recipes),
+            output_config=output_config,
+            compute_dtype=self.compute_dtype,
+            out_dtype=self.out_dtype,
+            files_to_copy=self.files_to_copy(),
+            config_yaml=config_yaml,
+            model_card=card,
+            input_identities={ref: [list(x) for x in ck.identity()] for ref, ck in self.ckpts.items()},
+            options={
+                "out_shard_size": self.options.out_shard_size,
+                "random_seed": self.options.random_seed if self.spec.randomized else None,
+                "explicit_dtype": self.config.dtype,
+            },
+            random_seed=self.options.random_seed if self.spec.randomized else None,
+            warnings=self.warnings,
+            estimate=self.estimate(recipes),
+        )
+        return plan
+
+
+def recipe_memory(recipe: TensorRecipe, compute_dtype: str) -> int:
+    """Working bytes of one recipe: inputs converted to the compute dtype, a stacked copy, the output.
+
+    A deliberately generous bound (methods stack their inputs and keep a few temporaries); the
+    memory budget uses it to decide how many recipes may run at once.
+    """
+    numel = recipe.numel()
+    if recipe.op == "copy":
+        return numel * (dtype_size(recipe.dtype) + dtype_size(compute_dtype))
+    n = len(recipe.inputs)
+    return numel * dtype_size(compute_dtype) * (2 * n + 3) + numel * dtype_size(recipe.dtype)

@@ -1,0 +1,167 @@
+"""The `plan` report: what a merge will write and cost, from headers and a quick throughput probe."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .io.checkpoint import Checkpoint
+from .plan import Plan
+from .planner import MergeOptions
+
+PROBE_BYTES = 256 << 20
+
+
+def probe_read_throughput(checkpoints: dict[str, Checkpoint], limit: int = PROBE_BYTES) -> float:
+    """Bytes/s reading the inputs' weight files (up to `limit` bytes): what bounds merge speed."""
+    read = 0
+    started = time.perf_counter()
+    for ck in checkpoints.values():
+        for file in ck.files:
+            with open(file, "rb", buffering=0) as f:
+                while read < limit:
+                    chunk = f.read(16 << 20)
+                    if not chunk:
+                        break
+                    read += len(chunk)
+            if read >= limit:
+                break
+    elapsed = time.perf_counter() - started
+    return read / elapsed if elapsed > 0 and read else 0.0
+
+
+def probe_write_throughput(directory: Path, size: int = 64 << 20) -> float:
+    """Bytes/s writing and fsyncing a scratch file where the output will go."""
+    directory.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(1 << 20)
+    fd, name = tempfile.mkstemp(dir=directory, prefix=".mergesmith-probe-")
+    try:
+        started = time.perf_counter()
+        for _ in range(size // len(block)):
+            os.write(fd, block)
+        os.fsync(fd)
+        elapsed = time.perf_counter() - started
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    return size / elapsed if elapsed > 0 else 0.0
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def plan_report(
+    plan: Plan, checkpoints: dict[str, Checkpoint], out_dir: Path | None, options: MergeOptions
+) -> dict[str, Any]:
+    """Everything `mergesmith plan` shows, as plain data (the same dict is printed as JSON)."""
+    est = plan.estimate
+    assert est is not None
+    read_rate = probe_read_throughput(checkpoints)
+    where = _existing_parent(out_dir) if out_dir is not None else None
+    write_rate = probe_write_throughput(where) if where is not None and os.access(where, os.W_OK) else read_rate
+    seconds = 0.0
+    if read_rate > 0:
+        seconds += est.bytes_read / read_rate
+    if write_rate > 0:
+        seconds += est.bytes_written / write_rate
+    disk: dict[str, Any] | None = None
+    if where is not None:
+        free = shutil.disk_usage(where).free
+        disk = {
+            "path": str(where),
+            "free_bytes": free,
+            "needed_bytes": est.bytes_written,
+            "enough": free >= est.bytes_written,
+        }
+    too_big = None
+    if options.max_memory and est.largest_tensor_bytes > options.max_memory:
+        too_big = {"tensor": est.largest_tensor, "bytes": est.largest_tensor_bytes, "budget": options.max_memory}
+    return {
+        "method": plan.recipes[0].method if plan.recipes and plan.recipes[0].method else "passthrough",
+        "tensors": [
+            {
+                "name": r.name,
+                "shape": list(r.shape),
+                "dtype": r.dtype,
+                "op": r.op,
+                "method": r.method,
+                "inputs": [[i.model, i.tensor] for i in r.inputs],
+                "params": dict(r.params),
+                "model_params": [dict(p) for p in r.model_params],
+                "shard": s.filename,
+            }
+            for s in plan.shards
+            for r in s.recipes
+        ],
+        "shards": [{"file": s.filename, "tensors": len(s.recipes), "bytes": s.data_bytes} for s in plan.shards],
+        "out_dtype": plan.out_dtype,
+        "compute_dtype": plan.compute_dtype,
+        "bytes_read": est.bytes_read,
+        "bytes_written": est.bytes_written,
+        "peak_memory_bytes": est.peak_memory,
+        "threads": est.concurrency,
+        "max_memory": options.max_memory,
+        "largest_tensor": {"name": est.largest_tensor, "working_bytes": est.largest_tensor_bytes},
+        "over_budget": too_big,
+        "disk": disk,
+        "read_throughput_bytes_per_s": read_rate,
+        "write_throughput_bytes_per_s": write_rate,
+        "estimated_seconds": seconds,
+        "random_seed": plan.random_seed,
+        "files_to_copy": [name for _src, name in plan.files_to_copy],
+        "output_layers": plan.output_config.get("num_hidden_layers"),
+    }
+
+
+def _h(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
+    lines = [
+        f"method: {report['method']}    output dtype: {report['out_dtype']}    compute dtype: {report['compute_dtype']}",
+        f"tensors: {len(report['tensors'])}    shards: {len(report['shards'])}",
+    ]
+    for s in report["shards"]:
+        lines.append(f"  {s['file']}: {s['tensors']} tensors, {_h(s['bytes'])}")
+    lines.append(f"read: {_h(report['bytes_read'])}    write: {_h(report['bytes_written'])}")
+    lines.append(f"peak memory (estimate, {report['threads']} threads): {_h(report['peak_memory_bytes'])}")
+    lines.append(
+        f"largest working set: {report['largest_tensor']['name']} ({_h(report['largest_tensor']['working_bytes'])})"
+    )
+    if report["over_budget"]:
+        o = report["over_budget"]
+        lines.append(
+            f"warning: tensor {o['tensor']} alone needs {_h(o['bytes'])}, over the --max-memory budget "
+            f"of {_h(o['budget'])}; it will run by itself"
+        )
+    if report["disk"]:
+        d = report["disk"]
+        verdict = "ok" if d["enough"] else "NOT ENOUGH"
+        lines.append(f"disk at {d['path']}: {_h(d['free_bytes'])} free, {_h(d['needed_bytes'])} needed ({verdict})")
+    lines.append(
+        f"throughput probe: read {_h(report['read_throughput_bytes_per_s'])}/s, "
+        f"write {_h(report['write_throughput_bytes_per_s'])}/s"
+    )
+    lines.append(f"estimated time: {report['estimated_seconds']:.1f} s")
+    if report["random_seed"] is not None:
+        lines.append(f"random seed: {report['random_seed']}")
+    if show_tensors:
+        lines.append("")
+        for t in report["tensors"]:
+            lines.append(
+                f"{t['name']} {t['shape']} {t['dtype']} {t['op']} <- " + ", ".join(f"{m}:{n}" for m, n in t["inputs"])
+            )
+    return "\n".join(lines)
