@@ -9,7 +9,19 @@ import difflib
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from . import linear, passthrough  # noqa: F401  (registration side effect)
+from . import (  # noqa: F401  (registration side effect)
+    arcee_fusion,
+    karcher,
+    linear,
+    model_stock,
+    multislerp,
+    nearswap,
+    nuslerp,
+    passthrough,
+    sce,
+    slerp,
+    task_arithmetic,
+)
 from .registry import MergeFn, MergeInputs, MethodSpec, ParamSpec, get_method, method_names, register
 
 if TYPE_CHECKING:

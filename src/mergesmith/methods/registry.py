@@ -15,11 +15,17 @@ import torch
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter: its name and default (`required=True` means no default)."""
+    """One parameter: its name and default (`required=True` means no default).
+
+    `non_base=True` marks a per-model parameter that only the non-base models take (mergekit's
+    NON_BASE scope, e.g. `weight` and `density` of the task-vector methods): the base model is
+    neither required to have it nor given it, and a value set on the base is ignored.
+    """
 
     name: str
     default: Any = None
     required: bool = False
+    non_base: bool = False
 
 
 @dataclass
@@ -62,7 +68,9 @@ class MethodSpec:
     - `randomized`: the executor passes a generator seeded per output tensor;
     - `elementwise`: the output row block depends only on the same row block of the inputs, so
       huge tensors may be merged in row blocks to cap memory;
-    - `uses_base_in_models`: whether the base model contributes even when not listed in `models`.
+    - `uses_base_in_models`: whether the base model contributes even when not listed in `models`;
+    - `min_non_base`/`max_non_base`: bounds on the models other than the base (None: no bound), for
+      methods whose base is optional, e.g. nuslerp takes exactly two models besides an optional base.
     """
 
     name: str
@@ -77,9 +85,27 @@ class MethodSpec:
     uses_base_in_models: bool = True
     description: str = ""
     aliases: tuple[str, ...] = field(default=())
+    min_non_base: int | None = None
+    max_non_base: int | None = None
 
     def param_names(self) -> set[str]:
         return {p.name for p in self.params} | {p.name for p in self.model_params}
+
+    def count_problem(self, contributing: int, has_base: bool) -> str | None:
+        """Why `contributing` models (the base, when `has_base`, among them) cannot feed this method, or None."""
+        if self.requires_base and not has_base:
+            return f"method {self.name!r} requires a base model"
+        if contributing < self.min_models:
+            return f"method {self.name!r} needs at least {self.min_models} models, got {contributing}"
+        if self.max_models is not None and contributing > self.max_models:
+            plural = "s" if self.max_models != 1 else ""
+            return f"method {self.name!r} takes at most {self.max_models} model{plural}, got {contributing}"
+        others = contributing - int(has_base)
+        if self.min_non_base is not None and others < self.min_non_base:
+            return f"method {self.name!r} needs at least {self.min_non_base} models besides the base, got {others}"
+        if self.max_non_base is not None and others > self.max_non_base:
+            return f"method {self.name!r} takes at most {self.max_non_base} models besides the base, got {others}"
+        return None
 
 
 _REGISTRY: dict[str, MethodSpec] = {}

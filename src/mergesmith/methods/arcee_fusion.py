@@ -1,0 +1,82 @@
+"""Arcee Fusion: keep the other model's changes only where they are unusually important.
+
+Arcee, "MergeKit v0.1: Arcee Fusion" (mergekit docs: "calculates importance scores based on parameter
+differences and KL divergence, then uses a dynamic threshold to create a fusion mask"). With a the base
+and b the other model:
+
+    importance = |b - a| * KL(softmax(b) || softmax(a))      (softmax and KL along the last dimension,
+                                                             one KL per row; 1e-8 added to both
+                                                             distributions)
+    threshold  = median + 1.5 * (q3 - q1)                    (the upper Tukey fence of the importances)
+    out        = a + (b - a) * [importance >= threshold]
+
+Quantiles are read off the sorted importances at index floor(q * (n - 1)). For tensors of more than
+1,000,000 entries mergekit estimates them from 1,000,000 entries sampled with replacement; here the
+sample is drawn from the per-tensor generator, so the method is marked randomised (for smaller tensors
+nothing is drawn and the result is exact and identical to mergekit's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import check_same_shape, require_base, require_generator
+from .registry import MergeInputs, MethodSpec, register
+
+QUANTILE_SAMPLE = 1_000_000
+"""Above this many entries the quantiles are estimated from a sample of this size."""
+
+
+def importance(base: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """|b - a| times the row-wise KL divergence of softmax(b) from softmax(a)."""
+    p = F.softmax(other, dim=-1) + 1e-8
+    q = F.softmax(base, dim=-1) + 1e-8
+    kl = torch.sum(p * torch.log(p / q), dim=-1, keepdim=True)
+    return (other - base).abs() * kl
+
+
+def quantiles(values: torch.Tensor, qs: torch.Tensor, generator: torch.Generator | None, name: str) -> torch.Tensor:
+    """Lower empirical quantiles (sorted[floor(q (n - 1))]), from a sample for very large tensors."""
+    flat = values.reshape(-1)
+    if flat.numel() > QUANTILE_SAMPLE:
+        gen = require_generator(generator, "arcee_fusion", name)
+        flat = flat[torch.randint(flat.numel(), (QUANTILE_SAMPLE,), generator=gen, device=flat.device)]
+    ordered = torch.sort(flat).values
+    return ordered[(qs.to(ordered.device) * (ordered.numel() - 1)).long()]
+
+
+def arcee_fusion(
+    base: torch.Tensor, other: torch.Tensor, generator: torch.Generator | None = None, name: str = ""
+) -> torch.Tensor:
+    scores = importance(base, other)
+    q1, median, q3 = quantiles(scores, torch.tensor([0.25, 0.5, 0.75]), generator, name)
+    threshold = median + 1.5 * (q3 - q1)
+    mask = (scores >= threshold).float()
+    return (base + (other - base) * mask).to(base.dtype)
+
+
+def _merge(inputs: MergeInputs) -> torch.Tensor:
+    check_same_shape(inputs, "arcee_fusion")
+    base = require_base(inputs, "arcee_fusion")
+    others = inputs.others()
+    if len(others) != 1:
+        raise ValueError(
+            f"arcee_fusion: tensor {inputs.tensor_name!r}: needs the base and exactly one other model, "
+            f"got {len(inputs.tensors)} models"
+        )
+    return arcee_fusion(inputs.tensors[base], inputs.tensors[others[0]], inputs.generator, inputs.tensor_name)
+
+
+register(
+    MethodSpec(
+        name="arcee_fusion",
+        merge=_merge,
+        requires_base=True,
+        min_models=2,
+        max_models=2,
+        randomized=True,
+        elementwise=False,
+        description="take the other model's changes where their importance passes a Tukey fence",
+    )
+)

@@ -1,0 +1,48 @@
+"""NearSwap: take the other model's value where it is already near the base's.
+
+From alchemonaut's QuartetAnemoi-70B-t0.0001 model card (the method's only reference; mergekit docs,
+"Nearswap"): per entry, with a the base and b the other model,
+
+    w = clamp(t / |a - b|, 0, 1),      out = w * b + (1 - w) * a
+
+so entries closer than t are swapped completely, and farther ones move towards b by t / |a - b|.
+|a - b| is clamped at 1e-6 to avoid dividing by zero (equal entries give w = 1, i.e. b = a).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import check_same_shape, require_base
+from .registry import MergeInputs, MethodSpec, ParamSpec, register
+
+
+def nearswap(base: torch.Tensor, other: torch.Tensor, t: float) -> torch.Tensor:
+    weight = (t / torch.abs(base - other).clamp(min=1e-6)).clamp(min=0, max=1)
+    return weight * other + (1 - weight) * base
+
+
+def _merge(inputs: MergeInputs) -> torch.Tensor:
+    check_same_shape(inputs, "nearswap")
+    base = require_base(inputs, "nearswap")
+    others = inputs.others()
+    if len(others) != 1:
+        raise ValueError(
+            f"nearswap: tensor {inputs.tensor_name!r}: needs the base and exactly one other model, "
+            f"got {len(inputs.tensors)} models"
+        )
+    return nearswap(inputs.tensors[base], inputs.tensors[others[0]], float(inputs.params["t"]))
+
+
+register(
+    MethodSpec(
+        name="nearswap",
+        merge=_merge,
+        params=(ParamSpec("t", required=True),),
+        requires_base=True,
+        min_models=2,
+        max_models=2,
+        elementwise=True,
+        description="swap in the other model's entries where they lie within t of the base's",
+    )
+)

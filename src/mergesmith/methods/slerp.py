@@ -1,0 +1,109 @@
+"""SLERP: spherical linear interpolation between the base model and one other model.
+
+Shoemake 1985, "Animating rotation with quaternion curves"; https://en.wikipedia.org/wiki/Slerp.
+With each tensor flattened to a vector p0 (the base) and p1 (the other model) and
+cos(omega) = <p0, p1> / (|p0| |p1|):
+
+    slerp(p0, p1; t) = sin((1 - t) omega) / sin(omega) * p0 + sin(t omega) / sin(omega) * p1
+
+so t = 0 gives the base and t = 1 the other model (mergekit's docs: "`t=0` yields the `base_model`,
+`t=1` yields the other model"). The coefficients multiply the raw, unnormalised tensors, so the
+result's norm interpolates the two norms along the arc. When the vectors are nearly collinear
+(|cos omega| > 0.9995) sin(omega) is ~0 and the formula is ill-conditioned, so the plain linear
+interpolation (1 - t) p0 + t p1 is used instead, as mergekit does.
+
+Numerics follow mergekit 0.1.5 exactly, so results are bit-identical: float32 work (float64 stays
+float64), norms and the dot product reduced over blocks of 2**20 elements (the norm of the per-block
+norms; the sum of per-block dots of the normalised vectors), and `t` rounded to the work dtype
+before `1 - t` is taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from .common import check_same_shape, require_base, work_dtype
+from .registry import MergeInputs, MethodSpec, ParamSpec, register
+
+BLOCK_ELEMENTS = 1 << 20
+"""Elements per reduction block; mergekit reduces norms and dots in blocks of this size."""
+
+DOT_THRESHOLD = 0.9995
+"""Above this |cos omega| the vectors count as collinear and interpolation is linear."""
+
+
+def _blocks(row: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Column blocks of a (1, n) row, each of at most BLOCK_ELEMENTS."""
+    for start in range(0, row.shape[1], BLOCK_ELEMENTS):
+        yield row[:, start : start + BLOCK_ELEMENTS]
+
+
+def _blockwise_norm(row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """|row| as the 2-norm of the per-block 2-norms, shape (1, 1)."""
+    parts = [torch.linalg.vector_norm(b.to(dtype), dim=1, keepdim=True) for b in _blocks(row)]
+    return torch.linalg.vector_norm(torch.stack(parts), dim=0)
+
+
+def slerp(
+    t: float, v0: torch.Tensor, v1: torch.Tensor, dot_threshold: float = DOT_THRESHOLD, eps: float = 1e-8
+) -> torch.Tensor:
+    """Spherical interpolation from v0 (t = 0) to v1 (t = 1) of two same-shaped tensors."""
+    dtype = work_dtype(v0)
+    a = v0.reshape(1, -1)
+    b = v1.reshape(1, -1)
+    t_w = torch.tensor([[t]], dtype=dtype)
+    if a.shape[1] == 0:
+        return ((1 - t_w) * a + t_w * b).reshape(v0.shape).to(v0.dtype)
+
+    norm_a = _blockwise_norm(a, dtype)
+    norm_b = _blockwise_norm(b, dtype)
+    norm_a = torch.where(norm_a > eps, norm_a, 1)  # a zero vector has no direction: leave it unscaled
+    norm_b = torch.where(norm_b > eps, norm_b, 1)
+    dots = [((x.to(dtype) / norm_a) * (y.to(dtype) / norm_b)).sum(dim=1, keepdim=True) for x, y in _pairs(a, b)]
+    cos_omega = torch.stack(dots).sum(dim=0).clamp(-1, 1)
+
+    collinear = cos_omega.abs() > dot_threshold
+    omega = torch.acos(torch.where(collinear, 0, cos_omega))
+    sin_omega = torch.sin(omega)
+    coef_0 = torch.where(collinear, 1 - t_w, torch.sin((1 - t_w) * omega) / sin_omega)
+    coef_1 = torch.where(collinear, t_w, torch.sin(t_w * omega) / sin_omega)
+
+    out = torch.empty_like(a)
+    for start in range(0, a.shape[1], BLOCK_ELEMENTS):
+        stop = start + BLOCK_ELEMENTS
+        out[:, start:stop] = coef_0 * a[:, start:stop].to(dtype) + coef_1 * b[:, start:stop].to(dtype)
+    return out.reshape(v0.shape)
+
+
+def _pairs(a: torch.Tensor, b: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    yield from zip(_blocks(a), _blocks(b))
+
+
+def _merge(inputs: MergeInputs) -> torch.Tensor:
+    check_same_shape(inputs, "slerp")
+    base = require_base(inputs, "slerp")
+    others = inputs.others()
+    if len(others) != 1:
+        raise ValueError(
+            f"slerp: tensor {inputs.tensor_name!r}: needs the base and exactly one other model, "
+            f"got {len(inputs.tensors)} models"
+        )
+    if not inputs.tensors[base].is_floating_point():
+        raise ValueError(f"slerp: tensor {inputs.tensor_name!r}: needs floating-point tensors")
+    return slerp(float(inputs.params["t"]), inputs.tensors[base], inputs.tensors[others[0]])
+
+
+register(
+    MethodSpec(
+        name="slerp",
+        merge=_merge,
+        params=(ParamSpec("t", required=True),),
+        requires_base=True,
+        min_models=2,
+        max_models=2,
+        elementwise=False,
+        description="spherical interpolation from the base (t=0) to the other model (t=1)",
+    )
+)

@@ -1,0 +1,122 @@
+"""Sparsification of task vectors: which entries of a delta survive, and how the survivors are rescaled.
+
+Four rules, one per paper, each keeping about a `density` fraction of the entries of a task vector d:
+
+- `magnitude` (TIES, Yadav et al. 2023, arXiv:2306.01708, step "trim"): keep the k = max(1, floor(density n))
+  entries of largest |d|;
+- `random` (DARE, Yu et al. 2023, arXiv:2311.03099, "drop and rescale"): keep each entry independently with
+  probability `density`;
+- `magnitude_outliers` (Model Breadcrumbs, Davari & Belilovsky 2023, arXiv:2312.06795): drop the floor(gamma n)
+  largest |d| and enough of the smallest that floor(density n) remain (fewer outliers are dropped when gamma
+  and density together ask for more than n);
+- `della_magprune` (DELLA, Deep et al. 2024, arXiv:2406.11617, "MagPrune"): keep each entry with a probability
+  that grows linearly with its magnitude rank within its row, from density - epsilon (smallest) to
+  density + epsilon (largest).
+
+Rescaling (`rescale: true`) multiplies the survivors so the task vector keeps its L1 norm: this is how
+mergekit 0.1.5 realises the papers' 1/p rescaling (the two agree in expectation for DARE, where the kept
+fraction concentrates at p). A density of 1 or more returns the task vector untouched (no draw is made).
+
+Random rules draw only from the generator they are given, in a fixed order, so results are identical
+for a given seed whatever the thread count. Magnitude ranks use torch's sort, the same call as mergekit,
+so equal magnitudes are broken the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+L1_EPS = 1e-7
+"""Below this L1 norm (before or after masking) a task vector is not rescaled."""
+
+
+def keep_l1_norm(delta: torch.Tensor, mask: torch.Tensor, rescale: bool) -> torch.Tensor:
+    """delta * mask, times |delta|_1 / |delta * mask|_1 when `rescale` (and both norms are not ~0)."""
+    kept = delta * mask
+    if not rescale:
+        return kept
+    before = delta.abs().sum()
+    after = kept.abs().sum()
+    if before < L1_EPS or after < L1_EPS:
+        return kept
+    return kept * (before / after)
+
+
+def _float_work(delta: torch.Tensor) -> torch.dtype:
+    """Random draws and ranks on CPU are made in float32 for half types other than bfloat16 (as mergekit)."""
+    if delta.device.type != "cpu" or delta.dtype == torch.bfloat16:
+        return delta.dtype
+    return torch.float32
+
+
+def magnitude(delta: torch.Tensor, density: float, rescale: bool = False) -> torch.Tensor:
+    """TIES trim: keep the max(1, floor(density * n)) largest-magnitude entries."""
+    if density >= 1:
+        return delta
+    if density <= 0 or delta.numel() == 0:
+        return torch.zeros_like(delta)
+    k = max(1, int(density * delta.numel()))
+    magnitudes = delta.abs().reshape(-1)
+    if magnitudes.device.type == "cpu":
+        magnitudes = magnitudes.float()
+    mask = torch.zeros(delta.numel(), dtype=delta.dtype, device=delta.device)
+    mask[torch.argsort(magnitudes, descending=True)[:k]] = 1
+    return keep_l1_norm(delta, mask.reshape_as(delta), rescale)
+
+
+def magnitude_outliers(delta: torch.Tensor, density: float, gamma: float = 0.01, rescale: bool = False) -> torch.Tensor:
+    """Breadcrumbs: drop the gamma largest-magnitude entries and the smallest, keeping floor(density * n)."""
+    if density >= 1:
+        return delta
+    n = delta.numel()
+    keep = int(density * n)
+    top = int(gamma * n)
+    bottom = max(0, n - keep - top)
+    magnitudes = delta.abs().reshape(-1)
+    if magnitudes.device.type == "cpu":
+        magnitudes = magnitudes.float()
+    ascending = torch.sort(magnitudes, descending=False).indices
+    mask = torch.zeros(n, dtype=delta.dtype, device=delta.device)
+    mask[ascending[bottom : bottom + keep]] = 1
+    return keep_l1_norm(delta, mask.reshape_as(delta), rescale)
+
+
+def random_drop(delta: torch.Tensor, density: float, generator: torch.Generator, rescale: bool = True) -> torch.Tensor:
+    """DARE: keep each entry with probability `density` (one Bernoulli draw per entry)."""
+    if density >= 1:
+        return delta
+    dtype = _float_work(delta)
+    probs = torch.full_like(delta, fill_value=density, dtype=dtype)
+    mask = torch.bernoulli(probs, generator=generator)
+    return keep_l1_norm(delta.to(dtype), mask, rescale).to(delta.dtype)
+
+
+def della_magprune(
+    delta: torch.Tensor, density: float, epsilon: float, generator: torch.Generator | None, rescale: bool = True
+) -> torch.Tensor:
+    """DELLA MagPrune: keep probability linear in the magnitude rank within each row.
+
+    The smallest entry of a row is kept with probability density - epsilon, the largest with density + epsilon;
+    both must lie in (0, 1). A 1-D tensor is one row.
+    """
+    if density >= 1:
+        return delta
+    if density <= 0:
+        return torch.zeros_like(delta)
+    if density + epsilon >= 1 or density - epsilon <= 0:
+        raise ValueError(
+            f"della: density ({density}) +/- epsilon ({epsilon}) must stay inside (0, 1); choose a smaller epsilon"
+        )
+    dtype = _float_work(delta)
+    shape = delta.shape
+    rows = delta.unsqueeze(0) if delta.dim() < 2 else delta
+    # rank 1 = smallest magnitude in the row; argsort of argsort gives each entry's position in sorted order
+    ranks = torch.argsort(torch.argsort(rows.abs(), dim=1, descending=False), dim=1).to(dtype) + 1
+    lowest = ranks.min(dim=1, keepdim=True).values
+    highest = ranks.max(dim=1, keepdim=True).values
+    span = highest - lowest
+    # A one-entry row has no spread of ranks; it is kept with probability `density` (mergekit would divide 0 by 0).
+    position = torch.where(span > 0, (ranks - lowest) / torch.where(span > 0, span, 1), 0.5).clamp(0, 1)
+    probs = (density - epsilon) + position * 2 * epsilon
+    mask = torch.bernoulli(probs, generator=generator).to(dtype)
+    return keep_l1_norm(rows.to(dtype), mask, rescale).to(delta.dtype).reshape(shape)

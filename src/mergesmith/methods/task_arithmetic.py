@@ -1,0 +1,209 @@
+"""The task-vector family: task arithmetic, TIES, DARE, DELLA and Model Breadcrumbs as one procedure.
+
+Ilharco et al. 2023, "Editing Models with Task Arithmetic" (arXiv:2212.04089): a fine-tuned model x_i
+differs from its base by a task vector d_i = x_i - base, and task vectors add:
+
+    out = base + lambda * sum_i w_i d_i / Z            (Z = sum_i w_i with `normalize`, else 1)
+
+The later papers change two steps of this sum, and mergekit 0.1.5 implements them all as one
+procedure, reproduced here:
+
+1. sparsify each task vector (see sparsify.py): `magnitude` trimming (TIES, arXiv:2306.01708), random drop
+   (DARE, arXiv:2311.03099), rank-dependent random drop (DELLA, arXiv:2406.11617) or magnitude outlier
+   removal (Breadcrumbs, arXiv:2312.06795), each keeping about `density` of the entries, optionally
+   rescaled to keep the vector's L1 norm (`rescale`);
+2. weight: d_i <- w_i d_i;
+3. with sign consensus (TIES "elect" and "disjoint merge"), per entry the majority sign is the sign of
+   sum_i w_i d_i (`consensus_method: sum`, the paper's rule and mergekit's) or of the count of positive
+   minus negative entries (`count`); only entries of that sign (zeros never) are summed, and with
+   `normalize` divided by the sum of the weights of the models that contributed to that entry (1 where
+   none did). Without consensus, Z is the sum of all weights (1 where it is ~0).
+
+The output is base + lambda * (mixed delta). `int8_mask` only picks the dtype of the sign mask (a memory
+saving in mergekit); the result is the same either way.
+
+Per-method defaults (mergekit 0.1.5): normalize is on for ties and della, off for the rest; rescale is on
+for the DARE and DELLA methods, off for the rest. A model's `weight` is required; its `density` defaults
+to 1 (no sparsification), `gamma` (breadcrumbs) to 0.01, `epsilon` (DELLA) to 0.15. These per-model
+parameters belong to the non-base models only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import sparsify
+from .common import check_same_shape, require_base, require_generator
+from .registry import MergeInputs, MethodSpec, ParamSpec, register
+
+CONSENSUS_METHODS = ("sum", "count")
+
+
+def sign_consensus_mask(deltas: torch.Tensor, method: str = "sum", int8: bool = False) -> torch.Tensor:
+    """Boolean mask over stacked (weighted) deltas: True where an entry has the elected majority sign.
+
+    The majority sign of a position is + when the sum (or the count of signs) over models is >= 0, else -.
+    An entry that is exactly zero never matches either sign.
+    """
+    sign = deltas.sign().to(torch.int8 if int8 else deltas.dtype)
+    if method == "sum":
+        votes = deltas.sum(dim=0)
+    elif method == "count":
+        votes = sign.sum(dim=0)
+    else:
+        raise ValueError(f"consensus_method must be one of {', '.join(CONSENSUS_METHODS)}, got {method!r}")
+    majority = (votes >= 0).to(sign.dtype) * 2 - 1
+    return sign == majority
+
+
+def merge_task_vectors(
+    base: torch.Tensor,
+    deltas: torch.Tensor,
+    weights: Sequence[float],
+    *,
+    consensus: str | None,
+    normalize: bool,
+    lam: float = 1.0,
+    int8_mask: bool = False,
+) -> torch.Tensor:
+    """base + lambda * mix of the stacked, already sparsified task vectors `deltas` (shape [n, *base.shape])."""
+    w = torch.tensor(list(weights), dtype=deltas.dtype, device=deltas.device)
+    w = w.view(-1, *([1] * base.dim()))
+    weighted = deltas * w
+    if consensus is not None:
+        mask = sign_consensus_mask(weighted, consensus, int8_mask)
+        mixed = (weighted * mask).sum(dim=0)
+        divisor = (w * mask).sum(dim=0)
+        divisor[divisor == 0] = 1
+    else:
+        mixed = weighted.sum(dim=0)
+        divisor = w.sum(dim=0)
+        divisor[divisor.abs() < 1e-8] = 1
+    if normalize:
+        mixed = mixed / divisor
+    if lam != 1:
+        mixed = mixed * lam
+    return (base + mixed).to(base.dtype)
+
+
+Sparsifier = Callable[[torch.Tensor, dict, bool, "torch.Generator | None", str], torch.Tensor]
+
+
+def _no_sparsify(delta, params, rescale, generator, name):
+    return delta
+
+
+def _magnitude(delta, params, rescale, generator, name):
+    return sparsify.magnitude(delta, float(params["density"]), rescale)
+
+
+def _random(delta, params, rescale, generator, name):
+    if float(params["density"]) >= 1:
+        return delta
+    return sparsify.random_drop(delta, float(params["density"]), require_generator(generator, "dare", name), rescale)
+
+
+def _outliers(delta, params, rescale, generator, name):
+    return sparsify.magnitude_outliers(delta, float(params["density"]), float(params["gamma"]), rescale)
+
+
+def _della(delta, params, rescale, generator, name):
+    density = float(params["density"])
+    if 0 < density < 1:  # outside (0, 1) nothing is drawn
+        generator = require_generator(generator, "della", name)
+    return sparsify.della_magprune(delta, density, float(params["epsilon"]), generator, rescale)
+
+
+@dataclass(frozen=True)
+class _Family:
+    """One member of the family: which sparsifier, whether sign consensus, and default switches."""
+
+    name: str
+    sparsifier: Sparsifier
+    consensus: bool
+    normalize: bool
+    rescale: bool
+    extra_model_params: tuple[ParamSpec, ...] = ()
+    randomized: bool = False
+    description: str = ""
+
+    def merge(self, inputs: MergeInputs) -> torch.Tensor:
+        check_same_shape(inputs, self.name)
+        base_index = require_base(inputs, self.name)
+        base = inputs.tensors[base_index]
+        others = inputs.others()
+        if not others:
+            return base
+        params = inputs.params
+        rescale = bool(params["rescale"])
+        deltas = base.new_empty((len(others), *base.shape))
+        for row, i in enumerate(others):
+            deltas[row] = self.sparsifier(
+                inputs.tensors[i] - base, inputs.model_params[i], rescale, inputs.generator, inputs.tensor_name
+            )
+        consensus = None
+        if self.consensus:
+            consensus = str(params.get("consensus_method", "sum"))
+            if consensus not in CONSENSUS_METHODS:
+                raise ValueError(
+                    f"{self.name}: `consensus_method` must be one of {', '.join(CONSENSUS_METHODS)}, got {consensus!r}"
+                )
+        return merge_task_vectors(
+            base,
+            deltas,
+            [float(inputs.model_params[i]["weight"]) for i in others],
+            consensus=consensus,
+            normalize=bool(params["normalize"]),
+            lam=float(params["lambda"]),
+            int8_mask=bool(params["int8_mask"]),
+        )
+
+    def spec(self) -> MethodSpec:
+        params = [
+            ParamSpec("normalize", self.normalize),
+            ParamSpec("rescale", self.rescale),
+            ParamSpec("lambda", 1.0),
+            ParamSpec("int8_mask", False),
+        ]
+        if self.consensus:
+            params.append(ParamSpec("consensus_method", "sum"))
+        return MethodSpec(
+            name=self.name,
+            merge=self.merge,
+            params=tuple(params),
+            model_params=(
+                ParamSpec("weight", required=True, non_base=True),
+                ParamSpec("density", 1.0, non_base=True),
+                *self.extra_model_params,
+            ),
+            requires_base=True,
+            min_models=1,
+            randomized=self.randomized,
+            # Without sparsification (or consensus, whose votes are per entry) each entry depends only on the
+            # same entry of the inputs; sparsifiers rank or rescale over the whole tensor.
+            elementwise=self.sparsifier is _no_sparsify,
+            description=self.description,
+        )
+
+
+_GAMMA = ParamSpec("gamma", 0.01, non_base=True)
+_EPSILON = ParamSpec("epsilon", 0.15, non_base=True)
+
+FAMILY: tuple[_Family, ...] = (
+    _Family("task_arithmetic", _no_sparsify, False, False, False, description="base + weighted sum of task vectors"),
+    _Family("ties", _magnitude, True, True, False, description="TIES: trim by magnitude, elect sign, disjoint mean"),
+    _Family("dare_linear", _random, False, False, True, randomized=True, description="DARE random drop, linear sum"),
+    _Family("dare_ties", _random, True, False, True, randomized=True, description="DARE random drop, TIES sign"),
+    _Family(
+        "breadcrumbs", _outliers, False, False, False, (_GAMMA,), description="drop small and outlier task entries"
+    ),
+    _Family("breadcrumbs_ties", _outliers, True, False, False, (_GAMMA,), description="breadcrumbs with TIES sign"),
+    _Family("della", _della, True, True, True, (_EPSILON,), randomized=True, description="DELLA MagPrune, TIES sign"),
+    _Family("della_linear", _della, False, False, True, (_EPSILON,), randomized=True, description="DELLA, linear sum"),
+)
+
+for _member in FAMILY:
+    register(_member.spec())
