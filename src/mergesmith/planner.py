@@ -164,10 +164,18 @@ class Planner:
         return levels
 
     def _resolve_params(
-        self, specs: Sequence[Any], levels: list[Parameters | None], tensor: str, t: float, who: str
+        self,
+        specs: Sequence[Any],
+        levels: list[Parameters | None],
+        tensor: str,
+        t: float,
+        who: str,
+        is_base: bool = False,
     ) -> tuple[tuple[str, Any], ...]:
         resolved = []
         for p in specs:
+            if is_base and getattr(p, "non_base", False):
+                continue  # e.g. a task-vector method's `weight`: the base has no task vector to weigh
             value = resolve(p.name, levels, tensor, t)
             if is_missing(value):
                 if p.required:
@@ -247,7 +255,12 @@ class Planner:
         dtype = self.out_dtype if is_float(infos[0].dtype) else infos[0].dtype
         model_params = tuple(
             self._resolve_params(
-                self.spec.model_params, self._model_levels(src, sl), inputs[i].tensor, t, f"model {ref!r}"
+                self.spec.model_params,
+                self._model_levels(src, sl),
+                inputs[i].tensor,
+                t,
+                f"model {ref!r}",
+                is_base=i == base_index,
             )
             for i, (ref, src, _l) in enumerate(refs)
         )
