@@ -165,6 +165,41 @@ def run_merge(
         raise OutputError(f"{out}: output path exists and is not a directory")
     options = options or MergeOptions()
     plan, checkpoints = build_plan(config, options, out)
+    return execute_plan(
+        plan,
+        checkpoints,
+        out,
+        options,
+        overwrite=overwrite,
+        force=force,
+        on_plan=on_plan,
+        on_progress=on_progress,
+        stop=stop,
+        started=started,
+    )
+
+
+def execute_plan(
+    plan: Plan,
+    checkpoints: dict[str, Checkpoint],
+    out_dir: str | Path,
+    options: MergeOptions,
+    *,
+    overwrite: bool = False,
+    force: bool = False,
+    on_plan: Callable[[Plan], None] | None = None,
+    on_progress: Callable[[ProgressEvent], None] | None = None,
+    stop: threading.Event | None = None,
+    started: float | None = None,
+) -> MergeResult:
+    """Write any plan (a merge, an MoE assembly, ...) into `out_dir` with the journaled protocol.
+
+    Every planner ends here, so resume, the disk check, progress and crash-consistency come for free.
+    """
+    started = time.monotonic() if started is None else started
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: output path exists and is not a directory")
     if on_plan is not None:
         on_plan(plan)
     fingerprint = plan.fingerprint()
