@@ -87,6 +87,11 @@ def compute(
         if explicit_dtype and tensor.is_floating_point():
             tensor = tensor.to(compute_dtype)  # mergekit loads in `dtype` first; the rounding must match
         return tensor.to(out_dtype)
+    if recipe.op != "merge":
+        from .ops import get_op
+
+        op = get_op(recipe.op)
+        return op(recipe, lambda ref: load_input(checkpoints[ref.model], ref)).to(out_dtype).cpu().contiguous()
     spec = require_method(recipe.method or "")
     tensors = [load_input(checkpoints[ref.model], ref).to(device=device, dtype=compute_dtype) for ref in recipe.inputs]
     generator = None
