@@ -129,6 +129,7 @@ def test_seed_failure_shared_memory_and_non_contiguous(tmp_path):
         "strided": emb[:, ::2],
         "scalar": torch.tensor(1.5, dtype=torch.bfloat16),
         "empty": torch.zeros(0, 3),
+        "one_strided": torch.randn(3)[::2][:1],  # shape (1,), stride (2,): "contiguous" to torch
     }
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .blocks import row_blocks
 from .dtypes import to_torch
 from .errors import MergeInterrupted
 from .io.checkpoint import Checkpoint
@@ -73,27 +74,43 @@ def load_input(ckpt: Checkpoint, ref: InputRef) -> torch.Tensor:
     return padded
 
 
+def _check_shape(recipe: TensorRecipe, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != shape:
+        raise RuntimeError(
+            f"recipe {recipe.op}:{recipe.method} returned shape {list(tensor.shape)} for {recipe.name!r}, "
+            f"planned {list(shape)}"
+        )
+
+
 def compute(
     recipe: TensorRecipe,
     checkpoints: dict[str, Checkpoint],
     compute_dtype: torch.dtype,
     explicit_dtype: bool,
     device: torch.device,
+    rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """The output tensor of one recipe, in its output dtype, on the CPU."""
+    """The output tensor of one recipe (or of its rows [start, end)), in its output dtype, on the CPU."""
     out_dtype = to_torch(recipe.dtype)
+    shape = recipe.shape if rows is None else (rows[1] - rows[0], *recipe.shape[1:])
+
+    def load(ref: InputRef) -> torch.Tensor:
+        tensor = load_input(checkpoints[ref.model], ref)
+        return tensor if rows is None else tensor[rows[0] : rows[1]]
+
     if recipe.op == "copy":
-        tensor = load_input(checkpoints[recipe.inputs[0].model], recipe.inputs[0])
+        tensor = load(recipe.inputs[0])
         if explicit_dtype and tensor.is_floating_point():
             tensor = tensor.to(compute_dtype)  # mergekit loads in `dtype` first; the rounding must match
         return tensor.to(out_dtype)
     if recipe.op != "merge":
         from .ops import get_op
 
-        op = get_op(recipe.op)
-        return op(recipe, lambda ref: load_input(checkpoints[ref.model], ref)).to(out_dtype).cpu().contiguous()
+        out = get_op(recipe.op)(recipe, load).to(out_dtype).cpu().contiguous()
+        _check_shape(recipe, out, shape)
+        return out
     spec = require_method(recipe.method or "")
-    tensors = [load_input(checkpoints[ref.model], ref).to(device=device, dtype=compute_dtype) for ref in recipe.inputs]
+    tensors = [load(ref).to(device=device, dtype=compute_dtype) for ref in recipe.inputs]
     generator = None
     if recipe.seed is not None:
         generator = torch.Generator(device=device)
@@ -108,12 +125,26 @@ def compute(
             tensor_name=recipe.name,
         )
     )
-    if tuple(merged.shape) != recipe.shape:
-        raise RuntimeError(
-            f"method {recipe.method} returned shape {list(merged.shape)} for {recipe.name!r}, "
-            f"planned {list(recipe.shape)}"
-        )
+    _check_shape(recipe, merged, shape)
     return merged.to(dtype=out_dtype).cpu()
+
+
+def advise_inputs(
+    recipe: TensorRecipe, checkpoints: dict[str, Checkpoint], advice: str, rows: tuple[int, int] | None = None
+) -> None:
+    """Read-ahead ("willneed") or release ("dontneed") the input bytes a recipe (or row block) uses."""
+    for ref in recipe.inputs:
+        ckpt = checkpoints[ref.model]
+        info = ckpt.tensors.get(ref.tensor)
+        if info is None:
+            continue
+        if rows is None or not info.shape:
+            ckpt.advise(ref.tensor, advice)
+            continue
+        row_bytes = info.nbytes // max(info.shape[0], 1)
+        start, end = min(rows[0], info.shape[0]), min(rows[1], info.shape[0])
+        if end > start:
+            ckpt.advise(ref.tensor, advice, start * row_bytes, end * row_bytes)
 
 
 class LocalExecutor:
@@ -210,9 +241,8 @@ class LocalExecutor:
         try:
             if self.stop.is_set() or self._error is not None:
                 return
-            tensor = compute(recipe, self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
-            self._writers[shard.filename].write(recipe.name, tensor)
-            del tensor
+            if not self._write_recipe(self._writers[shard.filename], recipe):
+                return
             with self._lock:
                 self._done += 1
                 self._bytes += recipe.nbytes
@@ -230,6 +260,26 @@ class LocalExecutor:
         finally:
             self.budget.release(cost)
             slots.release()
+
+    def _write_recipe(self, writer: ShardWriter, recipe: TensorRecipe) -> bool:
+        """Compute one recipe and write it, in row blocks when it is large and elementwise.
+
+        Returns False when a stop request left the tensor unwritten."""
+        args = (self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
+        advise_inputs(recipe, self.ckpts, "willneed")
+        blocks = row_blocks(recipe)
+        if len(blocks) == 1:
+            writer.write(recipe.name, compute(recipe, *args))
+        else:
+            sink = writer.open_tensor(recipe.name)
+            for rows in blocks:
+                if self.stop.is_set():
+                    return False  # the tensor is not committed; a resume computes it again
+                sink.write(compute(recipe, *args, rows=rows))
+                advise_inputs(recipe, self.ckpts, "dontneed", rows)
+            sink.close()
+        advise_inputs(recipe, self.ckpts, "dontneed")
+        return True
 
     def _finish_shard(self, filename: str) -> None:
         with self._lock:

@@ -56,6 +56,8 @@ class MergeOptions:
     threads: int = 1
     max_memory: int | None = None
     device: str = "cpu"
+    executor: str = "local"  # "local" (thread pool) or "ray" (one task per shard); never changes output bytes
+    ray_address: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -89,6 +91,10 @@ def tensor_seed(global_seed: int, tensor_name: str) -> int:
 class Planner:
     """Builds the Plan for one merge configuration over opened checkpoints."""
 
+    # The base model's config.json gives the layer count and the output config; a raw merge
+    # (raw.py) plans bare state dicts, which have none, and turns this off.
+    needs_model_config: bool = True
+
     def __init__(
         self,
         config: MergeConfiguration,
@@ -103,7 +109,7 @@ class Planner:
         self.spec: MethodSpec = require_method(config.merge_method, config_source)
         self.base_ref = config.base_or_first_model()
         self.base = checkpoints[self.base_ref]
-        if self.base.config is None:
+        if self.base.config is None and self.needs_model_config:
             raise CheckpointError(f"model {self.base_ref!r}: no config.json in {self.base.root}")
         self.stacks: dict[str, LayerStack | None] = {
             ref: find_layer_stack(ck.tensors, ck.config) for ref, ck in checkpoints.items()
@@ -451,10 +457,13 @@ class Planner:
 def recipe_memory(recipe: TensorRecipe, compute_dtype: str) -> int:
     """Working bytes of one recipe: inputs converted to the compute dtype, a stacked copy, the output.
 
-    A deliberately generous bound (methods stack their inputs and keep a few temporaries); the
-    memory budget uses it to decide how many recipes may run at once.
+    A deliberately generous bound (methods stack their inputs and keep a few temporaries), counted
+    over the largest row block the recipe holds at once; the memory budget uses it to decide how
+    many recipes may run at once.
     """
-    numel = recipe.numel()
+    from .blocks import block_numel
+
+    numel = block_numel(recipe)
     if recipe.op == "copy":
         return numel * (dtype_size(recipe.dtype) + dtype_size(compute_dtype))
     n = len(recipe.inputs)

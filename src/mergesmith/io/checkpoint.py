@@ -104,7 +104,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
         if end > begin:
             spans.append((int(begin), int(end), name))
     spans.sort()
-    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+    for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap in the file")
     return tensors, {str(k): str(v) for k, v in metadata.items()}, raw
@@ -232,6 +232,34 @@ class Checkpoint:
                     existing = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
                 self._maps[file] = existing
             return existing
+
+    def advise(self, name: str, advice: str, start: int = 0, end: int | None = None) -> None:
+        """Tell the kernel about bytes [start, end) of a tensor: "willneed" starts reading them ahead
+        (I/O overlaps compute), "dontneed" drops them from this process's mapping once used, so
+        resident memory stays at the tensors in flight instead of growing with everything read.
+        The file is mapped privately and never written, so dropped pages are simply read again
+        if touched later. A no-op for `.bin` inputs and where madvise is unavailable."""
+        info = self.tensors.get(name)
+        if info is None or info.file in self._bin_state or info.nbytes == 0:
+            return
+        flag = {"willneed": getattr(mmap, "MADV_WILLNEED", None), "dontneed": getattr(mmap, "MADV_DONTNEED", None)}
+        option = flag.get(advice)
+        if option is None:
+            return
+        buf = self._map(info.file)
+        lo = info.data_offset + start
+        hi = info.data_offset + (info.nbytes if end is None else end)
+        page = mmap.PAGESIZE
+        if advice == "dontneed":  # only whole pages inside the range: neighbours may still be in use
+            lo = -(-lo // page) * page
+            hi = hi // page * page
+        else:
+            lo = lo // page * page
+        if hi > lo:
+            try:
+                buf.madvise(option, lo, hi - lo)
+            except (OSError, ValueError):
+                pass
 
     def identity(self) -> list[tuple[str, int, int, str]]:
         """(file name, size, mtime in ns, header hash) per weight file: what the resume fingerprint trusts."""

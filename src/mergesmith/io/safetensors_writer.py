@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..dtypes import dtype_size, from_torch
+from ._test_hooks import kill_point
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian by definition
     raise ImportError("mergesmith's safetensors writer needs a little-endian machine")
@@ -74,6 +75,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = t.contiguous().reshape(-1)  # contiguous() copies only when the layout needs it
     if flat.numel() == 0:
         return memoryview(b"")
+    if flat.stride(0) != 1:  # torch calls size-1 dims contiguous whatever their stride: (1,) may have stride 2
+        flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
     return memoryview(flat.view(torch.uint8).numpy())
 
 
@@ -157,6 +160,17 @@ class ShardWriter:
         data = tensor_bytes(tensor)
         crc = zlib.crc32(data)
         _pwrite_all(self._fd, data, slot.start)
+        kill_point("tensor", name)
+        with self._lock:
+            if name in self._crcs:
+                raise ValueError(f"tensor {name!r} written twice")
+            self._crcs[name] = crc
+
+    def open_tensor(self, name: str) -> TensorSink:
+        """A sequential sink for one tensor written in row blocks (memory: one block, not the tensor)."""
+        return TensorSink(self, self.slots[name])
+
+    def _commit(self, name: str, crc: int) -> None:
         with self._lock:
             if name in self._crcs:
                 raise ValueError(f"tensor {name!r} written twice")
@@ -181,6 +195,7 @@ class ShardWriter:
         self._fd = -1
         os.replace(self.temp_path, self.final_path)
         fsync_dir(self.final_path.parent)
+        kill_point("shard_renamed", self.final_path.name)
         return digest
 
     def abort(self) -> None:
@@ -189,6 +204,33 @@ class ShardWriter:
             os.close(self._fd)
             self._fd = -1
         self.temp_path.unlink(missing_ok=True)
+
+
+class TensorSink:
+    """Receives one tensor's bytes as consecutive row blocks, in order, and commits its CRC at the end."""
+
+    def __init__(self, writer: ShardWriter, slot: Slot) -> None:
+        self.writer = writer
+        self.slot = slot
+        self.pos = slot.start
+        self.crc = 0
+
+    def write(self, part: torch.Tensor) -> None:
+        if from_torch(part.dtype) != self.slot.dtype:
+            raise ValueError(f"tensor {self.slot.name!r}: planned {self.slot.dtype}, got {from_torch(part.dtype)}")
+        data = tensor_bytes(part)
+        if self.pos + len(data) > self.slot.end:
+            raise ValueError(f"tensor {self.slot.name!r}: more bytes than its planned shape {list(self.slot.shape)}")
+        self.crc = zlib.crc32(data, self.crc)
+        _pwrite_all(self.writer._fd, data, self.pos)
+        self.pos += len(data)
+
+    def close(self) -> None:
+        if self.pos != self.slot.end:
+            raise ValueError(f"tensor {self.slot.name!r}: {self.pos - self.slot.start} of "
+                             f"{self.slot.end - self.slot.start} bytes written")
+        kill_point("tensor", self.slot.name)
+        self.writer._commit(self.slot.name, self.crc)
 
 
 def combine_checksums(crcs: Sequence[tuple[str, int]]) -> str:
@@ -259,5 +301,7 @@ def write_file_atomic(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    kill_point("atomic_tmp", path.name)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+    kill_point("atomic_done", path.name)
