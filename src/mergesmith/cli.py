@@ -94,6 +94,19 @@ def _merge_options(f: Any) -> Any:
             "--threads", type=click.IntRange(1, 256), default=None, help="Worker threads (default: number of cores)."
         ),
         click.option("--max-memory", default=None, help="Bound on bytes in flight, e.g. 8GB."),
+        click.option(
+            "--executor",
+            type=click.Choice(["local", "ray"]),
+            default="local",
+            show_default=True,
+            help="local: a thread pool here; ray: one Ray task per output shard (needs `pip install mergesmith[ray]` "
+            "and OUT_DIR and the inputs on a filesystem every node shares).",
+        ),
+        click.option(
+            "--ray-address",
+            default=None,
+            help="Ray cluster to join (`auto`, `HOST:6379`, `ray://HOST:10001`); default: RAY_ADDRESS or a local Ray.",
+        ),
         click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details."),
     ]
     for opt in reversed(opts):
@@ -125,6 +138,8 @@ def _options(kw: dict[str, Any]):
         threads=kw.get("threads") or (os.cpu_count() or 1),
         max_memory=parse_size(kw["max_memory"], "--max-memory") if kw.get("max_memory") else None,
         device=device,
+        executor=kw.get("executor") or "local",
+        ray_address=kw.get("ray_address"),
     )
 
 
@@ -205,6 +220,164 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
         click.echo(json.dumps(report, indent=2))
     else:
         click.echo(render_plan_text(report, show_tensors=tensors))
+
+
+@cli.command("merge-raw")
+@click.argument("config_file", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@_merge_options
+@click.option(
+    "--tensor-union", "-u", is_flag=True, help="Merge a tensor some models lack from the models that have it."
+)
+@click.option("--tensor-intersection", "-i", is_flag=True, help="Leave out tensors that some models lack.")
+@click.option("--overwrite", is_flag=True, help="Replace a different merge already in OUT_DIR.")
+@click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+def merge_raw(
+    config_file: Path,
+    out_dir: Path,
+    tensor_union: bool,
+    tensor_intersection: bool,
+    overwrite: bool,
+    force: bool,
+    quiet: bool,
+    **kw: Any,
+) -> None:
+    """Merge bare PyTorch state dicts (.safetensors, .pt, .bin; no config.json) into OUT_DIR.
+
+    CONFIG_FILE is a merge config with `models` (file paths) and no `slices`; OUT_DIR receives
+    model.safetensors (or shards and an index) and mergesmith_config.yml.
+    """
+    from .progress import MergeProgress
+    from .raw import run_raw_merge
+
+    if tensor_union and tensor_intersection:
+        raise ConfigError("give --tensor-union or --tensor-intersection, not both")
+    options = _options(kw)
+    tensor_set = "union" if tensor_union else "intersection" if tensor_intersection else "exact"
+    with _Interrupts() as interrupts, MergeProgress(enabled=not quiet) as progress:
+        result = run_raw_merge(
+            config_file,
+            out_dir,
+            options,
+            tensor_set=tensor_set,
+            overwrite=overwrite,
+            force=force,
+            on_plan=progress.start,
+            on_progress=progress.update,
+            stop=interrupts.stop,
+        )
+    _report_result(out_dir, result)
+
+
+def _report_result(out_dir: Path, result: Any, prefix: str = "") -> None:
+    plan = result.plan
+    if result.already_complete:
+        click.echo(f"{prefix}{out_dir}: already complete (same config and inputs); nothing to do")
+        return
+    seed = f", random seed {plan.random_seed}" if plan.random_seed is not None else ""
+    resumed = f", resumed with {result.shards_reused} finished shard(s)" if result.shards_reused else ""
+    click.echo(
+        f"{prefix}wrote {out_dir} ({len(plan.recipes)} tensors in {len(plan.shards)} shard(s), "
+        f"{_human(plan.total_size)}) in {result.seconds:.1f}s{seed}{resumed}"
+    )
+
+
+class _StageProgress:
+    """One progress display per stage that does work; a stage that is already complete shows none."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._plan: Any = None
+        self._display: Any = None
+
+    def start(self, plan: Any) -> None:
+        self.close()
+        self._plan = plan
+
+    def update(self, event: Any) -> None:
+        from .progress import MergeProgress
+
+        if self._display is None and self._plan is not None and self.enabled:
+            self._display = MergeProgress(enabled=True).__enter__()
+            self._display.start(self._plan)
+        if self._display is not None:
+            self._display.update(event)
+
+    def close(self) -> None:
+        if self._display is not None:
+            self._display.__exit__(None, None, None)
+        self._display = None
+        self._plan = None
+
+
+@cli.command("multi")
+@click.argument("config_file", type=click.Path(path_type=Path))
+@click.option(
+    "--out-dir",
+    "--intermediate-dir",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Directory that receives each named stage as OUT_DIR/<name>.",
+)
+@click.option(
+    "--out-path", type=click.Path(path_type=Path), default=None, help="Output of the unnamed final merge, if any."
+)
+@_merge_options
+@click.option(
+    "--lazy/--no-lazy",
+    default=True,
+    show_default=True,
+    help="Skip stages whose output is complete for the same config and inputs.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace model files in stage directories mergesmith did not write.")
+@click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+def multi_cmd(
+    config_file: Path,
+    out_dir: Path,
+    out_path: Path | None,
+    lazy: bool,
+    overwrite: bool,
+    force: bool,
+    quiet: bool,
+    **kw: Any,
+) -> None:
+    """Run a multi-stage file (merge documents separated by `---`, each with a `name`) in dependency order.
+
+    A later document names an earlier one's `name` as a model; each stage is written to OUT_DIR/<name>,
+    and a stage whose output is complete for the same config and inputs is skipped.
+    """
+    from .multi import run_multi
+
+    options = _options(kw)
+    progress = _StageProgress(enabled=not quiet)
+
+    def on_stage(stage: Any, target: Path) -> None:
+        progress.close()
+        if not quiet:
+            click.echo(f"{stage.label} -> {target}", err=True)
+
+    with _Interrupts() as interrupts:
+        try:
+            results = run_multi(
+                config_file,
+                out_dir,
+                options,
+                out_path=out_path,
+                lazy=lazy,
+                overwrite=overwrite,
+                force=force,
+                on_stage=on_stage,
+                on_plan=progress.start,
+                on_progress=progress.update,
+                stop=interrupts.stop,
+            )
+        finally:
+            progress.close()
+    for r in results:
+        _report_result(r.out_dir, r.result, prefix=f"{r.name or '(final)'}: ")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,250 @@
+"""Multi-stage merges (mergekit-multi's format): several merge documents in one YAML file.
+
+Documents are separated by `---`. Each is an ordinary merge config plus a `name`; a later document
+may name an earlier one's output wherever it names a model (`models[].model`, `base_model`, slice
+sources, `tokenizer_source`). Named stages are written to `<out-dir>/<name>`; at most one document
+may be unnamed, the final merge, written to `--out-path`.
+
+Everything that can be checked before any tensor moves is checked first: document syntax, duplicate
+or unsafe names, references that are neither a stage nor an existing model, and dependency cycles.
+Stages then run one at a time in dependency order (ties keep file order). A stage whose plan
+fingerprint matches a complete output is skipped without touching its files; since a fingerprint
+covers its inputs' identities (size, mtime, header hash), a stage downstream of one that reran is
+rerun too, and one downstream of skipped stages is skipped: editing the last stage reruns only it.
+A stage directory holding an older mergesmith merge is replaced; any other non-empty directory is
+left alone unless `overwrite` is given.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .api import MergeResult, build_plan, execute_plan
+from .config import parse_config
+from .errors import CheckpointError, ConfigError
+from .executor import ProgressEvent
+from .io.checkpoint import resolve_model_path
+from .io.journal import Journal
+from .plan import Plan
+from .planner import MergeOptions
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass
+class Stage:
+    """One merge document: its name (None for the final unnamed merge) and its stage dependencies."""
+
+    name: str | None
+    document: dict[str, Any]
+    position: int  # 1-based document number, for messages
+    depends_on: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"stage {self.name!r}" if self.name else f"document {self.position} (the unnamed final merge)"
+
+
+@dataclass
+class StageResult:
+    """What happened to one stage: where it went and whether it ran or was already complete."""
+
+    name: str | None
+    out_dir: Path
+    ran: bool
+    result: MergeResult
+
+
+def _model_slots(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
+    """Every (mapping, key) of a merge document whose value names a model."""
+    if isinstance(doc.get("base_model"), str):
+        yield doc, "base_model"
+    for entry in doc.get("models") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("model"), str):
+            yield entry, "model"
+    for sl in doc.get("slices") or []:
+        if not isinstance(sl, dict):
+            continue
+        if isinstance(sl.get("base_model"), str):
+            yield sl, "base_model"
+        for src in sl.get("sources") or []:
+            if isinstance(src, dict) and isinstance(src.get("model"), str):
+                yield src, "model"
+    if isinstance(doc.get("tokenizer_source"), str) and doc["tokenizer_source"] not in ("base", "union"):
+        yield doc, "tokenizer_source"
+    tokenizer = doc.get("tokenizer")
+    if isinstance(tokenizer, dict) and isinstance(tokenizer.get("source"), str):
+        if tokenizer["source"] not in ("base", "union"):
+            yield tokenizer, "source"
+
+
+def _resolvable(ref: str) -> bool:
+    try:
+        resolve_model_path(ref)
+    except CheckpointError:
+        return False
+    return True
+
+
+def load_stages(path: str | Path) -> list[Stage]:
+    """Parse and validate every document of a multi-stage file, in file order."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read config ({exc.__class__.__name__})") from None
+    try:
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
+    if not documents:
+        raise ConfigError(f"{path}: no merge documents found")
+
+    stages: list[Stage] = []
+    for position, doc in enumerate(documents, start=1):
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{path}: document {position}: expected a mapping of keys, got {type(doc).__name__}")
+        doc = dict(doc)
+        name = doc.pop("name", None)
+        if name is not None and (not isinstance(name, str) or not _NAME_RE.match(name)):
+            raise ConfigError(
+                f"{path}: document {position}: `name` {name!r} must be a plain directory name "
+                "(letters, digits, '.', '_', '-'; not starting with '.' or '-')"
+            )
+        stage = Stage(name, doc, position)
+        parse_config(doc, f"{path} ({stage.label})")  # each document is an ordinary merge config
+        stages.append(stage)
+
+    seen: dict[str, int] = {}
+    for stage in stages:
+        if stage.name is None:
+            continue
+        if stage.name in seen:
+            raise ConfigError(
+                f"{path}: documents {seen[stage.name]} and {stage.position} are both named {stage.name!r}"
+            )
+        seen[stage.name] = stage.position
+    unnamed = [s.position for s in stages if s.name is None]
+    if len(unnamed) > 1:
+        raise ConfigError(
+            f"{path}: documents {', '.join(map(str, unnamed))} have no `name`; only the final merge may be unnamed"
+        )
+
+    for stage in stages:
+        for holder, key in _model_slots(stage.document):
+            ref = holder[key]
+            if ref in seen:
+                if ref == stage.name:
+                    raise ConfigError(f"{path}: {stage.label} names itself as a model")
+                if ref not in stage.depends_on:
+                    stage.depends_on.append(ref)
+            elif not _resolvable(ref):
+                hint = difflib.get_close_matches(ref, list(seen), n=1)
+                suggestion = f" (did you mean stage `{hint[0]}`?)" if hint else ""
+                raise ConfigError(
+                    f"{path}: {stage.label}: model {ref!r} is neither a stage of this file nor a local path or "
+                    f"cached model{suggestion}"
+                )
+    return stages
+
+
+def stage_order(stages: list[Stage], source: str = "config") -> list[Stage]:
+    """Dependencies first, otherwise file order; a cycle is an error that names its stages."""
+    by_name = {s.name: s for s in stages if s.name is not None}
+    state: dict[int, str] = {}  # position -> "visiting" | "done"
+    ordered: list[Stage] = []
+
+    def visit(stage: Stage, trail: list[str]) -> None:
+        mark = state.get(stage.position)
+        if mark == "done":
+            return
+        if mark == "visiting":
+            cycle = trail[trail.index(stage.name or "") :] + [stage.name or ""]
+            raise ConfigError(f"{source}: stages depend on each other in a cycle: {' -> '.join(cycle)}")
+        state[stage.position] = "visiting"
+        for dep in stage.depends_on:
+            visit(by_name[dep], [*trail, stage.name or "(final)"])
+        state[stage.position] = "done"
+        ordered.append(stage)
+
+    for stage in stages:
+        visit(stage, [])
+    return ordered
+
+
+def _resolved_document(stage: Stage, outputs: dict[str, Path]) -> dict[str, Any]:
+    """The stage's document with every stage name replaced by that stage's output directory."""
+    doc = copy.deepcopy(stage.document)
+    for holder, key in _model_slots(doc):
+        if holder[key] in outputs:
+            holder[key] = str(outputs[holder[key]])
+    return doc
+
+
+def run_multi(
+    config_path: str | Path,
+    out_dir: str | Path,
+    options: MergeOptions | None = None,
+    *,
+    out_path: str | Path | None = None,
+    lazy: bool = True,
+    overwrite: bool = False,
+    force: bool = False,
+    on_stage: Callable[[Stage, Path], None] | None = None,
+    on_plan: Callable[[Plan], None] | None = None,
+    on_progress: Callable[[ProgressEvent], None] | None = None,
+    stop: threading.Event | None = None,
+) -> list[StageResult]:
+    """Run every stage of a multi-stage file in dependency order; returns one result per stage, in run order.
+
+    `lazy=False` reruns stages even when their output is complete (mergekit-multi's `--no-lazy`).
+    """
+    source = str(config_path)
+    stages = load_stages(config_path)
+    ordered = stage_order(stages, source)
+    root = Path(out_dir)
+    if any(s.name is None for s in stages) and out_path is None:
+        raise ConfigError(f"{source}: one document has no `name` (the final merge): give --out-path for its output")
+    outputs = {s.name: root / s.name for s in stages if s.name is not None}
+    options = options or MergeOptions()
+
+    results: list[StageResult] = []
+    for stage in ordered:
+        target = outputs[stage.name] if stage.name is not None else Path(out_path or "")
+        if on_stage is not None:
+            on_stage(stage, target)
+        config = parse_config(_resolved_document(stage, outputs), f"{source} ({stage.label})")
+        stage_options = copy.deepcopy(options)  # build_plan may draw a seed: never share it across stages
+        plan, checkpoints = build_plan(config, stage_options, target)
+        previous = Journal.load(target) if target.is_dir() else None
+        if previous is None:
+            replace = overwrite  # not a mergesmith output: only with the user's say-so
+        else:
+            replace = not lazy or previous.fingerprint != plan.fingerprint()
+        result = execute_plan(
+            plan,
+            checkpoints,
+            target,
+            stage_options,
+            overwrite=replace,
+            force=force,
+            on_plan=on_plan,
+            on_progress=on_progress,
+            stop=stop,
+        )
+        results.append(StageResult(stage.name, target, not result.already_complete, result))
+    return results

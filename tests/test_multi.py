@@ -1,0 +1,167 @@
+"""Multi-stage merges: dependency order, skipping unchanged stages, and errors caught before any merge."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mergesmith.cli import main
+from mergesmith.errors import ConfigError
+from mergesmith.multi import load_stages, run_multi, stage_order
+from mergesmith.planner import MergeOptions
+from tests.helpers import read_state_dict
+
+
+def _write_multi(path: Path, documents: list[dict]) -> Path:
+    path.write_text(yaml.safe_dump_all(documents, sort_keys=False))
+    return path
+
+
+def _three_stages(a: Path, b: Path, c: Path, last_weight: float = 0.5) -> list[dict]:
+    """`final` <- `mid` <- `first`, listed out of order so the file order is not the run order."""
+    return [
+        {
+            "name": "final",
+            "merge_method": "linear",
+            "models": [
+                {"model": "mid", "parameters": {"weight": last_weight}},
+                {"model": str(a), "parameters": {"weight": 1.0 - last_weight}},
+            ],
+        },
+        {
+            "name": "first",
+            "merge_method": "linear",
+            "models": [
+                {"model": str(a), "parameters": {"weight": 1.0}},
+                {"model": str(b), "parameters": {"weight": 1.0}},
+            ],
+        },
+        {
+            "name": "mid",
+            "merge_method": "slerp",
+            "base_model": "first",
+            "models": [{"model": "first"}, {"model": str(c)}],
+            "parameters": {"t": 0.3},
+        },
+    ]
+
+
+def _snapshot(out: Path) -> dict[str, int]:
+    """mtime of every model file under `out`: a skipped stage must leave all of them untouched."""
+    return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def _ran(results) -> list[str]:
+    return [r.name for r in results if r.ran]
+
+
+def test_three_stages_run_in_order_and_a_rerun_after_an_edit_runs_only_what_changed(tmp_path, tiny_models):
+    a, b, c = (tiny_models("llama", seed=s) for s in (1, 2, 3))
+    cfg = _write_multi(tmp_path / "multi.yml", _three_stages(a, b, c))
+    out = tmp_path / "stages"
+
+    results = run_multi(cfg, out, MergeOptions())
+    assert [r.name for r in results] == ["first", "mid", "final"]  # dependencies first
+    assert _ran(results) == ["first", "mid", "final"]
+    for name in ("first", "mid", "final"):
+        assert (out / name / "config.json").is_file() and (out / name / "model.safetensors").is_file()
+
+    # The stage outputs are what the stages say: `first` is the mean of a and b, `final` mixes `mid` and a.
+    sa, sb = read_state_dict(a), read_state_dict(b)
+    first, mid, final = (read_state_dict(out / n) for n in ("first", "mid", "final"))
+    for name in first:
+        torch.testing.assert_close(first[name], (sa[name] + sb[name]) / 2)
+        torch.testing.assert_close(final[name], 0.5 * mid[name] + 0.5 * sa[name])
+
+    # Unchanged: nothing runs and no file is touched.
+    before = _snapshot(out)
+    assert _ran(run_multi(cfg, out, MergeOptions())) == []
+    assert _snapshot(out) == before
+
+    # Editing the last stage reruns only it; its upstream files stay as they were.
+    _write_multi(cfg, _three_stages(a, b, c, last_weight=0.8))
+    assert _ran(run_multi(cfg, out, MergeOptions())) == ["final"]
+    after = _snapshot(out)
+    assert {k: v for k, v in after.items() if not k.startswith("final/")} == {
+        k: v for k, v in before.items() if not k.startswith("final/")
+    }
+    torch.testing.assert_close(
+        read_state_dict(out / "final")["model.norm.weight"],
+        0.8 * mid["model.norm.weight"] + 0.2 * sa["model.norm.weight"],
+    )
+
+    # Editing the middle stage reruns it and everything downstream, not what it depends on.
+    docs = _three_stages(a, b, c, last_weight=0.8)
+    docs[2]["parameters"]["t"] = 0.6
+    _write_multi(cfg, docs)
+    assert _ran(run_multi(cfg, out, MergeOptions())) == ["mid", "final"]
+
+    # --no-lazy reruns every stage.
+    assert _ran(run_multi(cfg, out, MergeOptions(), lazy=False)) == ["first", "mid", "final"]
+
+
+def test_unnamed_final_merge_goes_to_out_path_via_the_cli(tmp_path, tiny_models, capsys):
+    a, b = tiny_models("llama", seed=1), tiny_models("llama", seed=2)
+    cfg = _write_multi(
+        tmp_path / "multi.yml",
+        [
+            {
+                "name": "avg",
+                "merge_method": "linear",
+                "models": [{"model": str(a)}, {"model": str(b)}],
+                "parameters": {"weight": 1.0},
+            },
+            {"merge_method": "linear", "models": [{"model": "avg"}, {"model": str(b)}], "parameters": {"weight": 1.0}},
+        ],
+    )
+    final = tmp_path / "final"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["multi", str(cfg), "--intermediate-dir", str(tmp_path / "stages"), "--out-path", str(final), "-q"])
+    assert exit_info.value.code == 0
+    assert (final / "config.json").is_file() and (tmp_path / "stages" / "avg" / "config.json").is_file()
+    printed = capsys.readouterr().out
+    assert "avg: wrote" in printed and "(final): wrote" in printed
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["multi", str(cfg), "--out-dir", str(tmp_path / "stages"), "-q"])
+    assert exit_info.value.code == 2
+    assert "--out-path" in capsys.readouterr().err
+
+
+def _doc(name: str | None, *models: str) -> dict:
+    doc = {"merge_method": "linear", "models": [{"model": m} for m in models], "parameters": {"weight": 1.0}}
+    return {"name": name, **doc} if name else doc
+
+
+@pytest.mark.parametrize(
+    ("documents", "message"),
+    [
+        ([_doc("x", "y", "{a}"), _doc("y", "z", "{a}"), _doc("z", "x", "{a}")], "cycle: x -> y -> z -> x"),
+        ([_doc("x", "{a}", "{a}"), _doc("y", "xx", "{a}")], "model 'xx' is neither a stage"),
+        ([_doc("x", "{a}", "{a}"), _doc("x", "{a}", "{a}")], "documents 1 and 2 are both named 'x'"),
+        ([_doc(None, "{a}", "{a}"), _doc(None, "{a}", "{a}")], "only the final merge may be unnamed"),
+        ([_doc("../up", "{a}", "{a}")], "must be a plain directory name"),
+        ([_doc("x", "x", "{a}")], "names itself"),
+        ([{"name": "x", "merge_method": "linear", "modles": []}], "unknown key `modles`"),
+    ],
+)
+def test_bad_multi_files_fail_before_any_merge_with_one_clear_line(tmp_path, tiny_models, documents, message):
+    a = str(tiny_models("llama", seed=1))
+    docs = yaml.safe_load(yaml.safe_dump(documents).replace("{a}", a))
+    cfg = _write_multi(tmp_path / "multi.yml", docs)
+    with pytest.raises(ConfigError, match="^" + re.escape(str(cfg))) as err:
+        stage_order(load_stages(cfg), str(cfg))
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_an_unknown_name_close_to_a_stage_is_suggested(tmp_path, tiny_models):
+    a = str(tiny_models("llama", seed=1))
+    cfg = _write_multi(tmp_path / "multi.yml", [_doc("first-merge", a, a), _doc("second", "frist-merge", a)])
+    with pytest.raises(ConfigError, match="did you mean stage `first-merge`"):
+        run_multi(cfg, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing ran
