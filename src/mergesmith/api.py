@@ -22,6 +22,7 @@ from pathlib import Path
 from .config import MergeConfiguration, load_config
 from .errors import MergesmithError, OutputError
 from .executor import LocalExecutor, ProgressEvent
+from .io._test_hooks import kill_point
 from .io.checkpoint import Checkpoint
 from .io.journal import STATE_DIR, Journal, ensure_writable_dir
 from .io.safetensors_writer import file_checksum, write_file_atomic
@@ -75,9 +76,18 @@ def _owned_outputs(out_dir: Path) -> list[Path]:
     from .planner import TOKENIZER_FILES
 
     names.update(TOKENIZER_FILES)
-    found = [out_dir / n for n in names if (out_dir / n).exists()]
+    # config.json and the index go first: a directory that still has them must still have every shard.
+    found = [out_dir / n for n in ("config.json", INDEX_NAME) if (out_dir / n).exists()]
+    found += [out_dir / n for n in sorted(names - {"config.json", INDEX_NAME}) if (out_dir / n).exists()]
     found += sorted(out_dir.glob("model*.safetensors"))
     return found
+
+
+def _remove(path: Path) -> None:
+    """Remove one output file (a crash-test kill point: what is left must never look complete)."""
+    if path.exists():
+        path.unlink()
+        kill_point("unlink", path.name)
 
 
 def _prepare_out_dir(out_dir: Path, fingerprint: str, overwrite: bool) -> Journal:
@@ -89,7 +99,7 @@ def _prepare_out_dir(out_dir: Path, fingerprint: str, overwrite: bool) -> Journa
         return journal
     if overwrite:
         for path in _owned_outputs(out_dir):
-            path.unlink()
+            _remove(path)
         shutil.rmtree(out_dir / STATE_DIR, ignore_errors=True)
         (out_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
     elif journal is not None:
@@ -99,10 +109,14 @@ def _prepare_out_dir(out_dir: Path, fingerprint: str, overwrite: bool) -> Journa
     return Journal(out_dir, fingerprint)
 
 
-def _verify_finished(out_dir: Path, plan: Plan, journal: Journal) -> int:
-    """Keep journaled shards whose file still has the recorded size and checksum; drop the rest."""
+def _verify_finished(out_dir: Path, plan: Plan, journal: Journal) -> list[Path]:
+    """Keep journaled shards whose file still has the recorded size and checksum; forget the rest.
+
+    Returns the shard files to delete. The caller deletes them only after removing config.json and
+    the index, so that no moment (and no kill) leaves a directory that looks complete but lacks a shard.
+    """
     planned = {s.filename for s in plan.shards}
-    kept = 0
+    bad: list[Path] = []
     for name, record in list(journal.finished.items()):
         path = out_dir / name
         ok = name in planned and path.is_file() and path.stat().st_size == record.get("size")
@@ -111,12 +125,19 @@ def _verify_finished(out_dir: Path, plan: Plan, journal: Journal) -> int:
                 ok = file_checksum(path) == record.get("checksum")
             except (MergesmithError, OSError, ValueError):
                 ok = False
-        if ok:
-            kept += 1
-        else:
+        if not ok:
             journal.finished.pop(name)
-            path.unlink(missing_ok=True)
-    return kept
+            bad.append(path)
+    return bad
+
+
+def _human_bytes(n: float) -> str:
+    """Bytes in decimal units with enough precision that two different numbers never print alike."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
 
 
 def _check_space(out_dir: Path, plan: Plan, journal: Journal, force: bool) -> None:
@@ -124,8 +145,8 @@ def _check_space(out_dir: Path, plan: Plan, journal: Journal, force: bool) -> No
     free = shutil.disk_usage(out_dir).free
     if free < needed and not force:
         raise OutputError(
-            f"{out_dir}: not enough free space: the merge needs {needed / 1e9:.2f} GB, the filesystem has "
-            f"{free / 1e9:.2f} GB free (use --force to try anyway)"
+            f"{out_dir}: not enough free space: the merge needs {_human_bytes(needed)}, the filesystem has "
+            f"{_human_bytes(free)} free (use --force to try anyway)"
         )
 
 
@@ -205,28 +226,46 @@ def execute_plan(
     fingerprint = plan.fingerprint()
     journal = _prepare_out_dir(out, fingerprint, overwrite)
     journal.random_seed = plan.random_seed
-    reused = _verify_finished(out, plan, journal)
-    if journal.complete and reused == len(plan.shards) and (out / "config.json").is_file():
+    try:
+        return _write_plan(out, plan, checkpoints, options, journal, force, on_progress, stop, started)
+    except OSError as exc:  # a full or read-only disk, a quota: the user's environment, not a bug
+        if exc.filename:
+            raise OutputError(f"{exc.filename}: {exc.strerror or exc}") from None
+        raise OutputError(f"{out}: write failed ({exc.strerror or exc})") from None
+
+
+def _write_plan(
+    out: Path,
+    plan: Plan,
+    checkpoints: dict[str, Checkpoint],
+    options: MergeOptions,
+    journal: Journal,
+    force: bool,
+    on_progress: Callable[[ProgressEvent], None] | None,
+    stop: threading.Event | None,
+    started: float,
+) -> MergeResult:
+    """Steps 1-4 of the output-directory protocol (see the module docstring) into a prepared `out`."""
+    bad = _verify_finished(out, plan, journal)
+    reused = len(journal.finished)
+    if journal.complete and not bad and reused == len(plan.shards) and (out / "config.json").is_file():
         return MergeResult(out, plan, reused, True, time.monotonic() - started)
     journal.complete = False
-    for stale in (out / "config.json", out / INDEX_NAME):
-        stale.unlink(missing_ok=True)
+    for stale in (out / "config.json", out / INDEX_NAME, *bad):
+        _remove(stale)
     journal.save()
     _check_space(out, plan, journal, force)
-    try:
-        LocalExecutor(
-            plan,
-            checkpoints,
-            out,
-            journal,
-            threads=options.threads,
-            max_memory=options.max_memory,
-            device=options.device,
-            on_progress=on_progress,
-            stop=stop,
-        ).run()
-    except OSError as exc:
-        raise OutputError(f"{out}: write failed ({exc.strerror or exc})") from None
+    LocalExecutor(
+        plan,
+        checkpoints,
+        out,
+        journal,
+        threads=options.threads,
+        max_memory=options.max_memory,
+        device=options.device,
+        on_progress=on_progress,
+        stop=stop,
+    ).run()
     _write_small_files(out, plan)
     _write_index_and_config(out, plan)
     journal.complete = True
