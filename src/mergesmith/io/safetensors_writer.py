@@ -29,7 +29,6 @@ import torch
 
 from ..dtypes import dtype_size, from_torch
 from ._test_hooks import kill_point
-from ._test_hooks import kill_point
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian by definition
     raise ImportError("mergesmith's safetensors writer needs a little-endian machine")
