@@ -289,19 +289,58 @@ def test_random_methods_are_seeded_only_by_the_generator(method):
         call(method, [base, *models], 0, mp, seed=None)
 
 
-@pytest.mark.parametrize("method", RANDOM_METHODS)
-def test_random_methods_same_bytes_for_any_thread_count(method):
-    base, models = finetunes(2, (256, 64), seed=8)
-    mp = [{}] + [{"weight": 0.5, "density": 0.3}] * 2
+# distinct models for every method: (number of models, base index, per-model params, global params)
+DISTINCT_CASES: dict[str, tuple[int, int | None, dict, dict]] = {
+    **IDENTICAL_CASES,
+    "multislerp": (3, 0, {"weight": 0.3}, {}),
+    "nuslerp": (3, 0, {"weight": 0.5}, {"nuslerp_flatten": True}),
+}
+
+
+def _with_threads(threads: int, fn):
     before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        results = []
-        for threads in (1, 2, 4):
-            torch.set_num_threads(threads)
-            results.append(call(method, [base, *models], 0, mp, seed=7).numpy().tobytes())
+        return fn()
     finally:
         torch.set_num_threads(before)
-    assert results[0] == results[1] == results[2]
+
+
+@pytest.mark.parametrize("shape", [(256, 200), (40000,)], ids=["matrix", "vector"])
+@pytest.mark.parametrize("method", sorted(DISTINCT_CASES))
+def test_same_bytes_for_any_thread_count(method, shape):
+    """Whole-tensor sums and norms (L1 rescale, slerp angles, Karcher dots...) over more than 32768 entries are
+    split among torch's threads; the methods reduce in fixed blocks so the bytes never depend on the count."""
+    n, base_index, model_params, params = DISTINCT_CASES[method]
+    base, models = finetunes(n, shape, seed=8)
+    tensors = [base, *models[1:]] if base_index == 0 else models
+    mp = [dict(model_params, density=0.3) if "density" in model_params else model_params] * n
+
+    def run():
+        return call(method, tensors, base_index, mp, seed=7, **params).numpy().tobytes()
+
+    results = {threads: _with_threads(threads, run) for threads in (1, 2, 3)}
+    assert results[1] == results[2] == results[3]
+
+
+def test_blocked_reductions():
+    from mergesmith.methods import reductions as r
+
+    small = rand((1000,), 1)
+    assert torch.equal(r.total(small), small.sum())
+    assert torch.equal(r.l2(small), torch.linalg.vector_norm(small))
+    assert torch.equal(r.dot(small, small.flip(0)), torch.dot(small, small.flip(0)))
+    big = rand((3_000_017,), 2)
+    exact = big.double()
+    for threads in (1, 2, 4):
+        torch.testing.assert_close(
+            _with_threads(threads, lambda: r.total(big)).double(), exact.sum(), rtol=1e-5, atol=1e-2
+        )
+        torch.testing.assert_close(_with_threads(threads, lambda: r.l2(big)).double(), exact.norm(), rtol=1e-6, atol=0)
+    rows = rand((3, 50000), 3)
+    assert torch.equal(r.sum_along(rows, -1), rows.sum(-1))
+    assert r.sum_along(rows[:1], -1, keepdim=True).shape == (1, 1)
+    assert r.norm_along(rows[0], -1).shape == ()
 
 
 def test_dare_linear_fraction_kept_and_rescaled_expectation():

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import check_same_shape, require_base, require_generator
+from .reductions import sum_along
 from .registry import MergeInputs, MethodSpec, register
 
 QUANTILE_SAMPLE = 1_000_000
@@ -32,7 +33,7 @@ def importance(base: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """|b - a| times the row-wise KL divergence of softmax(b) from softmax(a)."""
     p = F.softmax(other, dim=-1) + 1e-8
     q = F.softmax(base, dim=-1) + 1e-8
-    kl = torch.sum(p * torch.log(p / q), dim=-1, keepdim=True)
+    kl = sum_along(p * torch.log(p / q), dim=-1, keepdim=True)
     return (other - base).abs() * kl
 
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from .common import check_same_shape, work_dtype
+from .reductions import dot, l2
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
 
@@ -33,7 +34,7 @@ def karcher_mean(
     if len(tensors) == 1:
         return tensors[0]
     dtype = work_dtype(tensors[0])
-    norms = [torch.linalg.vector_norm(x.to(dtype)) for x in tensors]
+    norms = [l2(x.to(dtype)) for x in tensors]
     units = [torch.zeros_like(x) if n.item() == 0.0 else (x / n).to(x.dtype) for x, n in zip(tensors, norms)]
 
     kept = [i for i, n in enumerate(norms) if n.item() > tol]
@@ -46,22 +47,22 @@ def karcher_mean(
     mean = torch.zeros_like(directions[0])
     for a, u in zip(weights, directions):
         mean += a * u
-    mean_norm = torch.linalg.vector_norm(mean.to(dtype))
+    mean_norm = l2(mean.to(dtype))
     mean = directions[0].clone() if mean_norm.item() < tol else (mean / mean_norm).to(mean.dtype)
 
     for _ in range(max_iter):
         step = torch.zeros_like(mean)
         for a, u in zip(weights, directions):
-            cos_theta = torch.clamp(torch.dot(mean.flatten(), u.flatten()), -1.0, 1.0)
+            cos_theta = torch.clamp(dot(mean, u), -1.0, 1.0)
             theta = torch.arccos(cos_theta)
             if theta.item() < tol:
                 continue  # u coincides with the mean: log map is zero
             step += a * (theta / torch.sin(theta)) * (u - cos_theta * mean)
-        step_norm = torch.linalg.vector_norm(step.to(dtype))
+        step_norm = l2(step.to(dtype))
         if step_norm.item() < tol:
             break
         mean = (torch.cos(step_norm) * mean + torch.sin(step_norm) * (step / step_norm)).to(mean.dtype)
-        length = torch.linalg.vector_norm(mean.to(dtype))
+        length = l2(mean.to(dtype))
         if length.item() > tol:
             mean = (mean / length).to(mean.dtype)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .common import check_same_shape, require_base
+from .reductions import norm_along, sum_along
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
 
@@ -32,8 +33,8 @@ def model_stock(base: torch.Tensor, models: list[torch.Tensor], filter_wise: boo
     cosines = []
     for i, d_i in enumerate(deltas):
         for d_j in deltas[i + 1 :]:
-            norms = torch.linalg.vector_norm(d_i, dim=-1) * torch.linalg.vector_norm(d_j, dim=-1)
-            cosines.append(((d_i * d_j).sum(dim=-1) / norms.clamp(min=1e-6)).clamp(-1, 1))
+            norms = norm_along(d_i, dim=-1) * norm_along(d_j, dim=-1)
+            cosines.append((sum_along(d_i * d_j, dim=-1) / norms.clamp(min=1e-6)).clamp(-1, 1))
     cos_theta = torch.stack(cosines).mean(dim=0).unsqueeze(-1)
 
     n = len(models)

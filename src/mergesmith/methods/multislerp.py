@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from .common import check_same_shape, non_base_values
+from .reductions import l2, norm_along, sum_along
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
 
@@ -46,10 +47,10 @@ def multislerp(
     if normalize_weights:
         w = w / w.sum()
 
-    norms = torch.linalg.vector_norm(flat, dim=-1, keepdim=True)
+    norms = norm_along(flat, dim=-1, keepdim=True)
     units = flat / (norms + eps)
     mean = (units * w.view(-1, 1)).sum(0)
-    mean_norm = torch.linalg.vector_norm(mean)
+    mean_norm = l2(mean)
     if mean_norm < eps:
         if len(tensors) == 2:
             linear = (points[0] * w[0] + points[1] * w[1]).view(points.shape[1:])
@@ -60,9 +61,9 @@ def multislerp(
         )
     mean = mean / mean_norm
 
-    tangents = units - (units * mean).sum(-1, keepdim=True) * mean
+    tangents = units - sum_along(units * mean, dim=-1, keepdim=True) * mean
     tangent = (tangents * w.view(-1, 1)).sum(0)
-    length = torch.linalg.vector_norm(tangent) + eps
+    length = l2(tangent) + eps
     on_sphere = mean * torch.cos(length) + tangent * (torch.sin(length) / length)
 
     out = (on_sphere * (norms.squeeze(-1) * w).sum()).view(points.shape[1:])

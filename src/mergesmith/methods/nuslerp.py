@@ -20,11 +20,12 @@ from __future__ import annotations
 import torch
 
 from .common import check_same_shape, non_base_values
+from .reductions import norm_along, sum_along
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
-    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=1e-7)
+    return x / norm_along(x, dim=-1, keepdim=True).clamp(min=1e-7)
 
 
 def nuslerp(
@@ -37,7 +38,7 @@ def nuslerp(
     elif row_wise:
         v0, v1 = v0.transpose(0, -1), v1.transpose(0, -1)
 
-    cos_omega = torch.sum(_unit(v0) * _unit(v1), dim=-1, keepdim=True).clamp(-1, 1)
+    cos_omega = sum_along(_unit(v0) * _unit(v1), dim=-1, keepdim=True).clamp(-1, 1)
     collinear = (1 - cos_omega.square()) <= eps**2
     omega = torch.acos(torch.where(collinear, 0, cos_omega))
     spherical = (torch.sin((1 - t) * omega) * v0 + torch.sin(t * omega) * v1) / torch.sin(omega)

@@ -15,7 +15,8 @@ interpolation (1 - t) p0 + t p1 is used instead, as mergekit does.
 Numerics follow mergekit 0.1.5 exactly, so results are bit-identical: float32 work (float64 stays
 float64), norms and the dot product reduced over blocks of 2**20 elements (the norm of the per-block
 norms; the sum of per-block dots of the normalised vectors), and `t` rounded to the work dtype
-before `1 - t` is taken.
+before `1 - t` is taken. Within a block the reductions are thread-count independent (reductions.py),
+where mergekit's are not for blocks of 32768 entries or more.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 import torch
 
 from .common import check_same_shape, require_base, work_dtype
+from .reductions import norm_along, sum_along
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
 BLOCK_ELEMENTS = 1 << 20
@@ -42,7 +44,7 @@ def _blocks(row: torch.Tensor) -> Iterator[torch.Tensor]:
 
 def _blockwise_norm(row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """|row| as the 2-norm of the per-block 2-norms, shape (1, 1)."""
-    parts = [torch.linalg.vector_norm(b.to(dtype), dim=1, keepdim=True) for b in _blocks(row)]
+    parts = [norm_along(b.to(dtype), dim=1, keepdim=True) for b in _blocks(row)]
     return torch.linalg.vector_norm(torch.stack(parts), dim=0)
 
 
@@ -61,7 +63,7 @@ def slerp(
     norm_b = _blockwise_norm(b, dtype)
     norm_a = torch.where(norm_a > eps, norm_a, 1)  # a zero vector has no direction: leave it unscaled
     norm_b = torch.where(norm_b > eps, norm_b, 1)
-    dots = [((x.to(dtype) / norm_a) * (y.to(dtype) / norm_b)).sum(dim=1, keepdim=True) for x, y in _pairs(a, b)]
+    dots = [sum_along((x.to(dtype) / norm_a) * (y.to(dtype) / norm_b), dim=1, keepdim=True) for x, y in _pairs(a, b)]
     cos_omega = torch.stack(dots).sum(dim=0).clamp(-1, 1)
 
     collinear = cos_omega.abs() > dot_threshold

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from .reductions import total
+
 L1_EPS = 1e-7
 """Below this L1 norm (before or after masking) a task vector is not rescaled."""
 
@@ -35,8 +37,8 @@ def keep_l1_norm(delta: torch.Tensor, mask: torch.Tensor, rescale: bool) -> torc
     kept = delta * mask
     if not rescale:
         return kept
-    before = delta.abs().sum()
-    after = kept.abs().sum()
+    before = total(delta.abs())
+    after = total(kept.abs())
     if before < L1_EPS or after < L1_EPS:
         return kept
     return kept * (before / after)

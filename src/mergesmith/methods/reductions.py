@@ -1,0 +1,96 @@
+"""Sums, norms and dot products whose bits do not depend on torch's thread count.
+
+torch reduces a whole tensor to one number by splitting it among its intra-op threads and adding the
+partial results, so for tensors of 32768 entries or more (ATen's grain size) the rounding, and so the
+merged bytes, change with the number of threads; MKL's dot product does so from a few thousand entries.
+A reduction with several outputs is different: each output is reduced by one thread, whatever their
+number. So a whole-tensor reduction here is done in fixed blocks of BLOCK entries (one output per block,
+each reduced serially), then the block results are reduced the same way until few enough remain for a
+serial pass.
+
+Below the grain size (and for dot products below DOT_SERIAL_MAX entries) these are exactly torch's own
+serial reductions, which is what mergekit 0.1.5 computes too, so small tensors stay bit-identical to
+mergekit. For larger tensors mergekit's own result depends on its thread count; ours agrees with it to
+float rounding and does not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SERIAL_LIMIT = 32768
+"""ATen's grain size: reductions of fewer input entries run on one thread."""
+
+BLOCK = 16384
+"""Entries per block of a blocked reduction (< SERIAL_LIMIT, so a single block is also serial)."""
+
+DOT_SERIAL_MAX = 4096
+"""Up to this many entries MKL's dot product runs on one thread (checked for thread counts 1-8)."""
+
+
+def _blocks(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (n // BLOCK, BLOCK) view of a 1-D tensor and the remainder (None when empty)."""
+    full = flat.numel() // BLOCK * BLOCK
+    rest = flat[full:] if full < flat.numel() else None
+    return flat[:full].view(-1, BLOCK), rest
+
+
+def total(x: torch.Tensor) -> torch.Tensor:
+    """Sum of all entries, as a 0-dim tensor of x's dtype."""
+    flat = x.reshape(-1)
+    if flat.numel() < SERIAL_LIMIT:
+        return flat.sum()
+    rows, rest = _blocks(flat)
+    parts = rows.sum(dim=1)
+    if rest is not None:
+        parts = torch.cat([parts, rest.sum().reshape(1)])
+    return total(parts)
+
+
+def l2(x: torch.Tensor) -> torch.Tensor:
+    """2-norm of all entries, as a 0-dim tensor (blocks combine as the norm of their norms)."""
+    flat = x.reshape(-1)
+    if flat.numel() < SERIAL_LIMIT:
+        return torch.linalg.vector_norm(flat)
+    rows, rest = _blocks(flat)
+    parts = torch.linalg.vector_norm(rows, dim=1)
+    if rest is not None:
+        parts = torch.cat([parts, torch.linalg.vector_norm(rest).reshape(1)])
+    return l2(parts)
+
+
+def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """<a, b> over all entries, as a 0-dim tensor."""
+    if a.numel() <= DOT_SERIAL_MAX:
+        return torch.dot(a.reshape(-1), b.reshape(-1))
+    return total(a * b)
+
+
+def _single_output(x: torch.Tensor, dim: int) -> bool:
+    return x.numel() // max(1, x.shape[dim]) == 1 if x.dim() else True
+
+
+def sum_along(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """x.sum(dim), made thread-count independent when there is only one output."""
+    if x.dim() and _single_output(x, dim):
+        out = total(x)
+        shape = list(x.shape)
+        if keepdim:
+            shape[dim] = 1
+        else:
+            del shape[dim]
+        return out.reshape(shape)
+    return x.sum(dim=dim, keepdim=keepdim)
+
+
+def norm_along(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """vector_norm(x, dim), made thread-count independent when there is only one output."""
+    if x.dim() and _single_output(x, dim):
+        out = l2(x)
+        shape = list(x.shape)
+        if keepdim:
+            shape[dim] = 1
+        else:
+            del shape[dim]
+        return out.reshape(shape)
+    return torch.linalg.vector_norm(x, dim=dim, keepdim=keepdim)
