@@ -58,3 +58,47 @@ def stack_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
 
 
 register_op("stack", stack_op)
+
+
+def perturb_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
+    """One input plus seeded Gaussian noise, then scaled: `(x + noise_scale * N(0, 1)) * scale`.
+
+    params: `noise_scale` and `scale` (either may be None). The noise comes from a generator seeded
+    by `recipe.seed` (derived from the global seed and the output name), so the bytes do not depend
+    on execution order or resumption. MoE assembly uses it for an expert's `noise_scale` and, on its
+    down projection, `residual_scale`. Computed in float32 whatever the input dtype.
+    """
+    params = dict(recipe.params)
+    noise_scale = params.get("noise_scale")
+    scale = params.get("scale")
+    tensor = load(recipe.inputs[0]).to(torch.float32)
+    if noise_scale:
+        if recipe.seed is None:
+            raise ValueError(f"{recipe.name}: perturb with noise needs a seed")
+        generator = torch.Generator().manual_seed(recipe.seed)
+        tensor = tensor + torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * float(noise_scale)
+    if scale is not None:
+        tensor = tensor * float(scale)
+    return tensor
+
+
+def zeros_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
+    """A tensor of zeros of the recipe's shape (no inputs): e.g. the q/k/v biases Qwen2-MoE expects
+    when the dense donor (Llama, Mistral) has none; zero biases leave the attention unchanged."""
+    return torch.zeros(recipe.shape, dtype=torch.float32)
+
+
+register_op("perturb", perturb_op)
+register_op("zeros", zeros_op)
+
+
+def vocab_merge_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
+    """Embedding/lm_head rows re-indexed to the output vocabulary, then merged (tokenizer/align.py).
+
+    Imported lazily so registering it costs nothing for merges that keep their vocabulary."""
+    from .tokenizer.align import merge_vocabulary
+
+    return merge_vocabulary(recipe, load)
+
+
+register_op("vocab_merge", vocab_merge_op)

@@ -1,0 +1,106 @@
+"""The MoE Python API: plan an assembly from headers, then compute router weights and write it.
+
+Writing goes through `api.execute_plan`, the output protocol every planner shares, so an MoE
+assembly resumes after an interruption, checks the disk and reports progress like a merge.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..api import MergeResult, execute_plan
+from ..errors import OutputError
+from ..executor import ProgressEvent
+from ..io.checkpoint import Checkpoint
+from ..io.journal import STATE_DIR, Journal
+from ..plan import Plan
+from ..planner import MergeOptions
+from .config import MoEConfiguration, load_moe_config, validate_moe_config
+from .planner import MoEPlanner
+from .router import ROUTER_MODEL, GateJob, GateProgress
+
+
+def build_moe_plan(
+    config: str | Path | MoEConfiguration,
+    options: MergeOptions | None = None,
+    out_dir: str | Path | None = None,
+    *,
+    allow_all_same: bool = False,
+) -> tuple[Plan, dict[str, Checkpoint], GateJob]:
+    """Plan an MoE assembly from headers alone (no forward pass; router weights are computed later).
+
+    When the config needs randomness (random gates, expert noise) and no seed is given, reuse the
+    seed an interrupted run in `out_dir` recorded (so it resumes), or draw and record a new one.
+    """
+    if isinstance(config, MoEConfiguration):
+        validate_moe_config(config, allow_all_same=allow_all_same)
+        cfg, source = config, "config"
+    else:
+        cfg, source = load_moe_config(config, allow_all_same=allow_all_same), str(config)
+    options = options or MergeOptions()
+    if cfg.needs_seed() and options.random_seed is None:
+        previous = Journal.load(Path(out_dir)) if out_dir is not None and Path(out_dir).is_dir() else None
+        options.random_seed = (
+            previous.random_seed if previous and previous.random_seed is not None else secrets.randbelow(2**31)
+        )
+    checkpoints = {ref: Checkpoint.open(ref) for ref in cfg.referenced_models()}
+    plan, gates = MoEPlanner(cfg, checkpoints, options, source).build()
+    return plan, checkpoints, gates
+
+
+def _refuse_early(out: Path, plan: Plan, overwrite: bool) -> None:
+    """The output-directory refusals of execute_plan, checked before the (possibly long) router pass."""
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: output path exists and is not a directory")
+    if overwrite or not out.is_dir():
+        return
+    journal = Journal.load(out)
+    if journal is not None and journal.fingerprint != plan.fingerprint():
+        raise OutputError(f"{out}: holds a merge with a different config or inputs; use --overwrite to replace it")
+    if journal is None and any(p.name != STATE_DIR for p in out.iterdir()):
+        raise OutputError(f"{out}: directory is not empty; use --overwrite to replace its model files")
+
+
+def run_moe(
+    config: str | Path | MoEConfiguration,
+    out_dir: str | Path,
+    options: MergeOptions | None = None,
+    *,
+    overwrite: bool = False,
+    force: bool = False,
+    allow_all_same: bool = False,
+    on_plan: Callable[[Plan], None] | None = None,
+    on_progress: Callable[[ProgressEvent], None] | None = None,
+    on_gate_progress: GateProgress | None = None,
+    on_warning: Callable[[str], None] | None = None,
+    stop: threading.Event | None = None,
+) -> MergeResult:
+    """Assemble the MoE model into `out_dir`; rerunning after an interruption resumes where it stopped."""
+    started = time.monotonic()
+    out = Path(out_dir)
+    options = options or MergeOptions()
+    plan, checkpoints, gates = build_moe_plan(config, options, out, allow_all_same=allow_all_same)
+    _refuse_early(out, plan, overwrite)
+    router, warnings = gates.materialize(on_gate_progress)
+    plan.warnings.extend(warnings)
+    for warning in plan.warnings:
+        if on_warning is not None:
+            on_warning(warning)
+    inputs: dict[str, Any] = {**checkpoints, ROUTER_MODEL: router}
+    return execute_plan(
+        plan,
+        inputs,
+        out,
+        options,
+        overwrite=overwrite,
+        force=force,
+        on_plan=on_plan,
+        on_progress=on_progress,
+        stop=stop,
+        started=started,
+    )

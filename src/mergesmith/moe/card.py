@@ -1,0 +1,36 @@
+"""The model card (README.md) written beside an MoE assembly: base, experts, routing and the config."""
+
+from __future__ import annotations
+
+import yaml
+
+from .. import __version__
+from .config import MoEConfiguration, dump_moe_config
+
+
+def moe_model_card(config: MoEConfiguration, architecture: str, random_seed: int | None = None) -> str:
+    """A Hugging Face model card whose front matter lists every input model as `base_model`."""
+    front = {"base_model": config.referenced_models(), "library_name": "transformers", "tags": ["mergesmith", "moe"]}
+    n = len(config.experts)
+    lines = [
+        "---",
+        yaml.safe_dump(front, sort_keys=False).rstrip(),
+        "---",
+        "# Mixture of experts",
+        "",
+        f"This {architecture} model was assembled with [mergesmith](https://pypi.org/project/mergesmith/) "
+        f"{__version__} from {n} dense expert{'s' if n != 1 else ''} ({config.experts_per_token} per token), "
+        f"router weights from gate mode `{config.gate_mode}`.",
+        "",
+        f"Attention and norms: `{config.base_model}`.",
+        "",
+        "## Experts",
+        "",
+    ]
+    lines += [f"{i}. `{e.source_model}`" for i, e in enumerate(config.experts)]
+    for e in config.shared_experts or []:
+        lines += ["", f"Shared expert: `{e.source_model}`."]
+    if random_seed is not None:
+        lines += ["", f"Random seed: `{random_seed}` (rerun with `--random-seed {random_seed}` to reproduce)."]
+    lines += ["", "## Configuration", "", "```yaml", dump_moe_config(config).rstrip(), "```", ""]
+    return "\n".join(lines)

@@ -1,0 +1,323 @@
+"""The MoE planner: a mergekit-moe config + dense checkpoints -> a Plan for the shared executor.
+
+Each layer keeps the base model's attention and norms; its dense MLP is replaced by one expert per
+`experts` entry (that model's MLP of the same layer, under the per-expert names of the output family),
+a router, and for Qwen2-MoE a shared expert and its gate. Every output tensor is a `copy` recipe (or
+`perturb` for `noise_scale`/`residual_scale`, `zeros` for biases a donor lacks), so a model used as
+several experts is simply read several times from its memory map: no warning, no extra memory.
+
+Router weights come from a `GateJob` (see router.py) and are referenced like any input tensor; the
+plan needs only their shapes, so planning reads headers alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..architecture import (
+    LM_HEAD_NAMES,
+    LayerStack,
+    embedding_for_head,
+    find_layer_stack,
+    is_embedding,
+    rewrite_config,
+    ties_embeddings,
+)
+from ..config import MergeConfiguration
+from ..dtypes import is_float, parse_config_dtype
+from ..errors import CheckpointError, ConfigError
+from ..io.checkpoint import Checkpoint, TensorInfo
+from ..plan import InputRef, Plan, TensorRecipe
+from ..planner import TOKENIZER_FILES, MergeOptions, Planner, tensor_seed
+from .arch import DENSE_MLP, OutputArchitecture, select_architecture
+from .card import moe_model_card
+from .config import PROMPT_MODES, Expert, MoEConfiguration, dump_moe_config
+from .router import ROUTER_MODEL, GateJob, router_tensor, shared_router_tensor
+
+
+class _PlannedInput:
+    """Header-only stand-in for the router-weights file before it exists (planning needs shapes only)."""
+
+    def __init__(self, infos: dict[str, TensorInfo]) -> None:
+        self.tensors = infos
+        self.config = None
+
+    def info(self, name: str) -> TensorInfo:
+        return self.tensors[name]
+
+
+class MoEPlanner:
+    """Builds the Plan (and the router-weights job) for one MoE config over opened checkpoints."""
+
+    def __init__(
+        self,
+        config: MoEConfiguration,
+        checkpoints: dict[str, Checkpoint],
+        options: MergeOptions,
+        source: str = "config",
+    ) -> None:
+        self.config = config
+        self.ckpts = checkpoints
+        self.options = options
+        self.source = source
+        self.base = checkpoints[config.base_model]
+        if self.base.config is None:
+            raise CheckpointError(f"base_model {config.base_model!r}: no config.json in {self.base.root}")
+        self.base_cfg: dict[str, Any] = self.base.config
+        self.model_type = str(self.base_cfg.get("model_type"))
+        self._check_models()
+        self.arch: OutputArchitecture = select_architecture(config, self.model_type, source)
+        self.stacks: dict[str, LayerStack] = {ref: self._stack(ref) for ref in config.referenced_models()}
+        self.layers = self.stacks[config.base_model].count
+        self.hidden = int(self.base_cfg["hidden_size"])
+        self.out_dtype = self._out_dtype()
+        self.warnings: list[str] = []
+
+    # ----- checks ----------------------------------------------------------------------------
+    def _members(self) -> list[tuple[str, Expert]]:
+        """(config key, expert) for every routed and shared expert, in config order."""
+        out = [(f"experts[{i}]", e) for i, e in enumerate(self.config.experts)]
+        out += [(f"shared_experts[{i}]", e) for i, e in enumerate(self.config.shared_experts or [])]
+        return out
+
+    def _check_models(self) -> None:
+        """Every expert must be the base's architecture, width and depth: its MLP replaces the base's."""
+        base_ref = self.config.base_model
+        for key, expert in self._members():
+            cfg = self.ckpts[expert.source_model].config
+            if cfg is None:
+                raise CheckpointError(
+                    f"{self.source}: `{key}.source_model`: model {expert.source_model!r} has no config.json"
+                )
+            for field, what in (("model_type", "architecture"), ("hidden_size", "hidden size")):
+                if cfg.get(field) != self.base_cfg.get(field):
+                    raise ConfigError(
+                        f"{self.source}: `{key}.source_model`: model {expert.source_model!r} has {what} "
+                        f"{cfg.get(field)!r}, but base_model {base_ref!r} has {self.base_cfg.get(field)!r}"
+                    )
+            if cfg.get("num_hidden_layers") != self.base_cfg.get("num_hidden_layers"):
+                raise ConfigError(
+                    f"{self.source}: `{key}.source_model`: model {expert.source_model!r} has "
+                    f"{cfg.get('num_hidden_layers')} layers, but base_model {base_ref!r} has "
+                    f"{self.base_cfg.get('num_hidden_layers')}"
+                )
+
+    def _stack(self, ref: str) -> LayerStack:
+        ck = self.ckpts[ref]
+        stack = find_layer_stack(ck.tensors, ck.config)
+        if stack is None:
+            raise CheckpointError(f"model {ref!r}: no decoder layer stack found")
+        return stack
+
+    def _out_dtype(self) -> str:
+        if self.config.dtype:
+            return parse_config_dtype(self.config.dtype, "dtype")
+        named = self.base_cfg.get("torch_dtype") or self.base_cfg.get("dtype")
+        if isinstance(named, str):
+            try:
+                return parse_config_dtype(named, "torch_dtype")
+            except ConfigError:
+                pass
+        floats = [i.dtype for i in self.base.tensors.values() if is_float(i.dtype)]
+        return max(set(floats), key=floats.count) if floats else "F32"
+
+    # ----- recipes ---------------------------------------------------------------------------
+    def _copy(self, out_name: str, ref: str, tensor: str) -> TensorRecipe:
+        info = self.ckpts[ref].info(tensor)
+        dtype = self.out_dtype if is_float(info.dtype) else info.dtype
+        return TensorRecipe(out_name, info.shape, dtype, "copy", (InputRef(ref, tensor),))
+
+    def _mlp(self, key: str, expert: Expert, layer: int, rest: str, out_name: str) -> TensorRecipe:
+        """One projection of one expert: a copy, or `perturb` for noise / residual scaling (as mergekit)."""
+        ref = expert.source_model
+        name = self.stacks[ref].name(layer, rest)
+        if not self.ckpts[ref].has(name):
+            raise CheckpointError(
+                f"{self.source}: `{key}.source_model`: model {ref!r} has no tensor {name!r} (a dense MLP is needed)"
+            )
+        recipe = self._copy(out_name, ref, name)
+        scale = expert.residual_scale if rest == "mlp.down_proj.weight" else None
+        if not expert.noise_scale and scale is None:
+            return recipe
+        seed = None
+        if expert.noise_scale:
+            assert self.options.random_seed is not None
+            seed = tensor_seed(self.options.random_seed, out_name)
+        return TensorRecipe(
+            out_name,
+            recipe.shape,
+            recipe.dtype,
+            "perturb",
+            recipe.inputs,
+            params=(("noise_scale", expert.noise_scale), ("scale", scale)),
+            seed=seed,
+        )
+
+    def _check_expert_tensors(self) -> tuple[int, int | None]:
+        """Expert MLPs: only the three dense projections, all routed experts the same size.
+
+        Returns the routed experts' intermediate size and the shared expert's (None without one).
+        """
+        sizes: dict[str, int] = {}
+        for key, expert in self._members():
+            ref = expert.source_model
+            stack = self.stacks[ref]
+            for name in self.ckpts[ref].tensors:
+                hit = stack.split(name)
+                if hit is not None and hit[1].startswith("mlp.") and hit[1] not in DENSE_MLP:
+                    raise CheckpointError(
+                        f"{self.source}: `{key}.source_model`: model {ref!r} has {name!r}; {self.arch.name} experts "
+                        "hold only gate_proj/up_proj/down_proj weights"
+                    )
+            gate = self.ckpts[ref].tensors.get(stack.name(0, DENSE_MLP[0]))
+            if gate is None:
+                raise CheckpointError(
+                    f"{self.source}: `{key}.source_model`: model {ref!r} has no {stack.name(0, DENSE_MLP[0])!r}"
+                )
+            sizes[key] = gate.shape[0]
+        routed = {k: v for k, v in sizes.items() if k.startswith("experts")}
+        first = next(iter(routed.values()))
+        for key, size in routed.items():
+            if size != first:
+                raise ConfigError(
+                    f"{self.source}: `{key}.source_model`: MLP width {size} differs from experts[0]'s {first}; "
+                    "the experts of one layer must all have the same size"
+                )
+        shared = [v for k, v in sizes.items() if k.startswith("shared")]
+        return first, (shared[0] if shared else None)
+
+    def recipes(self) -> list[TensorRecipe]:
+        """Embeddings, then per layer the base's attention/norms, router, experts (and shared expert), then the head."""
+        base_ref = self.config.base_model
+        stack = self.stacks[base_ref]
+        names = list(self.base.tensors)
+        tied = ties_embeddings(self.base_cfg, names)
+        per_layer: dict[int, list[str]] = {i: [] for i in range(self.layers)}
+        outside: list[str] = []
+        for name in names:
+            hit = stack.split(name)
+            if hit is None:
+                if not (tied and name in LM_HEAD_NAMES):
+                    outside.append(name)
+            elif not hit[1].startswith("mlp."):
+                per_layer[hit[0]].append(hit[1])
+
+        recipes = [self._copy(n, base_ref, n) for n in outside if is_embedding(n)]
+        for layer in range(self.layers):
+            rests = per_layer[layer]
+            for rest in rests:
+                proj = self.arch.unsupported_bias(rest)
+                if proj is not None:
+                    raise CheckpointError(
+                        f"{self.source}: `base_model`: model {base_ref!r} has {stack.name(layer, rest)!r}; "
+                        f"{self.arch.name} attention has no {proj} bias"
+                    )
+                recipes.append(self._copy(stack.name(layer, rest), base_ref, stack.name(layer, rest)))
+            if self.arch.zero_qkv_bias:
+                for proj in ("q_proj", "k_proj", "v_proj"):
+                    if f"self_attn.{proj}.bias" not in rests:
+                        weight = self.base.info(stack.name(layer, f"self_attn.{proj}.weight"))
+                        bias = stack.name(layer, f"self_attn.{proj}.bias")
+                        recipes.append(TensorRecipe(bias, (weight.shape[0],), self.out_dtype, "zeros", ()))
+            recipes.append(self._router_copy(stack.name(layer, self.arch.router), router_tensor(layer)))
+            for e, expert in enumerate(self.config.experts):
+                for rest in DENSE_MLP:
+                    out = stack.name(layer, self.arch.expert_rest(rest, e))
+                    recipes.append(self._mlp(f"experts[{e}]", expert, layer, rest, out))
+            if self.arch.has_shared:
+                shared = (self.config.shared_experts or [])[0]
+                for rest in DENSE_MLP:
+                    out = stack.name(layer, self.arch.shared_rest(rest))
+                    recipes.append(self._mlp("shared_experts[0]", shared, layer, rest, out))
+                assert self.arch.shared_gate is not None
+                recipes.append(self._router_copy(stack.name(layer, self.arch.shared_gate), shared_router_tensor(layer)))
+        recipes += [self._copy(n, base_ref, n) for n in outside if not is_embedding(n)]
+        return recipes
+
+    def _router_copy(self, out_name: str, tensor: str) -> TensorRecipe:
+        info = self.gates.tensor_infos()[tensor]
+        return TensorRecipe(out_name, info.shape, self.out_dtype, "copy", (InputRef(ROUTER_MODEL, tensor),))
+
+    # ----- the plan --------------------------------------------------------------------------
+    def gate_job(self) -> GateJob:
+        shared_row = self.arch.shared_gate is not None
+        prompted = list(self.config.experts)
+        if shared_row:
+            prompted.append((self.config.shared_experts or [])[0])
+        embed = None
+        if self.config.gate_mode == "cheap_embed":
+            embed = embedding_for_head(self.base.tensors, self.stacks[self.config.base_model])
+            if embed is None:
+                raise CheckpointError(f"base_model {self.config.base_model!r}: no token embedding found")
+        return GateJob(
+            mode=self.config.gate_mode,
+            base=self.base,
+            prompted=prompted,
+            num_experts=len(self.config.experts),
+            shared_row=shared_row,
+            layers=self.layers,
+            hidden=self.hidden,
+            seed=self.options.random_seed if self.config.gate_mode not in PROMPT_MODES else None,
+            embed_name=embed,
+            device=self.options.device,
+            trust_remote_code=self.options.trust_remote_code,
+        )
+
+    def files_to_copy(self) -> list[tuple[str, str]]:
+        root = self.base.root
+        names = list(TOKENIZER_FILES) if self.options.copy_tokenizer else []
+        return [(str(root / n), n) for n in [*names, "generation_config.json"] if (root / n).is_file()]
+
+    def _merge_helpers(self) -> Planner:
+        """A merge Planner over the same inputs, for its shard cutting and estimate (shared, not rewritten)."""
+        view = MergeConfiguration.model_validate(
+            {"merge_method": "passthrough", "models": [{"model": self.config.base_model}]}
+        )
+        inputs: dict[str, Any] = {**self.ckpts, ROUTER_MODEL: _PlannedInput(self.gates.tensor_infos())}
+        return Planner(view, inputs, self.options, self.source)
+
+    def build(self) -> tuple[Plan, GateJob]:
+        expert_width, shared_width = self._check_expert_tensors()
+        self.gates = self.gate_job()
+        recipes = self.recipes()
+        cfg = self.arch.output_config(
+            self.base_cfg, len(self.config.experts), self.config.experts_per_token, expert_width, shared_width
+        )
+        output_config = rewrite_config(cfg, None, self.out_dtype)
+        seed = self.options.random_seed if self.config.needs_seed() else None
+        config_yaml = dump_moe_config(self.config)
+        if seed is not None:
+            config_yaml += f"# random seed used: {seed} (pass --random-seed to reproduce)\n"
+        card = moe_model_card(self.config, self.arch.name, seed) if self.options.write_model_card else None
+        helpers = self._merge_helpers()
+        identities: dict[str, Any] = {
+            ref: [list(x) for x in self.ckpts[ref].identity()] for ref in self.config.referenced_models()
+        }
+        identities[ROUTER_MODEL] = self.gates.identity()
+        plan = Plan(
+            shards=helpers.shards(recipes),
+            output_config=output_config,
+            compute_dtype="F32",
+            out_dtype=self.out_dtype,
+            files_to_copy=self.files_to_copy(),
+            config_yaml=config_yaml,
+            model_card=card,
+            input_identities=identities,
+            options={
+                "out_shard_size": self.options.out_shard_size,
+                "random_seed": seed,
+                "explicit_dtype": None,  # copies convert straight to the output dtype, as mergekit-moe does
+                "moe": {
+                    "architecture": self.arch.name,
+                    "experts": len(self.config.experts),
+                    "experts_per_token": self.config.experts_per_token,
+                    "shared_experts": len(self.config.shared_experts or []),
+                    "gate_mode": self.config.gate_mode,
+                    "router_weights": self.gates.key,
+                },
+            },
+            random_seed=seed,
+            warnings=self.warnings,
+            estimate=helpers.estimate(recipes),
+        )
+        return plan, self.gates
