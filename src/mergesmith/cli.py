@@ -176,8 +176,11 @@ class _Interrupts:
 def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, **kw: Any) -> None:
     """Merge the models of CONFIG_FILE into OUT_DIR (rerun to resume an interrupted merge)."""
     from .api import run_merge
+    from .moe.config import is_moe_config_file
     from .progress import MergeProgress
 
+    if is_moe_config_file(config_file):
+        raise ConfigError(f"{config_file}: this is a mergekit-moe config (it has `experts`); use `mergesmith moe`")
     options = _options(kw)
     with _Interrupts() as interrupts, MergeProgress(enabled=not quiet) as progress:
         result = run_merge(
@@ -209,17 +212,37 @@ def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--tensors/--no-tensors", default=False, help="List every output tensor.")
 def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bool, **kw: Any) -> None:
-    """Show what a merge will do and cost, reading headers only (no tensor data)."""
+    """Show what a merge will do and cost, reading headers only (no tensor data).
+
+    A mergekit-moe config (one with `experts` and no `merge_method`) is planned as an MoE assembly;
+    its router weights are not computed here.
+    """
     from .api import build_plan
+    from .moe.config import is_moe_config_file
     from .report import plan_report, render_plan_text
 
     options = _options(kw)
-    plan, checkpoints = build_plan(config_file, options, out_dir)
+    if is_moe_config_file(config_file):
+        from .moe import build_moe_plan
+
+        plan, checkpoints, _gates = build_moe_plan(config_file, options, out_dir)
+    else:
+        plan, checkpoints = build_plan(config_file, options, out_dir)
     report = plan_report(plan, checkpoints, out_dir, options)
+    moe = plan.options.get("moe")
+    if moe:
+        report["method"] = "moe"
+        report["moe"] = moe
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
         click.echo(render_plan_text(report, show_tensors=tensors))
+        if moe:
+            click.echo(
+                f"moe: {moe['architecture']}, {moe['experts']} experts, {moe['experts_per_token']} per token, "
+                f"{moe['shared_experts']} shared; gate_mode {moe['gate_mode']} (router weights are computed by "
+                "`mergesmith moe`)"
+            )
 
 
 @cli.command("merge-raw")
@@ -378,6 +401,86 @@ def multi_cmd(
             progress.close()
     for r in results:
         _report_result(r.out_dir, r.result, prefix=f"{r.name or '(final)'}: ")
+
+
+@cli.command("moe")
+@click.argument("config_file", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@_merge_options
+@click.option(
+    "--i-understand-this-is-not-useful-without-training",
+    "allow_all_same",
+    is_flag=True,
+    help="Allow every expert to be the same model with prompt-based gates (mergekit-moe's flag).",
+)
+@click.option("--load-in-4bit", is_flag=True, hidden=True)
+@click.option("--load-in-8bit", is_flag=True, hidden=True)
+@click.option("--overwrite", is_flag=True, help="Replace a different merge already in OUT_DIR.")
+@click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+def moe_cmd(
+    config_file: Path,
+    out_dir: Path,
+    allow_all_same: bool,
+    load_in_4bit: bool,
+    load_in_8bit: bool,
+    overwrite: bool,
+    force: bool,
+    quiet: bool,
+    **kw: Any,
+) -> None:
+    """Assemble a mixture of experts from dense models (a mergekit-moe CONFIG_FILE) into OUT_DIR.
+
+    Attention and norms come from `base_model`, each layer's experts from the `experts` models'
+    MLPs; router weights from gate_mode (hidden, cheap_embed, random, uniform_random). Rerun to
+    resume an interrupted run.
+    """
+    from .moe import run_moe
+    from .moe.progress import RouterProgress
+    from .progress import MergeProgress
+
+    if load_in_4bit or load_in_8bit:
+        raise ConfigError(
+            "`--load-in-4bit`/`--load-in-8bit` are not supported: gate_mode hidden runs the base model in its "
+            "own dtype (use --device cuda to move it off the CPU)"
+        )
+    options = _options(kw)
+
+    def warn(message: str) -> None:
+        click.echo(f"warning: {message}", err=True)
+
+    with _Interrupts() as interrupts, RouterProgress("router weights", enabled=not quiet) as router:
+        with MergeProgress(enabled=not quiet) as progress:
+
+            def start(plan: Any) -> None:
+                router.close()  # the router pass is over once writing starts
+                progress.start(plan)
+
+            result = run_moe(
+                config_file,
+                out_dir,
+                options,
+                overwrite=overwrite,
+                force=force,
+                allow_all_same=allow_all_same,
+                on_plan=start,
+                on_progress=progress.update,
+                on_gate_progress=router.update,
+                on_warning=warn,
+                stop=interrupts.stop,
+            )
+    plan = result.plan
+    if result.already_complete:
+        click.echo(f"{out_dir}: already complete (same config and inputs); nothing to do")
+        return
+    moe = plan.options["moe"]
+    seed = f", random seed {plan.random_seed}" if plan.random_seed is not None else ""
+    resumed = f", resumed with {result.shards_reused} finished shard(s)" if result.shards_reused else ""
+    click.echo(
+        f"wrote {out_dir} ({moe['architecture']}, {moe['experts']} experts, {moe['experts_per_token']} per token; "
+        f"{len(plan.recipes)} tensors in {len(plan.shards)} shard(s), {_human(plan.total_size)}) "
+        f"in {result.seconds:.1f}s{seed}{resumed}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
