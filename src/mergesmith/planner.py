@@ -366,9 +366,12 @@ class Planner:
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         return [ShardPlan(name, group) for name, group in zip(names, groups)]
 
-    def files_to_copy(self) -> list[tuple[str, str]]:
+    def files_to_copy(self, tokenizer_files: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
+        """Small files for the output; `tokenizer_files` (a built tokenizer) replace the copied ones."""
         files: list[tuple[str, str]] = []
-        if self.options.copy_tokenizer:
+        if tokenizer_files is not None:
+            files.extend(tokenizer_files)
+        elif self.options.copy_tokenizer:
             tok_ref = self._tokenizer_source()
             tok_root = self.ckpts[tok_ref].root if tok_ref in self.ckpts else Checkpoint.open(tok_ref).root
             for name in TOKENIZER_FILES:
@@ -380,15 +383,12 @@ class Planner:
         return files
 
     def _tokenizer_source(self) -> str:
+        """The model whose tokenizer files are copied when no tokenizer is built (see tokenizer/)."""
         source = self.config.tokenizer_source
         if self.config.tokenizer is not None:
             source = self.config.tokenizer.source
-            if self.config.tokenizer.tokens:
-                raise ConfigError(f"{self.source}: `tokenizer.tokens` is not supported yet")
-        if source in (None, "base"):
+        if source in (None, "base", "union"):
             return self.base_ref
-        if source == "union":
-            raise ConfigError(f"{self.source}: `tokenizer_source: union` (vocabulary merging) is not supported yet")
         return source
 
     def estimate(self, recipes: list[TensorRecipe]) -> Estimate:
@@ -413,6 +413,15 @@ class Planner:
 
     def build(self) -> Plan:
         recipes, layer_sources = self.recipes()
+        tokenizer_plan = None
+        if self.config.tokenizer is not None or self.config.tokenizer_source or self.config.chat_template:
+            from .tokenizer.planning import plan_tokenizer  # imports transformers only for such configs
+
+            tokenizer_plan = plan_tokenizer(self, recipes)
+            recipes = tokenizer_plan.recipes
+            self.warnings.extend(tokenizer_plan.warnings)
+            if tokenizer_plan.vocab_rows is not None:
+                self._vocab_rows = tokenizer_plan.vocab_rows
         vocab = self._vocab_rows
         base_vocab = (self.base.config or {}).get("vocab_size") or (
             (self.base.config or {}).get("text_config") or {}
@@ -423,6 +432,8 @@ class Planner:
             self.out_dtype,
             vocab if vocab is not None and vocab != base_vocab else None,
         )
+        if tokenizer_plan is not None:
+            tokenizer_plan.finish_config(output_config)
         from .card import model_card
 
         config_yaml = dump_config(self.config)
@@ -438,7 +449,7 @@ class Planner:
             output_config=output_config,
             compute_dtype=self.compute_dtype,
             out_dtype=self.out_dtype,
-            files_to_copy=self.files_to_copy(),
+            files_to_copy=self.files_to_copy(tokenizer_plan.files if tokenizer_plan is not None else None),
             config_yaml=config_yaml,
             model_card=card,
             input_identities={ref: [list(x) for x in ck.identity()] for ref, ck in self.ckpts.items()},
