@@ -110,6 +110,8 @@ def test_fixtures_are_complete():
         "model_stock",
         "nearswap",
         "arcee_fusion",
+        "ram",
+        "ramplus_tl",
     }
 
 

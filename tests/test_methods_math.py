@@ -88,6 +88,8 @@ IDENTICAL_CASES: dict[str, tuple[int, int | None, dict, dict]] = {
     "nearswap": (2, 0, {}, {"t": 0.01}),
     "arcee_fusion": (2, 0, {}, {}),
     "passthrough": (1, None, {}, {}),
+    "ram": (3, 0, {}, {}),
+    "ramplus_tl": (3, 0, {}, {}),
 }
 
 
@@ -110,13 +112,26 @@ def test_identical_models_give_that_model(method, shape, seed):
 
 @pytest.mark.parametrize(
     "method",
-    ["task_arithmetic", "ties", "dare_linear", "dare_ties", "della", "breadcrumbs", "sce", "nearswap", "arcee_fusion"],
+    [
+        "task_arithmetic",
+        "ties",
+        "dare_linear",
+        "dare_ties",
+        "della",
+        "breadcrumbs",
+        "sce",
+        "ram",
+        "ramplus_tl",
+        "nearswap",
+        "arcee_fusion",
+    ],
 )
 def test_zero_task_vectors_return_the_base_bit_for_bit(method):
     x = rand((9, 6), 3)
     n = 2 if method in ("nearswap", "arcee_fusion") else 3
     params = {"t": 0.1} if method == "nearswap" else {}
-    mp = [{"weight": 0.5, "density": 0.6}] * n if method not in ("sce", "nearswap", "arcee_fusion") else None
+    plain = ("sce", "ram", "ramplus_tl", "nearswap", "arcee_fusion")
+    mp = [{"weight": 0.5, "density": 0.6}] * n if method not in plain else None
     out = call(method, [x.clone() for _ in range(n)], 0, mp, **params)
     assert torch.equal(out, x)
 
@@ -553,6 +568,8 @@ CONTRACTS = {
     "nearswap": (True, (2, 2), (None, None)),
     "arcee_fusion": (True, (2, 2), (None, None)),
     "sce": (True, (1, None), (None, None)),
+    "ram": (True, (1, None), (None, None)),
+    "ramplus_tl": (True, (1, None), (None, None)),
     **{
         m: (True, (1, None), (None, None))
         for m in (
@@ -627,6 +644,8 @@ DEFAULTS = {
     "breadcrumbs_ties": ({"normalize": False, "rescale": False}, {"gamma": 0.01}),
     "sce": ({"select_topk": 1.0, "int8_mask": False}, {}),
     "model_stock": ({"filter_wise": False}, {}),
+    "ram": ({"epsilon": 1e-5}, {}),
+    "ramplus_tl": ({"r": 0.1, "alpha": 0.2, "epsilon": 1e-5}, {}),
     "nearswap": ({"t": None}, {}),
 }
 
@@ -645,3 +664,20 @@ def test_parameter_defaults(method):
         if method not in ("linear", "passthrough"):
             assert p.non_base, f"{method}.{p.name} belongs to the non-base models"
     assert [p for p in spec.params if p.required] == [p for p in spec.params if p.name == "t"]
+
+
+def test_ram_keeps_unique_changes_and_averages_shared_ones():
+    base = torch.zeros(4)
+    a = torch.tensor([1.0, 2.0, 0.0, 1e-7])
+    b = torch.tensor([0.0, 4.0, -3.0, 0.0])
+    # entry 0: only a changed -> 1; entry 1: both -> mean 3; entry 2: only b -> -3; entry 3: below epsilon -> 0
+    torch.testing.assert_close(call("ram", [base, a, b], 0), torch.tensor([1.0, 3.0, -3.0, 0.0]))
+
+
+def test_ramplus_boosts_unique_changes_by_overlap_ratio():
+    base = torch.zeros(4)
+    a = torch.tensor([1.0, 2.0, 5.0, 0.0])  # unique: entries 0, 2; shared: entry 1 -> rho_a = 1/2
+    b = torch.tensor([0.0, 4.0, 0.0, -3.0])  # unique: entry 3; shared: entry 1 -> rho_b = 1
+    out = call("ramplus_tl", [base, a, b], 0, r=0.5, alpha=0.8)
+    boost_a, boost_b = 1 + 0.5 * 0.5, 1 + 0.5 * 0.8
+    torch.testing.assert_close(out, torch.tensor([boost_a * 1.0, 3.0, boost_a * 5.0, boost_b * -3.0]))

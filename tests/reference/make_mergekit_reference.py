@@ -469,6 +469,33 @@ models:
 """,
 )
 case(
+    "ram",
+    """
+merge_method: ram
+base_model: inputs/base
+models:
+  - model: inputs/ft_a
+  - model: inputs/ft_b
+  - model: inputs/ft_c
+parameters:
+  epsilon: 0.012
+""",
+)
+case(
+    "ramplus_tl",
+    """
+merge_method: ramplus_tl
+base_model: inputs/base
+models:
+  - model: inputs/ft_a
+  - model: inputs/ft_b
+parameters:
+  epsilon: 0.015
+  r: 0.5
+  alpha: 0.6
+""",
+)
+case(
     "task_arithmetic_slices",
     """
 merge_method: task_arithmetic

@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (registration side effect)
     nearswap,
     nuslerp,
     passthrough,
+    ram,
     sce,
     slerp,
     task_arithmetic,
