@@ -1,0 +1,267 @@
+"""Generate the benchmark checkpoints: three related llama-style bf16 models of ~0.25 B, 0.5 B or 1 B parameters.
+
+Why generate instead of download: there is no model hub here, and the benchmarks only need checkpoints that *look*
+like real ones to both merge tools (a ``config.json`` written by a real ``LlamaConfig``, sharded safetensors with the
+index transformers writes, real tensor names and shapes). Random-initialising a 1 B model through transformers on two
+cores is slow and memory-hungry, so the tensors are drawn directly with seeded ``torch.randn``, one tensor at a time,
+and written with ``safetensors``.
+
+Why three *related* models: merge methods that work on task vectors (ties, dare) or angles (slerp) behave like they do
+on real fine-tunes only when the models share a base. So ``model0`` is the "base" (N(0, 0.02) weights, norms at 1) and
+``model1``/``model2`` are that base plus a small seeded delta (N(0, 0.002)), like two fine-tunes of one base.
+
+Every tensor's values depend only on (size, model index, tensor name, seed), so the files are reproducible across
+runs and machines. A ``.bench-complete`` marker written last makes the script idempotent: a model whose marker matches
+is skipped, a half-written one is regenerated.
+
+Usage::
+
+    python bench/make_models.py --size 1b            # ~/.cache/mergesmith/bench-models/1b/model{0,1,2}
+    python bench/make_models.py --size 0.25b --check-load
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+DEFAULT_ROOT = Path(os.environ.get("MERGESMITH_BENCH_MODELS", Path.home() / ".cache/mergesmith/bench-models"))
+MARKER = ".bench-complete"
+FORMAT_VERSION = 2  # bump when the generated values or layout change, so stale caches are rebuilt
+NUM_MODELS = 3
+BASE_STD = 0.02
+DELTA_STD = 0.002
+DEFAULT_SHARD_BYTES = 2 * 10**9  # transformers' "2GB": decimal gigabytes
+
+# Llama shapes with GQA, untied embeddings (so lm_head is its own tensor, as in most llama-family models).
+# 1b is TinyLlama-1.1B's shape; the smaller ones keep the same vocabulary so embeddings stay a realistic share.
+SIZES: dict[str, dict[str, Any]] = {
+    "0.25b": {
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    },
+    "0.5b": {
+        "hidden_size": 1536,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+    },
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+    },
+}
+_COMMON: dict[str, Any] = {
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name and shape of one checkpoint tensor, as the transformers model class names it."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def model_dirs(size: str, root: Path = DEFAULT_ROOT) -> list[Path]:
+    """Where the three models of `size` live (the benchmarks import this so paths agree)."""
+    return [root / size / f"model{i}" for i in range(NUM_MODELS)]
+
+
+def llama_config(size: str) -> Any:
+    """A real ``LlamaConfig`` for `size`, so ``config.json`` is exactly what transformers writes and reads."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**_COMMON, **SIZES[size])
+    cfg.dtype = torch.bfloat16
+    cfg.architectures = ["LlamaForCausalLM"]  # save_pretrained of a model sets this; tools dispatch on it
+    return cfg
+
+
+def tensor_specs(config: Any) -> list[TensorSpec]:
+    """Tensor names/shapes in state-dict order, from the model class built on the meta device (no memory, instant).
+
+    Going through the real class rather than hard-coding names means the checkpoint cannot drift from what
+    ``from_pretrained`` expects.
+    """
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return [TensorSpec(name, tuple(t.shape)) for name, t in model.state_dict().items()]
+
+
+def _generator(*parts: object) -> torch.Generator:
+    """A CPU generator seeded from a stable hash of `parts` (``hash()`` is salted per process; crc32 is not)."""
+    g = torch.Generator()
+    g.manual_seed(zlib.crc32(repr(parts).encode()))
+    return g
+
+
+def make_tensor(spec: TensorSpec, model_index: int, seed: int, size: str) -> torch.Tensor:
+    """The bf16 values of one tensor of one model; depends only on the arguments."""
+    is_norm = len(spec.shape) == 1
+    base = torch.randn(spec.shape, generator=_generator(seed, size, "base", spec.name), dtype=torch.float32)
+    base.mul_(BASE_STD)
+    if is_norm:
+        base.add_(1.0)
+    if model_index > 0:
+        delta = torch.randn(spec.shape, generator=_generator(seed, size, model_index, spec.name), dtype=torch.float32)
+        base.add_(delta, alpha=DELTA_STD)
+        del delta
+    return base.to(torch.bfloat16)
+
+
+def plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
+    """Greedy split in state-dict order, like transformers: start a new shard when the next tensor would overflow."""
+    shards: list[list[TensorSpec]] = [[]]
+    used = 0
+    for spec in specs:
+        nbytes = spec.numel * 2
+        if shards[-1] and used + nbytes > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(spec)
+        used += nbytes
+    return shards
+
+
+def _fingerprint(size: str, index: int, seed: int, shard_bytes: int) -> dict[str, Any]:
+    return {"version": FORMAT_VERSION, "size": size, "index": index, "seed": seed, "shard_bytes": shard_bytes}
+
+
+def is_complete(path: Path, fingerprint: dict[str, Any]) -> bool:
+    """True when the marker matches and every file it lists is present with the recorded size."""
+    marker = path / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        recorded = json.loads(marker.read_text())
+    except json.JSONDecodeError:
+        return False
+    if recorded.get("fingerprint") != fingerprint:
+        return False
+    files: dict[str, int] = recorded.get("files", {})
+    return all((path / name).is_file() and (path / name).stat().st_size == n for name, n in files.items())
+
+
+def write_model(path: Path, size: str, index: int, seed: int, shard_bytes: int, quiet: bool = False) -> None:
+    """Write one model directory from scratch (into a temp dir, renamed at the end so a kill leaves no half model)."""
+    fingerprint = _fingerprint(size, index, seed, shard_bytes)
+    if is_complete(path, fingerprint):
+        if not quiet:
+            print(f"{path}: present, skipped", file=sys.stderr)
+        return
+    t0 = time.perf_counter()
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = llama_config(size)
+    config.save_pretrained(tmp)
+    specs = tensor_specs(config)
+    shards = plan_shards(specs, shard_bytes)
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    total_bytes = 0
+    for k, shard in enumerate(shards, start=1):
+        fname = f"model-{k:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
+        tensors = {spec.name: make_tensor(spec, index, seed, size) for spec in shard}
+        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update({spec.name: fname for spec in shard})
+        del tensors
+    if n > 1:
+        index_json = {
+            "metadata": {"total_parameters": sum(s.numel for s in specs), "total_size": total_bytes},
+            "weight_map": weight_map,
+        }
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2, sort_keys=True) + "\n")
+    files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+    (tmp / MARKER).write_text(json.dumps({"fingerprint": fingerprint, "files": files}, indent=1) + "\n")
+    for p in tmp.iterdir():  # durable before the rename makes it visible as complete
+        with open(p, "rb") as fh:
+            os.fsync(fh.fileno())
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    if not quiet:
+        params = sum(s.numel for s in specs)
+        print(
+            f"{path}: {params / 1e9:.3f} B params, {total_bytes / 1e9:.2f} GB in {n} shard(s), "
+            f"{time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+        )
+
+
+def ensure_models(
+    size: str, root: Path = DEFAULT_ROOT, seed: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES, quiet: bool = False
+) -> list[Path]:
+    """Make sure the three models of `size` exist (generating what is missing) and return their directories."""
+    dirs = model_dirs(size, root)
+    for i, d in enumerate(dirs):
+        write_model(d, size, i, seed, shard_bytes, quiet=quiet)
+    return dirs
+
+
+def check_load(path: Path) -> None:
+    """Load one generated model with ``AutoModelForCausalLM`` and run a forward pass: the layout is genuinely HF's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        logits = model(ids).logits
+    n = sum(p.numel() for p in model.parameters())
+    assert torch.isfinite(logits).all(), "non-finite logits"
+    print(f"{path}: loaded by AutoModelForCausalLM ({type(model).__name__}, {n / 1e9:.3f} B params, "
+          f"dtype {model.dtype}), logits {tuple(logits.shape)} finite", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="1b")
+    ap.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="cache root (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help="max bytes per safetensors shard")
+    ap.add_argument("--check-load", action="store_true", help="load model0 with AutoModelForCausalLM afterwards")
+    args = ap.parse_args(argv)
+    dirs = ensure_models(args.size, args.root, args.seed, args.shard_bytes)
+    if args.check_load:
+        check_load(dirs[0])
+    for d in dirs:
+        print(d)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
