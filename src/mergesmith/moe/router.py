@@ -283,6 +283,8 @@ def _hidden_batch(model: Any, batch: list[list[int]], pad_id: int, average: bool
 
 def _encode(tokenizer: Any, prompt: str) -> list[int]:
     ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if not ids:
+        raise CheckpointError(f"the base model's tokenizer turns prompt {prompt!r} into no tokens")
     bos = tokenizer.bos_token_id
     return ([bos] if bos is not None else []) + ids
 
@@ -294,11 +296,28 @@ def _pad_id(tokenizer: Any) -> int:
     return 0
 
 
-def _load_tokenizer(job: GateJob) -> Any:
-    from transformers import AutoTokenizer
-
+def _declared_tokenizer_class(root: Path) -> str | None:
     try:
-        return AutoTokenizer.from_pretrained(str(job.base.root), trust_remote_code=job.trust_remote_code)
+        return json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _load_tokenizer(job: GateJob) -> Any:
+    """The base model's tokenizer, as the checkpoint declares it.
+
+    A checkpoint that declares the generic fast tokenizer gets exactly its tokenizer.json: transformers 5's
+    AutoTokenizer would substitute a class chosen by model type (Qwen2Tokenizer for a qwen2 model), which
+    rebuilds the tokenizer from vocab and merges and can disagree with the file.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    root = job.base.root
+    generic = _declared_tokenizer_class(root) in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    try:
+        if generic and (root / "tokenizer.json").is_file():
+            return PreTrainedTokenizerFast.from_pretrained(str(root))
+        return AutoTokenizer.from_pretrained(str(root), trust_remote_code=job.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - any failure here is "this base has no usable tokenizer"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         raise CheckpointError(
