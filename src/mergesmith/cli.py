@@ -483,6 +483,50 @@ def moe_cmd(
     )
 
 
+@cli.command("extract-lora")
+@click.option("--model", required=True, help="The fine-tuned model (path, cached hub id, or model+lora).")
+@click.option("--base", "--base-model", "base", required=True, help="The model it was fine-tuned from.")
+@click.option("--out", "--out-path", "out", required=True, type=click.Path(path_type=Path), help="Adapter directory.")
+@click.option("--max-rank", type=click.IntRange(min=1), default=32, show_default=True, help="Largest LoRA rank.")
+@click.option("--sv-epsilon", type=float, default=0.0, show_default=True, help="Drop singular values at or below.")
+@click.option("--embed-lora", is_flag=True, help="Factor the embedding and lm_head too (default: save them whole).")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "mps"]), default="cpu", show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace an adapter already in --out.")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details.")
+def extract_lora_cmd(
+    model: str,
+    base: str,
+    out: Path,
+    max_rank: int,
+    sv_epsilon: float,
+    embed_lora: bool,
+    device: str,
+    overwrite: bool,
+    verbose: bool,
+) -> None:
+    """Write a PEFT LoRA adapter approximating MODEL - BASE (truncated SVD per linear weight)."""
+    from .lora_extract import extract_lora
+
+    result = extract_lora(
+        model,
+        base,
+        out,
+        max_rank,
+        sv_epsilon=sv_epsilon,
+        embed_lora=embed_lora,
+        device=device,
+        overwrite=overwrite,
+        on_module=(lambda m: click.echo(f"  {m}", err=True)) if verbose else None,
+    )
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
+    top = max(result.ranks.values(), default=0)
+    click.echo(
+        f"wrote {out} ({len(result.ranks)} low-rank modules, rank <= {top}; "
+        f"{len(result.modules_to_save)} modules saved whole) in {result.seconds:.1f}s"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning errors into one line and an exit code."""
     args = sys.argv[1:] if argv is None else argv

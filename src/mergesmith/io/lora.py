@@ -180,9 +180,11 @@ class LoraCheckpoint(Checkpoint):
             self._deltas[weight] = _Delta(kind, a_key, b_key, scale, transpose)
             if "lora_B.bias" in parts:
                 bias = f"{module}.bias"
-                if bias not in tensors:
+                if bias in tensors:
+                    self._deltas[bias] = _Delta("bias", None, parts["lora_B.bias"], scale)
+                elif bool(self.adapter.get(parts["lora_B.bias"]).any()):
+                    # PEFT's lora_bias gives every target a bias; a zero one on a bias-less layer is a no-op.
                     raise CheckpointError(f"{where}: the adapter has a bias for {module!r}, the model has no {bias!r}")
-                self._deltas[bias] = _Delta("bias", None, parts["lora_B.bias"], scale)
 
     def get(self, name: str) -> torch.Tensor:
         """The model's tensor with the adapter applied (computed in float32, returned in its dtype)."""
