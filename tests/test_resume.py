@@ -257,7 +257,9 @@ def test_linear_killed_at_random_moments_resumes_byte_identical(
     tmp_path: Path, linear_case: tuple[Path, dict[str, bytes]], threads: int
 ) -> None:
     config, ref = linear_case
-    _kill_at_random_moments_then_finish(tmp_path, config, ref, ["--threads", str(threads)], seed=1234 + threads)
+    _kill_at_random_moments_then_finish(
+        tmp_path, config, ref, ["--threads", str(threads)], seed=1234 + threads, wanted=6
+    )
 
 
 def test_damaged_shard_is_redone_without_ever_looking_complete(
@@ -377,3 +379,86 @@ def test_dare_without_a_seed_resumes_with_the_journaled_seed(
     assert journal is not None and journal.random_seed is not None
     assert runner.run() == 0, runner.output()
     assert_same_as_reference(out, _reference(config, tmp_path / "ref", seed=journal.random_seed), "seedless resume")
+
+
+# ----- what a rerun accepts, skips and refuses (in-process CLI) ----------------------------------
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    from mergesmith.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return int(exc.value.code or 0), captured.out, captured.err
+
+
+def test_rerun_of_a_complete_merge_verifies_and_changes_nothing(
+    tmp_path: Path, linear_case: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, ref = linear_case
+    out = tmp_path / "out"
+    assert _cli(capsys, "merge", config, out, "--out-shard-size", SHARD_SIZE)[0] == 0
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    code, stdout, err = _cli(capsys, "merge", config, out, "--out-shard-size", SHARD_SIZE)
+    assert code == 0, err
+    assert "already complete" in stdout
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+    assert_same_as_reference(out, ref, "rerun of a complete merge")
+
+
+def test_different_config_is_refused_unless_overwrite(
+    tmp_path: Path, linear_case: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, ref = linear_case
+    out = tmp_path / "out"
+    shutil.copytree(config.parent / "reference", out)
+    before = _top_files(out)
+    # same models, other shard size: a different plan, so a different fingerprint
+    code, _, err = _cli(capsys, "merge", config, out, "--out-shard-size", "80K")
+    assert code == 2
+    assert err.strip() == (
+        f"error: {out}: holds a merge with a different config or inputs; use --overwrite to replace it"
+    )
+    assert _top_files(out) == before, "a refused run must not touch the directory"
+    code, _, err = _cli(capsys, "merge", config, out, "--out-shard-size", "80K", "--overwrite", "-q")
+    assert code == 0, err
+    assert _top_files(out) != before
+    code, _, _ = _cli(capsys, "merge", config, out, "--out-shard-size", SHARD_SIZE, "--overwrite", "-q")
+    assert code == 0
+    assert_same_as_reference(out, ref, "overwritten back")
+
+
+def test_changed_input_model_is_refused(tmp_path: Path, tiny_models: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """The fingerprint covers the inputs (size, mtime, header): a model changed since the interrupted
+    run must not be resumed into shards computed from its old weights."""
+    a = tmp_path / "a"
+    shutil.copytree(tiny_models("llama", seed=1), a)
+    b = tiny_models("llama", seed=2)
+    config = _models_config(tmp_path / "m.yml", "linear", [(a, {"weight": 1.0}), (b, {"weight": 1.0})])
+    out = tmp_path / "out"
+    assert _cli(capsys, "merge", config, out, "-q")[0] == 0
+    tensors = load_file(a / "model.safetensors")
+    tensors["model.norm.weight"] += 1
+    save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
+    code, _, err = _cli(capsys, "merge", config, out)
+    assert code == 2 and "holds a merge with a different config or inputs" in err
+
+
+def test_non_empty_directory_is_refused_and_overwrite_spares_foreign_files(
+    tmp_path: Path, linear_case: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, ref = linear_case
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "config.json").write_text("{}")
+    code, _, err = _cli(capsys, "merge", config, out, "--out-shard-size", SHARD_SIZE)
+    assert (
+        code == 2 and err.strip() == f"error: {out}: directory is not empty; use --overwrite to replace its model files"
+    )
+    assert (out / "config.json").read_text() == "{}"
+    code, _, err = _cli(capsys, "merge", config, out, "--out-shard-size", SHARD_SIZE, "--overwrite", "-q")
+    assert code == 0, err
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "config.json").read_bytes() == ref["config.json"]

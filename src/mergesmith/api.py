@@ -224,9 +224,9 @@ def execute_plan(
     if on_plan is not None:
         on_plan(plan)
     fingerprint = plan.fingerprint()
-    journal = _prepare_out_dir(out, fingerprint, overwrite)
-    journal.random_seed = plan.random_seed
     try:
+        journal = _prepare_out_dir(out, fingerprint, overwrite)
+        journal.random_seed = plan.random_seed
         return _write_plan(out, plan, checkpoints, options, journal, force, on_progress, stop, started)
     except OSError as exc:  # a full or read-only disk, a quota: the user's environment, not a bug
         if exc.filename:

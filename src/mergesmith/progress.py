@@ -33,7 +33,9 @@ class MergeProgress:
 
     def __init__(self, enabled: bool = True) -> None:
         self.console = Console(stderr=True)
-        self.enabled = enabled
+        # Off a terminal rich cannot redraw, so it would print one stale bar when the merge ends or
+        # fails, breaking the promise that an error is exactly one line on stderr.
+        self.enabled = enabled and self.console.is_terminal
         self._progress: Progress | None = None
         self._task: Any = None
         self._total = 0

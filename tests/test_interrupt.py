@@ -1,0 +1,148 @@
+"""Ctrl-C: the first stops a merge cleanly within seconds (exit 130, saying how to resume, the work so
+far journaled), a second exits at once; rerunning the same command completes byte-identical.
+
+The merge runs as a real `python -m mergesmith.cli merge` subprocess, slowed down with the test-only
+`MERGESMITH_TEST_SLOW` (seconds per tensor) so that the signal lands mid-merge.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from mergesmith.api import run_merge
+from mergesmith.cli import main
+from mergesmith.errors import MergeInterrupted
+from mergesmith.executor import ProgressEvent
+from mergesmith.io.journal import STATE_DIR, Journal
+from mergesmith.planner import MergeOptions
+
+SHARD_ARGS = ["--out-shard-size", "50K", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def case(tiny_models: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    """A linear merge config and the files of its uninterrupted merge (same shard size)."""
+    root = tmp_path_factory.mktemp("interrupt")
+    a, b = tiny_models("llama", seed=1), tiny_models("llama", seed=2)
+    config = root / "merge.yml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "merge_method": "linear",
+                "models": [{"model": str(a), "parameters": {"weight": 0.5}}, {"model": str(b), "parameters": {}}],
+                "parameters": {"weight": 0.25},
+                "dtype": "float32",
+            }
+        )
+    )
+    run_merge(config, root / "ref", MergeOptions(out_shard_size=50_000, threads=1))
+    return config, _files(root / "ref")
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != STATE_DIR}
+
+
+def _start(config: Path, out: Path, slow: float) -> subprocess.Popen[str]:
+    env = {**os.environ, "MERGESMITH_TEST_SLOW": str(slow)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "mergesmith.cli", "merge", str(config), str(out), *SHARD_ARGS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _wait_until_merging(proc: subprocess.Popen[str], out: Path) -> None:
+    """Block until the executor has opened its shards (so a tensor is in flight and the SIGINT
+    handler is set), plus a moment for the first tensor to get going."""
+    deadline = time.monotonic() + 180
+    while not any((out / STATE_DIR / "partial").glob("*.partial")):
+        assert proc.poll() is None, f"merge ended early: {proc.communicate()}"
+        assert time.monotonic() < deadline, "merge never started"
+        time.sleep(0.05)
+    time.sleep(0.5)
+
+
+def _resume_and_compare(capsys: pytest.CaptureFixture[str], config: Path, out: Path, ref: dict[str, bytes]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(["merge", str(config), str(out), *SHARD_ARGS, "-q"])
+    captured = capsys.readouterr()
+    assert exc.value.code == 0, captured.err
+    assert _files(out) == ref
+    return captured.out
+
+
+def test_ctrl_c_once_stops_cleanly_twice_exits_at_once(
+    tmp_path: Path, case: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two merges side by side (each interpreter spends seconds importing torch). `once` takes 0.2 s
+    per tensor and gets one Ctrl-C: it must stop within seconds, with exit 130, saying how to resume,
+    its finished tensors journaled. `twice` takes 10 s per tensor, so only the second Ctrl-C can
+    explain an exit within 3 s. Both then resume to the bytes of an uninterrupted merge."""
+    config, ref = case
+    procs = {"once": _start(config, tmp_path / "once", slow=0.2), "twice": _start(config, tmp_path / "twice", slow=10)}
+
+    _wait_until_merging(procs["once"], tmp_path / "once")
+    sent = time.monotonic()
+    procs["once"].send_signal(signal.SIGINT)
+    _stdout, stderr = procs["once"].communicate(timeout=60)
+    elapsed = time.monotonic() - sent
+    assert procs["once"].returncode == 130, stderr
+    assert elapsed < 5, f"took {elapsed:.1f}s to stop"
+    assert "stopping after the tensors in flight" in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: interrupted:") and "run the same command again to resume" in last, stderr
+    assert "Traceback" not in stderr
+    journal = Journal.load(tmp_path / "once")
+    assert journal is not None and not journal.complete
+    saved = sum(len(t) for t in journal.partial.values()) + len(journal.finished)
+    assert saved >= 1, "the tensors finished before Ctrl-C were not journaled"
+
+    _wait_until_merging(procs["twice"], tmp_path / "twice")
+    sent = time.monotonic()
+    procs["twice"].send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    procs["twice"].send_signal(signal.SIGINT)
+    _stdout, stderr = procs["twice"].communicate(timeout=60)
+    elapsed = time.monotonic() - sent
+    assert procs["twice"].returncode == 130, stderr
+    assert elapsed < 3, f"took {elapsed:.1f}s to exit after the second Ctrl-C"
+    assert "Ctrl-C again to quit at once" in stderr
+
+    for name in procs:
+        assert not (tmp_path / name / "config.json").exists()
+        _resume_and_compare(capsys, config, tmp_path / name, ref)
+
+
+def test_stop_request_in_process_journals_and_resumes(
+    tmp_path: Path, case: tuple[Path, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The API side of Ctrl-C (what the CLI's handler sets): stop after N tensors, then resume."""
+    config, ref = case
+    out = tmp_path / "out"
+    stop = threading.Event()
+
+    def on_progress(event: ProgressEvent) -> None:
+        if event.tensors_done >= 17:
+            stop.set()
+
+    with pytest.raises(MergeInterrupted, match="run the same command again to resume") as exc:
+        run_merge(config, out, MergeOptions(out_shard_size=50_000, threads=1), on_progress=on_progress, stop=stop)
+    assert exc.value.exit_code == 130
+    journal = Journal.load(out)
+    assert journal is not None and journal.finished, "finished shards must be journaled at the stop"
+    saved = sum(len(t) for t in journal.partial.values()) + sum(1 for _ in journal.finished)
+    assert saved >= 2
+    assert "resumed with" in _resume_and_compare(capsys, config, out, ref)
