@@ -681,3 +681,31 @@ def test_ramplus_boosts_unique_changes_by_overlap_ratio():
     out = call("ramplus_tl", [base, a, b], 0, r=0.5, alpha=0.8)
     boost_a, boost_b = 1 + 0.5 * 0.5, 1 + 0.5 * 0.8
     torch.testing.assert_close(out, torch.tensor([boost_a * 1.0, 3.0, boost_a * 5.0, boost_b * -3.0]))
+
+
+@pytest.mark.parametrize("method", sorted(m for m in DISTINCT_CASES if get_method(m).elementwise))
+def test_elementwise_methods_give_the_same_bytes_in_row_blocks(method):
+    """`elementwise` lets the executor merge a huge tensor in row blocks: the blocks must concatenate to the whole."""
+    n, base_index, model_params, params = DISTINCT_CASES[method]
+    base, models = finetunes(n, (10, 6), seed=5)
+    tensors = [base, *models[1:]] if base_index == 0 else models
+    mp = [model_params] * n
+    whole = call(method, tensors, base_index, mp, **params)
+    blocks = [call(method, [t[a:b] for t in tensors], base_index, mp, **params) for a, b in ((0, 3), (3, 7), (7, 10))]
+    assert torch.equal(torch.cat(blocks), whole)
+
+
+def test_elementwise_flags():
+    flagged = {m for m in method_names() if get_method(m).elementwise}
+    assert flagged >= {"task_arithmetic", "nearswap", "ram"}
+    assert not flagged & {"slerp", "ties", "dare_linear", "della", "breadcrumbs", "sce", "model_stock", "arcee_fusion"}
+
+
+def test_switch_parameters_read_strings_as_yaml_does():
+    base, models = finetunes(2, seed=1)
+    mp = [{}] + [{"weight": 1.0}] * 2
+    plain = call("task_arithmetic", [base, *models], 0, mp, normalize=False)
+    assert torch.equal(call("task_arithmetic", [base, *models], 0, mp, normalize="false"), plain)
+    assert not torch.equal(call("task_arithmetic", [base, *models], 0, mp, normalize="True"), plain)
+    with pytest.raises(ValueError, match="normalize"):
+        call("task_arithmetic", [base, *models], 0, mp, normalize="maybe")

@@ -52,3 +52,18 @@ def work_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 def as_float_list(values: Sequence[Any]) -> list[float]:
     return [float(v) for v in values]
+
+
+_TRUE = {"true", "yes", "on", "1", "t", "y"}
+_FALSE = {"false", "no", "off", "0", "f", "n"}
+
+
+def as_bool(value: Any, name: str) -> bool:
+    """A switch parameter: bools, 0/1, and the strings YAML or pydantic accept ("false" is False, not truthy)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"parameter `{name}` must be true or false, got {value!r}")

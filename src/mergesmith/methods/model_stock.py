@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_same_shape, require_base
+from .common import as_bool, check_same_shape, require_base
 from .reductions import norm_along, sum_along
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
@@ -53,7 +53,9 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
         raise ValueError(
             f"model_stock: tensor {inputs.tensor_name!r}: needs at least two models besides the base, got {len(others)}"
         )
-    return model_stock(inputs.tensors[base], [inputs.tensors[i] for i in others], bool(inputs.params["filter_wise"]))
+    return model_stock(
+        inputs.tensors[base], [inputs.tensors[i] for i in others], as_bool(inputs.params["filter_wise"], "filter_wise")
+    )
 
 
 register(

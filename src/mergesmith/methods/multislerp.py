@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .common import check_same_shape, non_base_values
+from .common import as_bool, check_same_shape, non_base_values
 from .reductions import l2, norm_along, sum_along
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
@@ -79,7 +79,7 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
         [inputs.tensors[i] for i in others],
         [float(w) for w in non_base_values(inputs, "weight")],
         base=inputs.base,
-        normalize_weights=bool(inputs.params["normalize_weights"]),
+        normalize_weights=as_bool(inputs.params["normalize_weights"], "normalize_weights"),
         eps=float(inputs.params["eps"]),
         tensor_name=inputs.tensor_name,
     )

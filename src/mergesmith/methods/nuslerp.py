@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_same_shape, non_base_values
+from .common import as_bool, check_same_shape, non_base_values
 from .reductions import norm_along, sum_along
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
@@ -64,8 +64,8 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
         )
     w1, w2 = (float(w) for w in non_base_values(inputs, "weight"))
     t = interpolation_factor(w1, w2)
-    flatten = bool(inputs.params["nuslerp_flatten"])
-    row_wise = bool(inputs.params["nuslerp_row_wise"])
+    flatten = as_bool(inputs.params["nuslerp_flatten"], "nuslerp_flatten")
+    row_wise = as_bool(inputs.params["nuslerp_row_wise"], "nuslerp_row_wise")
     x1, x2 = inputs.tensors[others[0]], inputs.tensors[others[1]]
     base = inputs.base
     if base is None:

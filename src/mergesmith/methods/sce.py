@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_same_shape, require_base
+from .common import as_bool, check_same_shape, require_base
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 from .task_arithmetic import sign_consensus_mask
 
@@ -71,7 +71,7 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
         inputs.tensors[base],
         [inputs.tensors[i] for i in inputs.others()],
         select_topk=float(inputs.params["select_topk"]),
-        int8_mask=bool(inputs.params["int8_mask"]),
+        int8_mask=as_bool(inputs.params["int8_mask"], "int8_mask"),
     )
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from . import sparsify
-from .common import check_same_shape, require_base, require_generator
+from .common import as_bool, check_same_shape, require_base, require_generator
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
 CONSENSUS_METHODS = ("sum", "count")
@@ -138,7 +138,7 @@ class _Family:
         if not others:
             return base
         params = inputs.params
-        rescale = bool(params["rescale"])
+        rescale = as_bool(params["rescale"], "rescale")
         deltas = base.new_empty((len(others), *base.shape))
         for row, i in enumerate(others):
             deltas[row] = self.sparsifier(
@@ -156,9 +156,9 @@ class _Family:
             deltas,
             [float(inputs.model_params[i]["weight"]) for i in others],
             consensus=consensus,
-            normalize=bool(params["normalize"]),
+            normalize=as_bool(params["normalize"], "normalize"),
             lam=float(params["lambda"]),
-            int8_mask=bool(params["int8_mask"]),
+            int8_mask=as_bool(params["int8_mask"], "int8_mask"),
         )
 
     def spec(self) -> MethodSpec:
