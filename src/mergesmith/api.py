@@ -7,6 +7,11 @@ Output directory protocol, which makes merges crash-consistent:
 3. tokenizer files, model card and `mergesmith_config.yml` are copied;
 4. the index and finally `config.json` are written atomically: a directory that has `config.json`
    has all of its shards.
+
+A raw merge (`merge-raw`: bare state dicts, no architecture) has no `config.json`; its last model
+file is the index when sharded, else its single shard (whole by construction: fsync'ed, then renamed
+into place). Either way the journal's `complete` flag is set only after that file, and it is what
+a rerun trusts.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .config import MergeConfiguration, load_config
 from .errors import MergesmithError, OutputError
@@ -61,13 +67,27 @@ def build_plan(
     interrupted run in `out_dir` recorded (so it can resume), or draw a new one."""
     cfg, source = as_config(config)
     options = options or MergeOptions()
+    choose_random_seed(cfg, source, options, out_dir)
+    checkpoints = open_checkpoints(cfg)
+    return Planner(cfg, checkpoints, options, source).build(), checkpoints
+
+
+def choose_random_seed(cfg: MergeConfiguration, source: str, options: MergeOptions, out_dir: str | Path | None) -> None:
+    """Set `options.random_seed` for a randomised method without one: the seed an interrupted run in
+    `out_dir` recorded (so the rerun plans the same bytes and resumes), or a new one."""
     if require_method(cfg.merge_method, source).randomized and options.random_seed is None:
         previous = Journal.load(Path(out_dir)) if out_dir is not None else None
         options.random_seed = (
             previous.random_seed if previous and previous.random_seed is not None else secrets.randbelow(2**31)
         )
-    checkpoints = open_checkpoints(cfg)
-    return Planner(cfg, checkpoints, options, source).build(), checkpoints
+
+
+def completion_marker(plan: Plan) -> str:
+    """The file written last (before the journal says `complete`): config.json, or for a raw merge
+    the index when sharded, else the single shard."""
+    if not plan.options.get("raw"):
+        return "config.json"
+    return INDEX_NAME if len(plan.shards) > 1 else plan.shards[0].filename
 
 
 def _owned_outputs(out_dir: Path) -> list[Path]:
@@ -165,7 +185,8 @@ def _write_index_and_config(out_dir: Path, plan: Plan) -> None:
         weight_map = {r.name: s.filename for s in plan.shards for r in s.recipes}
         index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(weight_map.items()))}
         write_file_atomic(out_dir / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
-    write_file_atomic(out_dir / "config.json", (json.dumps(plan.output_config, indent=2) + "\n").encode())
+    if not plan.options.get("raw"):
+        write_file_atomic(out_dir / "config.json", (json.dumps(plan.output_config, indent=2) + "\n").encode())
 
 
 def run_merge(
@@ -224,9 +245,9 @@ def execute_plan(
     if on_plan is not None:
         on_plan(plan)
     fingerprint = plan.fingerprint()
+    journal = _prepare_out_dir(out, fingerprint, overwrite)
+    journal.random_seed = plan.random_seed
     try:
-        journal = _prepare_out_dir(out, fingerprint, overwrite)
-        journal.random_seed = plan.random_seed
         return _write_plan(out, plan, checkpoints, options, journal, force, on_progress, stop, started)
     except OSError as exc:  # a full or read-only disk, a quota: the user's environment, not a bug
         if exc.filename:
@@ -248,14 +269,20 @@ def _write_plan(
     """Steps 1-4 of the output-directory protocol (see the module docstring) into a prepared `out`."""
     bad = _verify_finished(out, plan, journal)
     reused = len(journal.finished)
-    if journal.complete and not bad and reused == len(plan.shards) and (out / "config.json").is_file():
+    if journal.complete and not bad and reused == len(plan.shards) and (out / completion_marker(plan)).is_file():
         return MergeResult(out, plan, reused, True, time.monotonic() - started)
     journal.complete = False
     for stale in (out / "config.json", out / INDEX_NAME, *bad):
         _remove(stale)
     journal.save()
     _check_space(out, plan, journal, force)
-    LocalExecutor(
+    executor_cls: Any = LocalExecutor
+    extra: dict[str, Any] = {}
+    if options.executor == "ray":
+        from .executors.ray import RayExecutor  # Ray is optional: imported only when asked for
+
+        executor_cls, extra = RayExecutor, {"address": options.ray_address}
+    executor_cls(
         plan,
         checkpoints,
         out,
@@ -265,6 +292,7 @@ def _write_plan(
         device=options.device,
         on_progress=on_progress,
         stop=stop,
+        **extra,
     ).run()
     _write_small_files(out, plan)
     _write_index_and_config(out, plan)
