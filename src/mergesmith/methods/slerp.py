@@ -55,7 +55,7 @@ def slerp(
     dtype = work_dtype(v0)
     a = v0.reshape(1, -1)
     b = v1.reshape(1, -1)
-    t_w = torch.tensor([[t]], dtype=dtype)
+    t_w = torch.tensor([[t]], dtype=dtype, device=v0.device)
     if a.shape[1] == 0:
         return ((1 - t_w) * a + t_w * b).reshape(v0.shape).to(v0.dtype)
 
