@@ -292,19 +292,24 @@ def test_safetensors_unsupported_dtype(
     assert "'model.norm.weight'" in line and "unsupported dtype 'C64'" in line
 
 
+@pytest.mark.parametrize("escape", ["../outside.safetensors", "sub/../../outside.safetensors", "ABSOLUTE"])
 def test_index_shard_path_escapes_the_model_directory(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], llama: Path, tiny_models: Any
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], llama: Path, tiny_models: Any, escape: str
 ) -> None:
+    """An index naming a file outside its model directory (a valid safetensors file is waiting there)
+    is refused, whether it climbs out with `..` or is absolute."""
     sharded = copy_model(tiny_models("llama", seed=1, fmt="sharded"), tmp_path / "sharded")
     index_path = sharded / INDEX_NAME
     index = json.loads(index_path.read_text())
-    (tmp_path / "outside.safetensors").write_bytes((sharded / next(iter(index["weight_map"].values()))).read_bytes())
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes((sharded / next(iter(index["weight_map"].values()))).read_bytes())
+    escape = str(outside) if escape == "ABSOLUTE" else escape
     first = next(iter(index["weight_map"]))
-    index["weight_map"][first] = "../outside.safetensors"
+    index["weight_map"][first] = escape
     index_path.write_text(json.dumps(index))
     out = tmp_path / "out"
     code, _, err = run_cli(capsys, "merge", linear_config(tmp_path, llama, sharded), out)
-    assert_one_line_error(code, err, str(index_path), "'../outside.safetensors'", "escapes the model directory")
+    assert_one_line_error(code, err, str(index_path), repr(escape), "escapes the model directory")
     assert not out.exists()
 
 
@@ -551,3 +556,44 @@ def test_internal_error_is_one_line_with_a_hint(
     assert_no_false_complete(out)
     code, _, err = run_cli(capsys, "merge", cfg, out, "-q", "-v")
     assert code == 1 and "Traceback" in err and err.strip().splitlines()[-1].startswith("error: internal error")
+
+
+def _hub_cache_layout(src: Path, cache: Path, repo: str) -> Path:
+    """Lay `src` out as the Hugging Face cache does: content in blobs/, the snapshot made of symlinks."""
+    import hashlib
+
+    root = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / "0123456789abcdef"
+    (root / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        data = f.read_bytes()
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("0123456789abcdef")
+    return snapshot
+
+
+def test_sharded_model_in_the_hub_cache_is_not_mistaken_for_an_escape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tiny_models: Any
+) -> None:
+    """In the hub cache every shard is a symlink into blobs/, outside the snapshot directory: that is
+    the cache's own layout, not an index escaping its model directory, and must merge."""
+    import huggingface_hub.constants
+
+    sharded = tiny_models("llama", seed=1, fmt="sharded")
+    assert (sharded / INDEX_NAME).exists()
+    cache = tmp_path / "hub"
+    _hub_cache_layout(sharded, cache, "someorg/sharded-llama")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    cfg = write_config(
+        tmp_path / "c.yml", {"merge_method": "passthrough", "models": [{"model": "someorg/sharded-llama"}]}
+    )
+    code, _, err = run_cli(capsys, "merge", cfg, tmp_path / "out", "-q")
+    assert code == 0, err
+    from tests.helpers import read_state_dict
+
+    merged, original = read_state_dict(tmp_path / "out"), read_state_dict(sharded)
+    assert merged.keys() == original.keys() and all(torch.equal(merged[n], original[n]) for n in original)

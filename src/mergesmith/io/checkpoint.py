@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import os
 import pickle
 import struct
 import threading
@@ -111,10 +112,16 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
 
 
 def _inside(root: Path, relative: str, index_path: Path) -> Path:
-    """Resolve a shard path from an index, refusing any that escapes the model directory."""
-    candidate = (root / relative).resolve()
-    if not candidate.is_relative_to(root.resolve()):
+    """Resolve a shard path from an index, refusing any that escapes the model directory.
+
+    The check is on the path as the index writes it (absolute, or climbing out with `..`), not on
+    where symlinks lead: in the Hugging Face cache every file of a snapshot is a symlink into
+    `blobs/`, outside the snapshot directory, and those shards must load.
+    """
+    normalized = os.path.normpath(relative)
+    if os.path.isabs(normalized) or normalized == os.pardir or normalized.startswith(os.pardir + os.sep):
         raise CheckpointError(f"{index_path}: shard path {relative!r} escapes the model directory")
+    candidate = root / normalized
     if not candidate.is_file():
         raise CheckpointError(f"{index_path}: shard file {relative!r} is missing")
     return candidate
