@@ -146,3 +146,34 @@ def test_stop_request_in_process_journals_and_resumes(
     saved = sum(len(t) for t in journal.partial.values()) + sum(1 for _ in journal.finished)
     assert saved >= 2
     assert "resumed with" in _resume_and_compare(capsys, config, out, ref)
+
+
+def test_ctrl_c_while_verifying_finished_shards_stops_between_shards(
+    tmp_path: Path, case: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rerun first checksums every finished shard (minutes for a large merge): Ctrl-C must stop it
+    between shards, changing nothing, instead of waiting for the whole verification."""
+    import mergesmith.api
+
+    config, ref = case
+    out = tmp_path / "out"
+    options = MergeOptions(out_shard_size=50_000, threads=1)
+    run_merge(config, out, options)
+    stop = threading.Event()
+    checked: list[Path] = []
+    real_checksum = mergesmith.api.file_checksum
+
+    def checksum_then_ctrl_c(path: Path) -> str:
+        checked.append(path)
+        stop.set()  # Ctrl-C arrives while the first shard is being verified
+        return real_checksum(path)
+
+    monkeypatch.setattr(mergesmith.api, "file_checksum", checksum_then_ctrl_c)
+    with pytest.raises(MergeInterrupted, match="nothing was changed"):
+        run_merge(config, out, MergeOptions(out_shard_size=50_000, threads=1), stop=stop)
+    assert len(checked) == 1
+    assert _files(out) == ref
+    journal = Journal.load(out)
+    assert journal is not None and journal.complete
+    monkeypatch.undo()
+    assert run_merge(config, out, MergeOptions(out_shard_size=50_000, threads=1)).already_complete

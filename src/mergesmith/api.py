@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import MergeConfiguration, load_config
-from .errors import MergesmithError, OutputError
+from .errors import MergeInterrupted, MergesmithError, OutputError
 from .executor import LocalExecutor, ProgressEvent
 from .io._test_hooks import kill_point
 from .io.checkpoint import Checkpoint
@@ -129,15 +129,22 @@ def _prepare_out_dir(out_dir: Path, fingerprint: str, overwrite: bool) -> Journa
     return Journal(out_dir, fingerprint)
 
 
-def _verify_finished(out_dir: Path, plan: Plan, journal: Journal) -> list[Path]:
+def _verify_finished(out_dir: Path, plan: Plan, journal: Journal, stop: threading.Event | None = None) -> list[Path]:
     """Keep journaled shards whose file still has the recorded size and checksum; forget the rest.
 
     Returns the shard files to delete. The caller deletes them only after removing config.json and
     the index, so that no moment (and no kill) leaves a directory that looks complete but lacks a shard.
+    Checksumming a large merge reads every byte it wrote (minutes for hundreds of GB), so a Ctrl-C
+    (`stop`) is honoured between shards; nothing has been changed on disk at that point.
     """
     planned = {s.filename for s in plan.shards}
     bad: list[Path] = []
     for name, record in list(journal.finished.items()):
+        if stop is not None and stop.is_set():
+            raise MergeInterrupted(
+                "interrupted while verifying the finished shards; nothing was changed, run the same command "
+                "again to resume"
+            )
         path = out_dir / name
         ok = name in planned and path.is_file() and path.stat().st_size == record.get("size")
         if ok:
@@ -245,9 +252,9 @@ def execute_plan(
     if on_plan is not None:
         on_plan(plan)
     fingerprint = plan.fingerprint()
-    journal = _prepare_out_dir(out, fingerprint, overwrite)
-    journal.random_seed = plan.random_seed
     try:
+        journal = _prepare_out_dir(out, fingerprint, overwrite)
+        journal.random_seed = plan.random_seed
         return _write_plan(out, plan, checkpoints, options, journal, force, on_progress, stop, started)
     except OSError as exc:  # a full or read-only disk, a quota: the user's environment, not a bug
         if exc.filename:
@@ -267,7 +274,7 @@ def _write_plan(
     started: float,
 ) -> MergeResult:
     """Steps 1-4 of the output-directory protocol (see the module docstring) into a prepared `out`."""
-    bad = _verify_finished(out, plan, journal)
+    bad = _verify_finished(out, plan, journal, stop)
     reused = len(journal.finished)
     if journal.complete and not bad and reused == len(plan.shards) and (out / completion_marker(plan)).is_file():
         return MergeResult(out, plan, reused, True, time.monotonic() - started)
