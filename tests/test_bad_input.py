@@ -357,6 +357,14 @@ def test_bin_with_a_non_tensor_value_is_refused(
     assert_one_line_error(code, err, str(model / "pytorch_model.bin"), "'step'", "not a tensor")
 
 
+def test_truncated_bin(tmp_path: Path, capsys: pytest.CaptureFixture[str], llama: Path) -> None:
+    model = _bin_model(tmp_path, llama, {"model.norm.weight": torch.ones(32)})
+    weights = model / "pytorch_model.bin"
+    weights.write_bytes(weights.read_bytes()[:-200])
+    code, _, err = run_cli(capsys, "merge", linear_config(tmp_path, llama, model), tmp_path / "out")
+    assert_one_line_error(code, err, str(weights), "cannot load PyTorch checkpoint")
+
+
 # ----- models that do not fit together ------------------------------------------------------------
 
 
@@ -391,6 +399,20 @@ def test_output_path_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str
     code, _, err = run_cli(capsys, "merge", linear_config(tmp_path, llama, llama), out)
     assert_one_line_error(code, err, str(out), "not a directory")
     assert out.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("as_file", [False, True])
+def test_output_directory_is_an_input_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], llama: Path, llama2: Path, as_file: bool
+) -> None:
+    """Merging into an input model's own directory is refused even with --overwrite, which would
+    otherwise delete that model's config.json and weights (they carry the names a merge replaces)."""
+    mine = copy_model(llama, tmp_path / "mine")
+    before = {p.name: p.read_bytes() for p in mine.iterdir()}
+    ref = mine / "model.safetensors" if as_file else mine
+    code, _, err = run_cli(capsys, "merge", linear_config(tmp_path, ref, llama2), mine, "--overwrite")
+    assert_one_line_error(code, err, str(mine), "is the directory of input model", repr(str(ref)))
+    assert {p.name: p.read_bytes() for p in mine.iterdir()} == before
 
 
 def _read_only_under(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:

@@ -110,6 +110,19 @@ def _remove(path: Path) -> None:
         kill_point("unlink", path.name)
 
 
+def _refuse_input_directory(out_dir: Path, checkpoints: dict[str, Checkpoint]) -> None:
+    """Refuse to write into a directory that holds an input model's files: `--overwrite` would delete
+    that model (its config.json and model*.safetensors are exactly the names a merge replaces)."""
+    if not out_dir.is_dir():
+        return
+    target = out_dir.resolve()
+    for ckpt in checkpoints.values():
+        if ckpt.root.resolve() == target or any(f.resolve().parent == target for f in ckpt.files):
+            raise OutputError(
+                f"{out_dir}: is the directory of input model {ckpt.ref!r}; write the merge to another directory"
+            )
+
+
 def _prepare_out_dir(out_dir: Path, fingerprint: str, overwrite: bool) -> Journal:
     """Validate the output directory and return the journal to continue (or a fresh one)."""
     ensure_writable_dir(out_dir)
@@ -249,6 +262,7 @@ def execute_plan(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: output path exists and is not a directory")
+    _refuse_input_directory(out, checkpoints)
     if on_plan is not None:
         on_plan(plan)
     fingerprint = plan.fingerprint()
