@@ -9,6 +9,7 @@ they had; the merged tokenizer must round-trip text and load with transformers.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -287,3 +288,44 @@ def test_plain_merge_does_not_import_transformers() -> None:
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+MERGEKIT_VENV = Path(os.environ.get("MERGEKIT_VENV", Path.home() / ".cache" / "mergesmith" / "mergekit-venv"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (MERGEKIT_VENV / "bin" / "mergekit-yaml").exists(), reason="no mergekit venv")
+def test_rows_match_mergekit(vocab_models: dict[str, Path], tmp_path: Path) -> None:
+    """The `tokens` merge above, run by mergekit 0.1.5 too: every token's row agrees (compared by
+    token, since mergekit numbers union tokens in hash order), padding rows included."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    a, b, c = (str(vocab_models[n]) for n in ("a", "b", "c"))
+    tokens = {
+        "sat": {"source": c, "force": True},
+        "bird": {"source": {"kind": "model_token", "model": a, "token": "dog"}},
+        "flew": {"source": {"kind": "zero"}},
+        "away": {"source": {"kind": "model_token", "model": b, "token_id": 4}, "force": True},
+    }
+    section = {"source": "union", "tokens": tokens, "pad_to_multiple_of": 8}
+    cfg = _linear(vocab_models, ["a", "b", "c"], tokenizer=section)
+    (tmp_path / "config.yml").write_text(json.dumps(cfg))
+    subprocess.run(
+        [str(MERGEKIT_VENV / "bin" / "mergekit-yaml"), str(tmp_path / "config.yml"), str(tmp_path / "mk")],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    _merge(cfg, tmp_path / "ms")
+    ours, theirs = load_file(tmp_path / "ms" / "model.safetensors"), load_file(tmp_path / "mk" / "model.safetensors")
+    vocab_ours = AutoTokenizer.from_pretrained(str(tmp_path / "ms")).get_vocab()
+    vocab_theirs = AutoTokenizer.from_pretrained(str(tmp_path / "mk")).get_vocab()
+    assert set(vocab_ours) == set(vocab_theirs)
+    for tensor in (EMBED, HEAD):
+        assert ours[tensor].shape == theirs[tensor].shape
+        for tok, i in vocab_ours.items():
+            torch.testing.assert_close(ours[tensor][i], theirs[tensor][vocab_theirs[tok]], msg=f"{tensor} {tok!r}")
+        torch.testing.assert_close(ours[tensor][len(vocab_ours) :], theirs[tensor][len(vocab_theirs) :])
+    for name in theirs.keys() - {EMBED, HEAD}:
+        torch.testing.assert_close(ours[name], theirs[name], msg=name)
