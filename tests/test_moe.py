@@ -475,3 +475,21 @@ def test_merge_of_an_moe_config_points_to_the_moe_command(tmp_path, tiny_models,
     path = write_config(tmp_path, experts_config(models[0], models, "random"))
     code, _out, err = run_cli(capsys, "merge", path, tmp_path / "out")
     one_line_error(code, err, "mergesmith moe")
+
+
+def test_alike_prompts_warn_of_degenerate_routing_every_run(tmp_path, tiny_models, capsys):
+    models = [tiny_models("llama", seed=s) for s in (1, 2)]
+    config = experts_config(models[0], models, "cheap_embed")
+    shared = " ".join(f"tok{t}" for t in range(10, 40))  # 30 tokens in common, one apart
+    config["experts"][0]["positive_prompts"] = [shared + " tok50"]
+    config["experts"][1]["positive_prompts"] = [shared + " tok51"]
+    cfg = write_config(tmp_path, config)
+    warned: list[str] = []
+    run_moe(cfg, tmp_path / "a", MergeOptions(), on_warning=warned.append)
+    assert len(warned) == 1 and "degenerate in every layer" in warned[0]
+    code, _out, err = run_cli(capsys, "moe", cfg, tmp_path / "b", "-q")  # router weights from the cache
+    assert code == 0 and err.startswith("warning: router weights are nearly degenerate"), err
+    distinct = write_config(tmp_path, experts_config(models[0], models, "cheap_embed"), "distinct.yml")
+    warned.clear()
+    run_moe(distinct, tmp_path / "c", MergeOptions(), on_warning=warned.append)
+    assert warned == []

@@ -290,10 +290,11 @@ class MoEPlanner:
             config_yaml += f"# random seed used: {seed} (pass --random-seed to reproduce)\n"
         card = moe_model_card(self.config, self.arch.name, seed) if self.options.write_model_card else None
         helpers = self._merge_helpers()
+        # The router weights enter the fingerprint by their key (options["moe"]), not by their file,
+        # which is written later and may be rewritten: identities list only files that exist now.
         identities: dict[str, Any] = {
             ref: [list(x) for x in self.ckpts[ref].identity()] for ref in self.config.referenced_models()
         }
-        identities[ROUTER_MODEL] = self.gates.identity()
         plan = Plan(
             shards=helpers.shards(recipes),
             output_config=output_config,

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..io.checkpoint import Checkpoint, TensorInfo
+from ..io.checkpoint import Checkpoint, TensorInfo, read_safetensors_header
 from ..planner import TOKENIZER_FILES, tensor_seed
 from .config import PROMPT_MODES, Expert
 
@@ -146,9 +146,6 @@ class GateJob:
                 infos[name] = TensorInfo(name, "F32", (1, self.hidden), self.path)
         return infos
 
-    def identity(self) -> list[list[Any]]:
-        return [[f"router:{self.key}", 0, 0, ""]]
-
     def materialize(self, on_progress: GateProgress | None = None) -> tuple[Checkpoint, list[str]]:
         """The router weights as a checkpoint, computed and cached unless already in the cache.
 
@@ -159,11 +156,12 @@ class GateJob:
         if path.is_file():
             try:
                 ckpt = Checkpoint.open(str(path))
+                _tensors, meta, _raw = read_safetensors_header(path)
                 if {n: (i.dtype, i.shape) for n, i in ckpt.tensors.items()} == {
                     n: (i.dtype, i.shape) for n, i in self.tensor_infos().items()
                 }:
-                    return ckpt, []
-            except CheckpointError:
+                    return ckpt, json.loads(meta.get("warnings", "[]"))
+            except (CheckpointError, ValueError):
                 pass  # a damaged cache entry: compute it again
         gates = compute_gates(self, on_progress)
         warnings = degenerate_layers(gates) if self.mode in PROMPT_MODES else []
@@ -172,7 +170,7 @@ class GateJob:
             tensors[router_tensor(layer)] = gates[layer, : self.num_experts].contiguous()
             if self.shared_row:
                 tensors[shared_router_tensor(layer)] = gates[layer, self.num_experts :].contiguous()
-        _save_atomic(path, tensors, {"mode": self.mode, "key": self.key})
+        _save_atomic(path, tensors, {"mode": self.mode, "key": self.key, "warnings": json.dumps(warnings)})
         return Checkpoint.open(str(path)), warnings
 
 
