@@ -203,3 +203,23 @@ def _adapter_tensors(adapter: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(adapter / "adapter_model.safetensors")
+
+
+def test_adapter_config_is_part_of_the_identity(peft_adapter: tuple[Path, Path, dict], tmp_path: Path) -> None:
+    """Editing an adapter's alpha changes its tensors, so it must change the resume fingerprint's
+    input identity; a tokenizer shipped beside the adapter is the input's tokenizer."""
+    base, adapter, _ = peft_adapter
+    copy = tmp_path / "adapter"
+    shutil.copytree(adapter, copy)
+    before = Checkpoint.open(f"{base}+{copy}")
+    identity = before.identity()
+    assert before.tokenizer_root == base
+    q = "model.layers.0.self_attn.q_proj.weight"
+    cfg = json.loads((copy / "adapter_config.json").read_text())
+    (copy / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": 2 * cfg["lora_alpha"]}))
+    after = Checkpoint.open(f"{base}+{copy}")
+    assert after.identity() != identity
+    plain = Checkpoint.open(str(base)).get(q)
+    torch.testing.assert_close(after.get(q) - plain, 2 * (before.get(q) - plain), atol=1e-6, rtol=1e-4)
+    shutil.copy2(base / "tokenizer.json", copy / "tokenizer.json")
+    assert Checkpoint.open(f"{base}+{copy}").tokenizer_root == copy

@@ -19,6 +19,7 @@ DoRA adapters (`lora_magnitude_vector`) and other PEFT types are refused with on
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -201,6 +202,21 @@ class LoraCheckpoint(Checkpoint):
             if delta.transpose:
                 update = update.T
         return (tensor.to(torch.float32) + update).to(tensor.dtype)
+
+    @property
+    def tokenizer_root(self) -> Path:
+        """Where this input's tokenizer lives: the adapter's own when it ships one (adapters that add
+        tokens save the grown tokenizer beside themselves), else the base model's."""
+        if any((self.adapter_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+            return self.adapter_dir
+        return self.root
+
+    def identity(self) -> list[tuple[str, int, int, str]]:
+        """The weight files' identities plus adapter_config.json's (its alpha and ranks change the bytes)."""
+        config = self.adapter_dir / ADAPTER_CONFIG
+        st = config.stat()
+        digest = hashlib.sha256(config.read_bytes()).hexdigest()
+        return [*super().identity(), (ADAPTER_CONFIG, st.st_size, st.st_mtime_ns, digest)]
 
     def close(self) -> None:
         super().close()

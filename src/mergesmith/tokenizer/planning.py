@@ -78,7 +78,7 @@ def plan_tokenizer(planner: Planner, recipes: list[TensorRecipe]) -> TokenizerPl
     require_transformers("`tokenizer`/`tokenizer_source`")
 
     refs = cfg.referenced_models()
-    roots = {ref: planner.ckpts[ref].root for ref in refs}
+    roots = {ref: getattr(planner.ckpts[ref], "tokenizer_root", planner.ckpts[ref].root) for ref in refs}
     rows = {ref: _embedding_rows(planner, ref) for ref in refs}
     tokens = dict(cfg.tokenizer.tokens or {}) if cfg.tokenizer is not None else {}
     pad = cfg.tokenizer.pad_to_multiple_of if cfg.tokenizer is not None else None
@@ -124,7 +124,9 @@ def _set_chat_template(planner: Planner, tokenizer: Any, refs: list[str]) -> Non
     if value == "auto":
         for ref in refs:
             try:
-                template = load_tokenizer(planner.ckpts[ref].root, planner.options.trust_remote_code).chat_template
+                ck = planner.ckpts[ref]
+                root = getattr(ck, "tokenizer_root", ck.root)
+                template = load_tokenizer(root, planner.options.trust_remote_code).chat_template
             except (OSError, ValueError):
                 template = None
             inputs.append(template.get("default") if isinstance(template, dict) else template)
