@@ -176,3 +176,21 @@ def test_unmatched_condition_falls_through_to_the_next_level():
     top = {"weight": 0.1}
     assert resolve("weight", [src, top], "model.layers.0.self_attn.q_proj.weight", 0.0) == 0.9
     assert resolve("weight", [src, top], "model.layers.0.mlp.up_proj.weight", 0.0) == 0.1
+
+
+def test_star_filter_matches_everything_and_switch_lists_step():
+    cfg = parse_config(
+        {
+            "merge_method": "linear",
+            "models": [{"model": "a", "parameters": {"weight": [{"filter": "*", "value": 3}], "flag": [True, False]}}],
+        }
+    )
+    params = cfg.models[0].parameters
+    assert resolve("weight", [params], "model.norm.weight", 0.0) == 3
+    assert resolve("flag", [params], "x", 0.4) is True
+    assert resolve("flag", [params], "x", 1.0) is False
+
+
+def test_model_count_problems_are_config_errors():
+    msg = _err({"merge_method": "nuslerp", "models": [{"model": "a"}, {"model": "b"}, {"model": "c"}]})
+    assert "`models`" in msg and "nuslerp" in msg

@@ -40,13 +40,8 @@ CASES = sorted(MANIFEST["cases"])
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 # case -> why mergesmith's output differs from mergekit's (strict xfail: the test must fail until fixed)
-LINEAR_SUM_ORDER = (
-    "methods/linear.py sums a stacked tensor (torch.sum over dim 0, then divides by a float64 total); mergekit "
-    "accumulates in float32 with result.addcmul_(x_i, w_i) in model order, then divides by the float32 sum "
-    "of the weights: 1-ulp differences. Adopting mergekit's accumulation makes this case bit-identical."
-)
-DEVIATIONS_UNIT: dict[str, str] = {"linear": LINEAR_SUM_ORDER}
-DEVIATIONS_E2E: dict[str, str] = {"linear": LINEAR_SUM_ORDER}
+DEVIATIONS_UNIT: dict[str, str] = {}
+DEVIATIONS_E2E: dict[str, str] = {}
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError
 
-ScalarOrGradient = Union[bool, int, float, str, list[float]]
+ScalarOrGradient = Union[bool, int, float, str, list[Union[bool, int, float, str]]]
 
 
 class ConditionalParameter(BaseModel):

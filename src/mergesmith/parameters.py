@@ -1,9 +1,10 @@
 """Resolving a parameter for one tensor: precedence, name filters and gradients.
 
-A setting is a scalar, a gradient (a list of numbers interpolated linearly over t in [0, 1]), or a
-list of `{filter, value}` conditions where the first whose filter is a substring of the tensor name
-(or has no filter) wins. Levels are searched most specific first (slice source > slice > model > top
-level); a level whose conditions match nothing falls through to the next.
+A setting is a scalar, a gradient (a list of numbers interpolated linearly over t in [0, 1]; a list
+of booleans or strings steps through its values instead), or a list of `{filter, value}` conditions
+where the first whose filter is a substring of the tensor name (or is absent or `*`) wins. Levels
+are searched most specific first (slice source > slice > model > top level); a level whose
+conditions match nothing falls through to the next.
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ def evaluate_setting(setting: Any, tensor_name: str, t: float) -> Any:
         setting = [setting]
     if isinstance(setting, list) and setting and all(isinstance(c, ConditionalParameter) for c in setting):
         for cond in setting:
-            if cond.filter is None or cond.filter in tensor_name:
+            if cond.filter in (None, "*") or cond.filter in tensor_name:
                 return evaluate_setting(cond.value, tensor_name, t)
         return _MISSING
     if isinstance(setting, list):
         if not setting:
             return _MISSING
-        return interpolate_gradient(setting, t)
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in setting):
+            return interpolate_gradient(setting, t)
+        # switches and names cannot be interpolated: step through them as t advances
+        return setting[int(min(max(float(t), 0.0), 1.0) * (len(setting) - 1))]
     return setting
 
 

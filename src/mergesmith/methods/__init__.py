@@ -64,16 +64,8 @@ def validate_method_usage(config: MergeConfiguration, source: str = "config") ->
     for key, models, base in groups:
         if spec.requires_base and not base:
             raise ConfigError(f"{source}: `base_model`: method {spec.name!r} requires a base model")
-        contributing = list(models)
-        if base and spec.uses_base_in_models and base not in contributing:
-            contributing.append(base)
-        count = len(contributing)
-        if count < spec.min_models:
-            raise ConfigError(
-                f"{source}: `{key}`: method {spec.name!r} needs at least {spec.min_models} models, got {count}"
-            )
-        if spec.max_models is not None and count > spec.max_models:
-            raise ConfigError(
-                f"{source}: `{key}`: method {spec.name!r} takes at most {spec.max_models} "
-                f"model{'s' if spec.max_models != 1 else ''}, got {count}"
-            )
+        base_appended = bool(base) and spec.uses_base_in_models and base not in models
+        has_base = bool(base) and (base in models or base_appended)
+        problem = spec.count_problem(len(models) + int(base_appended), has_base=has_base)
+        if problem:
+            raise ConfigError(f"{source}: `{key}`: {problem}")

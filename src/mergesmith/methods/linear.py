@@ -1,7 +1,9 @@
 """Linear (weighted-average) merge: out = sum_i w_i * x_i / sum_i w_i (normalize) or sum_i w_i * x_i.
 
-Wortsman et al. 2022, "Model soups". With `normalize` (default) the weights are divided by their sum;
-a zero sum leaves them as they are, rather than dividing by zero.
+Wortsman et al. 2022, "Model soups". The sum is accumulated in model order with one fused
+multiply-add per model and divided by the float sum of the weights, which is also how mergekit
+0.1.5 rounds, so outputs are bit-identical to its. With `normalize` (default) a zero weight sum
+leaves the sum as it is rather than dividing by zero.
 """
 
 from __future__ import annotations
@@ -10,25 +12,26 @@ from collections.abc import Sequence
 
 import torch
 
+from .common import as_bool, check_same_shape
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
 
 def linear_average(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool) -> torch.Tensor:
     """Weighted sum of same-shaped tensors, optionally normalised by the sum of weights."""
-    stacked = torch.stack(list(tensors), dim=0)
-    w = torch.tensor(list(weights), dtype=stacked.dtype, device=stacked.device)
-    w = w.view(-1, *([1] * (stacked.dim() - 1)))
-    out = (stacked * w).sum(dim=0)
+    out = torch.zeros_like(tensors[0])
+    for tensor, weight in zip(tensors, weights):
+        out.addcmul_(tensor, torch.tensor(weight, dtype=out.dtype, device=out.device))
     if normalize:
-        total = float(sum(weights))
-        if total != 0.0:
+        total = torch.tensor(list(weights), dtype=out.dtype, device=out.device).sum()
+        if float(total) != 0.0:
             out = out / total
     return out
 
 
 def _merge(inputs: MergeInputs) -> torch.Tensor:
+    check_same_shape(inputs, "linear")
     weights = [float(p["weight"]) for p in inputs.model_params]
-    return linear_average(inputs.tensors, weights, bool(inputs.params["normalize"]))
+    return linear_average(inputs.tensors, weights, as_bool(inputs.params["normalize"], "normalize"))
 
 
 register(
@@ -37,7 +40,6 @@ register(
         merge=_merge,
         params=(ParamSpec("normalize", True),),
         model_params=(ParamSpec("weight", required=True),),
-        uses_base_in_models=False,
         description="weighted average of the models' tensors",
     )
 )
