@@ -131,7 +131,8 @@ def _h(n: float) -> str:
 
 def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
     lines = [
-        f"method: {report['method']}    output dtype: {report['out_dtype']}    compute dtype: {report['compute_dtype']}",
+        f"method: {report['method']}    output dtype: {report['out_dtype']}    "
+        f"compute dtype: {report['compute_dtype']}",
         f"tensors: {len(report['tensors'])}    shards: {len(report['shards'])}",
     ]
     for s in report["shards"]:
