@@ -468,6 +468,12 @@ def test_bad_moe_configs_fail_with_one_line_naming_the_key(tmp_path, tiny_models
         one_line_error(code, err, *names)
         assert not (tmp_path / name / "config.json").exists(), name
     assert not router_cache.exists()
+    code, _out, err = run_cli(capsys, "moe", tmp_path / "no_prompts.yml", tmp_path / "q", "--load-in-4bit")
+    one_line_error(code, err, "--load-in-4bit")
+    # mergekit-moe's escape hatch for one model as every expert with prompt-based gates
+    flag = "--i-understand-this-is-not-useful-without-training"
+    code, _out, err = run_cli(capsys, "moe", tmp_path / "all_same_model.yml", tmp_path / "same", flag, "-q")
+    assert code == 0 and (tmp_path / "same" / "config.json").is_file(), err
 
 
 def test_merge_of_an_moe_config_points_to_the_moe_command(tmp_path, tiny_models, capsys):
