@@ -122,11 +122,12 @@ def test_mixtral_loads_and_routes_each_experts_prompts_to_it(tmp_path, tiny_mode
     assert not any(".mlp." in name for name in state)
 
 
-def test_hidden_router_weights_are_the_base_models_last_token_states(tmp_path, tiny_models, monkeypatch):
+@pytest.mark.parametrize("mode", ["hidden", "hidden_avg"])
+def test_hidden_router_weights_are_the_base_models_residual_states(tmp_path, tiny_models, monkeypatch, mode):
     """mergekit-moe's `hidden`: per layer, the residual stream entering the layer at each prompt's last
-    token, averaged over positive prompts, minus the negatives' average, normalised. Prompts of
-    different lengths in batches of 2 (so left padding is exercised) must give what each prompt
-    gives alone."""
+    token (`hidden_avg`: averaged over the prompt's tokens), averaged over positive prompts, minus the
+    negatives' average, normalised. Prompts of different lengths in batches of 2 (so left padding is
+    exercised) must give what each prompt gives alone."""
     from transformers import AutoModelForCausalLM
 
     import mergesmith.moe.router as router_mod
@@ -139,7 +140,7 @@ def test_hidden_router_weights_are_the_base_models_last_token_states(tmp_path, t
         {"source_model": str(m), "positive_prompts": p, **({"negative_prompts": n} if n else {})}
         for m, p, n in zip((base, other), positive, negative)
     ]
-    cfg = write_config(tmp_path, {"base_model": str(base), "gate_mode": "hidden", "experts": experts})
+    cfg = write_config(tmp_path, {"base_model": str(base), "gate_mode": mode, "experts": experts})
     progress: list[tuple[int, int]] = []
     run_moe(cfg, tmp_path / "out", MergeOptions(), on_gate_progress=lambda d, t: progress.append((d, t)))
     assert progress[-1] == (6, 6)
@@ -151,7 +152,8 @@ def test_hidden_router_weights_are_the_base_models_last_token_states(tmp_path, t
         for prompt in prompts:
             with torch.no_grad():
                 out = model(input_ids=torch.tensor([token_ids(prompt)]), output_hidden_states=True)
-            rows.append(torch.stack(out.hidden_states[:-1])[:, 0, -1, :])
+            states = torch.stack(out.hidden_states[:-1])[:, 0]  # [layers, seq, hidden]
+            rows.append(states.mean(1) if mode == "hidden_avg" else states[:, -1])
         return torch.stack(rows).mean(0)
 
     state = read_state_dict(tmp_path / "out")
