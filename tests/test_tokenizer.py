@@ -21,7 +21,7 @@ import torch
 
 from mergesmith.api import build_plan, run_merge
 from mergesmith.config import parse_config
-from mergesmith.errors import ConfigError
+from mergesmith.errors import CheckpointError, ConfigError
 from mergesmith.tokenizer.templates import BUILTIN_TEMPLATES, resolve_chat_template
 from tests.helpers import finite_logits, load_causal_lm, read_state_dict
 
@@ -262,6 +262,15 @@ def test_tokens_section_errors(vocab_models: dict[str, Path], tokens: dict[str, 
     tokens = json.loads(json.dumps(tokens).replace('"A"', json.dumps(a)))
     cfg = _linear(vocab_models, ["a", "b"], tokenizer={"tokens": tokens})
     with pytest.raises(ConfigError, match=message):
+        build_plan(parse_config(cfg))
+
+
+def test_base_without_tokenizer_is_one_line() -> None:
+    """Vocabulary merging needs the base model's tokenizer; its absence is an input error, not a crash."""
+    inputs = Path(__file__).parent / "reference" / "inputs"
+    models = [{"model": str(inputs / "base")}, {"model": str(inputs / "ft_a")}]
+    cfg = {"merge_method": "linear", "models": models, "parameters": {"weight": 1.0}, "tokenizer_source": "union"}
+    with pytest.raises(CheckpointError, match="cannot load a tokenizer"):
         build_plan(parse_config(cfg))
 
 

@@ -39,10 +39,18 @@ def require_transformers(feature: str) -> None:
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
-    """A fast tokenizer from a model directory (offline: never reaches the hub)."""
+    """A fast tokenizer from a model directory (offline: never reaches the hub).
+
+    transformers fails in many ways (OSError, ValueError, KeyError...) on a directory without a
+    usable tokenizer; all of them become one CheckpointError line naming the directory."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - see docstring
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        raise CheckpointError(f"{path}: cannot load a tokenizer ({first})") from None
 
 
 def _rewritten(tokenizer: Any, edit: Callable[[dict[str, Any]], None], trust_remote_code: bool) -> Any:
@@ -137,9 +145,8 @@ def build_vocabulary(
             continue
         try:
             tokenizers[ref] = load_tokenizer(roots[ref], trust_remote_code)
-        except (OSError, ValueError, KeyError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            warnings.append(f"model {ref!r}: no usable tokenizer ({first}); assuming the base model's")
+        except CheckpointError as exc:
+            warnings.append(f"model {ref!r}: {exc}; assuming the base model's tokenizer")
 
     if source == "base":
         out = copy_tokenizer(base_tok, trust_remote_code)
@@ -155,7 +162,7 @@ def build_vocabulary(
             try:
                 path = resolve_model_path(ref)
                 out = load_tokenizer(path if path.is_dir() else path.parent, trust_remote_code)
-            except (CheckpointError, OSError, ValueError) as exc:
+            except CheckpointError as exc:
                 raise ConfigError(
                     f"{config_source}: `tokenizer.source`: cannot load a tokenizer from {ref!r} ({exc})"
                 ) from None

@@ -110,7 +110,7 @@ def _chat_template_only(planner: Planner, recipes: list[TensorRecipe]) -> Tokeni
     root = planner.ckpts[planner.base_ref].root
     try:
         tokenizer = load_tokenizer(root, planner.options.trust_remote_code)
-    except (OSError, ValueError) as exc:
+    except CheckpointError as exc:
         raise ConfigError(
             f"{planner.source}: `chat_template`: cannot load the base model's tokenizer ({exc})"
         ) from None
@@ -127,7 +127,7 @@ def _set_chat_template(planner: Planner, tokenizer: Any, refs: list[str]) -> Non
                 ck = planner.ckpts[ref]
                 root = getattr(ck, "tokenizer_root", ck.root)
                 template = load_tokenizer(root, planner.options.trust_remote_code).chat_template
-            except (OSError, ValueError):
+            except CheckpointError:
                 template = None
             inputs.append(template.get("default") if isinstance(template, dict) else template)
     template = resolve_chat_template(value, inputs, planner.source)
