@@ -93,7 +93,7 @@ def plan_tokenizer(planner: Planner, recipes: list[TensorRecipe]) -> TokenizerPl
     vocab_names = _vocab_tensor_names(planner)
     out: list[TensorRecipe] = []
     for recipe in recipes:
-        out.append(_vocab_recipe(planner, recipe, build, tokens, warnings) if recipe.name in vocab_names else recipe)
+        out.append(_vocab_recipe(planner, recipe, build, tokens) if recipe.name in vocab_names else recipe)
     orphans = torch.stack(list(build.permutations.values())).lt(0).all(dim=0).nonzero().flatten().tolist()
     by_id = build.tokens_by_id
     for tok in (by_id[i] for i in orphans):
@@ -107,7 +107,8 @@ def _chat_template_only(planner: Planner, recipes: list[TensorRecipe]) -> Tokeni
     if not planner.options.copy_tokenizer:
         return TokenizerPlan(recipes, None, None, warnings=["chat_template is set but the tokenizer is not copied"])
     require_transformers("`chat_template`")
-    root = planner.ckpts[planner.base_ref].root
+    base = planner.ckpts[planner.base_ref]
+    root = getattr(base, "tokenizer_root", base.root)
     try:
         tokenizer = load_tokenizer(root, planner.options.trust_remote_code)
     except CheckpointError as exc:
@@ -189,7 +190,6 @@ def _vocab_recipe(
     recipe: TensorRecipe,
     build: VocabularyBuild,
     tokens: dict[str, Any],
-    warnings: list[str],
 ) -> TensorRecipe:
     """`recipe` re-planned to re-index its inputs to the output vocabulary before merging."""
     inputs = tuple(InputRef(i.model, i.tensor) for i in recipe.inputs)
