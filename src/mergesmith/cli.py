@@ -487,7 +487,7 @@ def moe_cmd(
 @click.option("--model", required=True, help="The fine-tuned model (path, cached hub id, or model+lora).")
 @click.option("--base", "--base-model", "base", required=True, help="The model it was fine-tuned from.")
 @click.option("--out", "--out-path", "out", required=True, type=click.Path(path_type=Path), help="Adapter directory.")
-@click.option("--max-rank", type=click.IntRange(min=1), default=32, show_default=True, help="Largest LoRA rank.")
+@click.option("--max-rank", type=click.IntRange(min=1), default=128, show_default=True, help="Largest LoRA rank.")
 @click.option("--sv-epsilon", type=float, default=0.0, show_default=True, help="Drop singular values at or below.")
 @click.option("--embed-lora", is_flag=True, help="Factor the embedding and lm_head too (default: save them whole).")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "mps"]), default="cpu", show_default=True)
