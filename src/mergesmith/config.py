@@ -76,7 +76,7 @@ class TokenEmbeddingConfig(_Strict):
 
 
 class TokenizerConfig(_Strict):
-    source: str = "base"
+    source: str = "union"  # mergekit's default when a `tokenizer` section is given
     tokens: dict[str, TokenEmbeddingConfig] | None = None
     pad_to_multiple_of: int | None = None
 

@@ -64,7 +64,7 @@ def tokenizer_source(planner: Planner) -> str | None:
     """
     cfg = planner.config
     if cfg.tokenizer is not None:
-        return cfg.tokenizer.source if "source" in cfg.tokenizer.model_fields_set else "union"
+        return cfg.tokenizer.source  # defaults to "union", as in mergekit
     return cfg.tokenizer_source
 
 
