@@ -72,7 +72,7 @@ def _wait_until_merging(proc: subprocess.Popen[str], out: Path) -> None:
         assert proc.poll() is None, f"merge ended early: {proc.communicate()}"
         assert time.monotonic() < deadline, "merge never started"
         time.sleep(0.05)
-    time.sleep(0.5)
+    time.sleep(1.0)
 
 
 def _resume_and_compare(capsys: pytest.CaptureFixture[str], config: Path, out: Path, ref: dict[str, bytes]) -> str:
