@@ -13,6 +13,7 @@ import yaml
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'mergesmith[ray]')")
 
 from mergesmith.api import build_plan, execute_plan, run_merge  # noqa: E402
+from mergesmith.cli import main  # noqa: E402
 from mergesmith.errors import CheckpointError, MergeInterrupted, MergesmithError  # noqa: E402
 from mergesmith.executors.ray import KILL_ONCE_ENV  # noqa: E402
 from mergesmith.io.journal import Journal  # noqa: E402
@@ -175,3 +176,19 @@ def test_a_stop_request_drains_the_tasks_and_a_rerun_finishes_the_same_bytes(loc
     again = run_merge(merge_config, out, MergeOptions(executor="ray", **small))
     assert again.shards_reused == len(journal.finished)
     assert _files(out) == _files(tmp_path / "local")
+
+
+def test_cli_merge_with_the_ray_executor_and_an_unreachable_head(
+    local_ray, merge_config, local_output, tmp_path, capsys
+):
+    args = ["merge", str(merge_config), "--out-shard-size", str(SHARD_SIZE), "--random-seed", "7", "-q"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args[:2], str(tmp_path / "out"), *args[2:], "--executor", "ray"])
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    assert _files(tmp_path / "out") == _files(local_output)
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args[:2], str(tmp_path / "bad"), *args[2:], "--executor", "ray", "--ray-address", "127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith("error: cannot reach the Ray head at 127.0.0.1:1") and err.count("\n") == 1

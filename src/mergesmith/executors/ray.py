@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,7 @@ except ImportError:  # pragma: no cover - exercised only where Ray is absent
 
 TASK_THREADS = 2  # per shard task: enough to overlap reading, merging and writing on the one CPU it reserves
 MAX_RETRIES = 3
+CONNECT_TIMEOUT_S = 10.0
 DRAIN_TIMEOUT_S = 60.0  # how long stopped tasks get to finish their tensors in flight before being killed
 # Test hook: a directory. The first shard task to write a tensor claims the marker `killed` there (naming
 # its shard) and SIGKILLs its own worker, leaving a partial file behind, so a test can prove Ray retries it.
@@ -126,6 +128,19 @@ def _input_path(ckpt: Checkpoint) -> str:
     return str(resolve_model_path(ckpt.ref).resolve())
 
 
+def _check_reachable(address: str) -> None:
+    """Fail in seconds on a `HOST:PORT` head address nobody listens at (Ray itself retries for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return  # `auto`, `ray://...`: Ray resolves these itself
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise MergesmithError(
+            f"cannot reach the Ray head at {address} ({exc.strerror or exc}); is `ray start --head` running there?"
+        ) from None
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else exc.__class__.__name__
@@ -182,6 +197,9 @@ class RayExecutor:
 
     def _connect(self) -> bool:
         """Join or start Ray; True when this call started it (and so must shut it down)."""
+        address = self.address or os.environ.get("RAY_ADDRESS")
+        if address:
+            _check_reachable(address)
         if ray.is_initialized():
             return False
         kwargs: dict[str, Any] = {"address": self.address, "logging_level": logging.WARNING}
