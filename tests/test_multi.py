@@ -11,6 +11,7 @@ import yaml
 
 from mergesmith.cli import main
 from mergesmith.errors import ConfigError
+from mergesmith.io.journal import Journal
 from mergesmith.multi import load_stages, run_multi, stage_order
 from mergesmith.planner import MergeOptions
 from tests.helpers import read_state_dict
@@ -165,3 +166,30 @@ def test_an_unknown_name_close_to_a_stage_is_suggested(tmp_path, tiny_models):
     with pytest.raises(ConfigError, match="did you mean stage `first-merge`"):
         run_multi(cfg, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_a_randomised_stage_without_a_seed_reuses_its_recorded_seed_and_is_skipped(tmp_path, tiny_models):
+    base = tiny_models("llama", seed=1)
+    tuned = [tiny_models.derive(base, seed=s) for s in (2, 3)]
+    docs = [
+        {
+            "name": "avg",
+            "merge_method": "linear",
+            "models": [{"model": str(t)} for t in tuned],
+            "parameters": {"weight": 1.0},
+        },
+        {
+            "name": "dare",
+            "merge_method": "dare_ties",
+            "base_model": str(base),
+            "models": [{"model": "avg", "parameters": {"weight": 1.0, "density": 0.5}}],
+        },
+    ]
+    cfg = _write_multi(tmp_path / "multi.yml", docs)
+    out = tmp_path / "stages"
+    assert _ran(run_multi(cfg, out, MergeOptions())) == ["avg", "dare"]
+    seed = Journal.load(out / "dare").random_seed
+    assert seed is not None and Journal.load(out / "avg").random_seed is None  # no seed leaks across stages
+    before = _snapshot(out)
+    assert _ran(run_multi(cfg, out, MergeOptions())) == []
+    assert _snapshot(out) == before

@@ -192,3 +192,25 @@ def test_cli_merge_with_the_ray_executor_and_an_unreachable_head(
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert err.startswith("error: cannot reach the Ray head at 127.0.0.1:1") and err.count("\n") == 1
+
+
+def test_relative_and_model_plus_lora_inputs_reach_the_workers(local_ray, tiny_models, tmp_path, monkeypatch):
+    """Workers run elsewhere (here: another cwd), so they get the driver's absolute paths, both parts of a
+    `model+lora` reference included."""
+    from mergesmith.lora_extract import extract_lora
+
+    base = tiny_models("llama", seed=1)
+    shutil.copytree(base, tmp_path / "base")
+    shutil.copytree(tiny_models.derive(base, seed=5), tmp_path / "tuned")
+    extract_lora(str(tmp_path / "tuned"), str(tmp_path / "base"), tmp_path / "adapter", 4)
+    monkeypatch.chdir(tmp_path)  # the Ray workers keep the cwd they were started in
+    cfg = Path("cfg.yml")
+    doc = {
+        "merge_method": "linear",
+        "models": [{"model": "base+adapter"}, {"model": "base"}],
+        "parameters": {"weight": 1.0},
+    }
+    cfg.write_text(yaml.safe_dump(doc))
+    run_merge(cfg, "local", MergeOptions(out_shard_size=SHARD_SIZE))
+    run_merge(cfg, "ray", MergeOptions(out_shard_size=SHARD_SIZE, executor="ray"))
+    assert _files(tmp_path / "ray") == _files(tmp_path / "local")

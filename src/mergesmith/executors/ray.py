@@ -124,8 +124,15 @@ _write_shard_task = ray.remote(write_shard)
 
 
 def _input_path(ckpt: Checkpoint) -> str:
-    """What a worker opens for an input: the driver's resolved absolute path, whatever the worker's cwd."""
-    return str(resolve_model_path(ckpt.ref).resolve())
+    """What a worker opens for an input: the driver's resolved absolute path(s), whatever the worker's cwd
+    (for `model+lora`, both parts)."""
+    ref = ckpt.ref
+    if "+" in ref and not Path(ref).expanduser().exists():
+        from ..io.lora import split_lora_ref
+
+        model, adapter_dir = split_lora_ref(ref)
+        return f"{resolve_model_path(model).resolve()}+{adapter_dir.resolve()}"
+    return str(resolve_model_path(ref).resolve())
 
 
 def _check_reachable(address: str) -> None:
