@@ -75,6 +75,20 @@ def _wait_until_merging(proc: subprocess.Popen[str], out: Path) -> None:
     time.sleep(1.0)
 
 
+def _open_files_under(root: Path) -> list[str]:
+    """Files under `root` this process holds open (Linux /proc; empty elsewhere)."""
+    fd_dir = Path("/proc/self/fd")
+    found = []
+    for fd in fd_dir.iterdir() if fd_dir.is_dir() else []:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith(str(root)):
+            found.append(target)
+    return found
+
+
 def _resume_and_compare(capsys: pytest.CaptureFixture[str], config: Path, out: Path, ref: dict[str, bytes]) -> str:
     with pytest.raises(SystemExit) as exc:
         main(["merge", str(config), str(out), *SHARD_ARGS, "-q"])
@@ -141,6 +155,8 @@ def test_stop_request_in_process_journals_and_resumes(
     with pytest.raises(MergeInterrupted, match="run the same command again to resume") as exc:
         run_merge(config, out, MergeOptions(out_shard_size=50_000, threads=1), on_progress=on_progress, stop=stop)
     assert exc.value.exit_code == 130
+    del exc  # its traceback holds the executor and its unfinished writers
+    assert _open_files_under(out) == [], "an interrupted merge must not keep its partial files open"
     journal = Journal.load(out)
     assert journal is not None and journal.finished, "finished shards must be journaled at the stop"
     saved = sum(len(t) for t in journal.partial.values()) + sum(1 for _ in journal.finished)

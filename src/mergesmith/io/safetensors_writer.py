@@ -198,6 +198,21 @@ class ShardWriter:
         kill_point("shard_renamed", self.final_path.name)
         return digest
 
+    def close(self) -> None:
+        """Close the file but keep the partial file, whose journaled tensors a resume will reuse."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        # An interrupted or failed merge drops its unfinished writers without finishing them; without
+        # this each would keep its descriptor open for the life of the process (an API user's, a
+        # multi-stage merge's), one per unfinished shard.
+        try:
+            self.close()
+        except (AttributeError, OSError, TypeError):  # half-built writer, or interpreter shutdown
+            pass
+
     def abort(self) -> None:
         """Close and delete the partial file (used on error; a kill leaves it for the next run to discard)."""
         if self._fd >= 0:
@@ -227,8 +242,10 @@ class TensorSink:
 
     def close(self) -> None:
         if self.pos != self.slot.end:
-            raise ValueError(f"tensor {self.slot.name!r}: {self.pos - self.slot.start} of "
-                             f"{self.slot.end - self.slot.start} bytes written")
+            raise ValueError(
+                f"tensor {self.slot.name!r}: {self.pos - self.slot.start} of "
+                f"{self.slot.end - self.slot.start} bytes written"
+            )
         kill_point("tensor", self.slot.name)
         self.writer._commit(self.slot.name, self.crc)
 
