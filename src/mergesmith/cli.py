@@ -129,7 +129,7 @@ def _options(kw: dict[str, Any]):
         if not available:
             raise ConfigError(f"`--device {device}`: no {device} device is available on this machine")
     if kw.get("executor") == "ray":
-        from .executors import ray as _ray  # noqa: F401 - fail before planning when Ray is not installed
+        from .executors.ray import RayExecutor  # noqa: F401 - fail before planning when Ray is not installed
     return MergeOptions(
         out_shard_size=parse_size(kw["out_shard_size"], "--out-shard-size"),
         random_seed=kw.get("random_seed"),
