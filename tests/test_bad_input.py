@@ -439,6 +439,8 @@ def _read_only_under(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
         return real_os_open(path, flags, *args, **kwargs)
 
     def fake_mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        if blocked(path) and os.path.exists(path):  # the kernel reports an existing entry first
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
         if blocked(path):
             raise refuse(path)
         real_mkdir(path, *args, **kwargs)
@@ -480,6 +482,19 @@ def test_read_only_output_filesystem(
     assert_no_false_complete(out)
     after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} if out.exists() else {}
     assert after == before
+
+
+def test_rerun_of_a_complete_merge_on_a_read_only_filesystem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, llama: Path, llama2: Path
+) -> None:
+    """A finished merge on a read-only mount (a shared model store) still verifies as complete."""
+    cfg = linear_config(tmp_path, llama, llama2)
+    out = tmp_path / "ro" / "out"
+    assert run_cli(capsys, "merge", cfg, out, "-q")[0] == 0
+    _read_only_under(monkeypatch, tmp_path / "ro")
+    code, stdout, err = run_cli(capsys, "merge", cfg, out, "-q")
+    assert code == 0, err
+    assert "already complete" in stdout
 
 
 def test_not_enough_space_refused_then_forced(

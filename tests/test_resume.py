@@ -74,8 +74,7 @@ class Runner:
         not while a fresh process is still parsing arguments and planning)."""
         env = {"MERGESMITH_TEST_KILL_AT": kill_at} if kill_at else {}
         before = self._journal_stamp()
-        proc = _CTX.Process(target=_cli_child, args=(self.args, env, str(self.log)))
-        proc.start()
+        proc = self.start(env)
         while proc.is_alive() and self._journal_stamp() == before:
             time.sleep(0.001)
         began = time.monotonic()
@@ -87,6 +86,12 @@ class Runner:
         self.write_phase = time.monotonic() - began
         assert proc.exitcode is not None, "merge process hung"
         return proc.exitcode
+
+    def start(self, env: dict[str, str] | None = None) -> Any:
+        """Start one run in the background; returns its multiprocessing.Process."""
+        proc = _CTX.Process(target=_cli_child, args=(self.args, env or {}, str(self.log)))
+        proc.start()
+        return proc
 
     def _journal_stamp(self) -> int | None:
         try:
@@ -477,3 +482,26 @@ def test_non_empty_directory_is_refused_and_overwrite_spares_foreign_files(
     assert code == 0, err
     assert (out / "notes.txt").read_text() == "mine"
     assert (out / "config.json").read_bytes() == ref["config.json"]
+
+
+def test_second_merge_into_a_directory_being_written_is_refused(
+    tmp_path: Path, linear_case: tuple[Path, dict[str, bytes]]
+) -> None:
+    """Two runs of the same command at once (a second terminal, a scheduler's retry) would both
+    reopen the same partial files by name, one truncating what the other already wrote and vouched
+    for, so a second writer is refused while the first holds the directory; the first finishes."""
+    config, ref = linear_case
+    out = tmp_path / "out"
+    first = Runner(config, out, ["--threads", "1"], tmp_path / "first.log")
+    proc = first.start({"MERGESMITH_TEST_SLOW": "0.1"})  # ~4 s of merging
+    deadline = time.monotonic() + 60
+    while not (out / STATE_DIR / "journal.json").exists():
+        assert proc.is_alive() and time.monotonic() < deadline, first.output()
+        time.sleep(0.01)
+    second = Runner(config, out, ["--threads", "1"], tmp_path / "second.log")
+    assert second.run() == 2, second.output()
+    assert "another mergesmith process is writing to this directory" in second.output()
+    assert proc.is_alive(), "the first run must still be merging for this test to mean anything"
+    proc.join(120)
+    assert proc.exitcode == 0, first.output()
+    assert_same_as_reference(out, ref, "first run after a refused second one")

@@ -16,11 +16,14 @@ a rerun trusts.
 
 from __future__ import annotations
 
+import errno
+import os
 import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,8 +39,14 @@ from .methods import require_method
 from .plan import Plan
 from .planner import MergeOptions, Planner
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory locks, so concurrent runs go undetected
+    fcntl = None  # type: ignore[assignment]
+
 INDEX_NAME = "model.safetensors.index.json"
 SMALL_FILES_MARGIN = 16 << 20
+LOCK_NAME = "lock"
 
 
 @dataclass
@@ -123,6 +132,38 @@ def _refuse_input_directory(out_dir: Path, checkpoints: dict[str, Checkpoint]) -
             )
 
 
+@contextmanager
+def _exclusive(out_dir: Path) -> Iterator[None]:
+    """Hold `.mergesmith/lock` while writing into `out_dir`.
+
+    A second run into the same directory (another terminal, a scheduler's retry) would reopen the
+    same partial files by name, truncating what the first already wrote and journaled, and rename
+    files from under it; so it is refused. The kernel drops an flock when its holder dies, SIGKILL
+    included, so a crash never leaves the directory locked.
+    """
+    ensure_writable_dir(out_dir)
+    if fcntl is None:
+        yield
+        return
+    try:
+        fd = os.open(out_dir / STATE_DIR / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        yield  # nobody can write here, so nobody can race us; the first write says what is wrong
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputError(
+                f"{out_dir}: another mergesmith process is writing to this directory; wait for it or stop it first"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
 def _prepare_out_dir(out_dir: Path, fingerprint: str, overwrite: bool) -> Journal:
     """Validate the output directory and return the journal to continue (or a fresh one)."""
     ensure_writable_dir(out_dir)
@@ -133,8 +174,13 @@ def _prepare_out_dir(out_dir: Path, fingerprint: str, overwrite: bool) -> Journa
     if overwrite:
         for path in _owned_outputs(out_dir):
             _remove(path)
-        shutil.rmtree(out_dir / STATE_DIR, ignore_errors=True)
-        (out_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        for state in (out_dir / STATE_DIR).iterdir():  # all but the lock this run holds
+            if state.name == LOCK_NAME:
+                continue
+            if state.is_dir() and not state.is_symlink():
+                shutil.rmtree(state, ignore_errors=True)
+            else:
+                state.unlink(missing_ok=True)
     elif journal is not None:
         raise OutputError(f"{out_dir}: holds a merge with a different config or inputs; use --overwrite to replace it")
     elif others:
@@ -267,9 +313,10 @@ def execute_plan(
         on_plan(plan)
     fingerprint = plan.fingerprint()
     try:
-        journal = _prepare_out_dir(out, fingerprint, overwrite)
-        journal.random_seed = plan.random_seed
-        return _write_plan(out, plan, checkpoints, options, journal, force, on_progress, stop, started)
+        with _exclusive(out):
+            journal = _prepare_out_dir(out, fingerprint, overwrite)
+            journal.random_seed = plan.random_seed
+            return _write_plan(out, plan, checkpoints, options, journal, force, on_progress, stop, started)
     except OSError as exc:  # a full or read-only disk, a quota: the user's environment, not a bug
         if exc.filename:
             raise OutputError(f"{exc.filename}: {exc.strerror or exc}") from None
