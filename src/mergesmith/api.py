@@ -1,8 +1,10 @@
 """The Python API: plan a merge, run it into a directory (resuming when possible).
 
 Output directory protocol, which makes merges crash-consistent:
+0. one run at a time holds `.mergesmith/lock` (flock: released by the kernel even on SIGKILL);
 1. the journal (plan fingerprint) is written first, and any config.json/index from an earlier run
-   is removed, so a directory is never mistaken for complete while shards change;
+   is removed (before any damaged shard), so a directory is never mistaken for complete while
+   shards change;
 2. shards are written under `.mergesmith/partial/`, fsync'ed, renamed into place, journaled;
 3. tokenizer files, model card and `mergesmith_config.yml` are copied;
 4. the index and finally `config.json` are written atomically: a directory that has `config.json`
