@@ -185,8 +185,10 @@ def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 def test_hub_id_not_in_the_local_cache(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, llama: Path
 ) -> None:
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    # the cache location is read when huggingface_hub is imported, so patch the constant itself
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     cfg = linear_config(tmp_path, llama, Path("some-org/not-downloaded-model"))
     code, _, err = run_cli(capsys, "merge", cfg, tmp_path / "out")
     assert_one_line_error(code, err, "'some-org/not-downloaded-model'", "not in the local Hugging Face cache")
