@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import struct
@@ -22,6 +23,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mergesmith.cli import main
 
@@ -636,3 +639,102 @@ def test_sharded_model_in_the_hub_cache_is_not_mistaken_for_an_escape(
 
     merged, original = read_state_dict(tmp_path / "out"), read_state_dict(sharded)
     assert merged.keys() == original.keys() and all(torch.equal(merged[n], original[n]) for n in original)
+
+
+# ----- any safetensors header: a one-line error or a sound result, never a crash --------------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "BOOL": 1, "U8": 1}
+
+
+@st.composite
+def _headers(draw: st.DrawFn) -> Any:
+    """Mostly well-formed headers with back-to-back offsets, each damaged in at most a few places
+    (a field or a whole entry replaced by any JSON value, offsets nudged), so the damage is reached
+    instead of hiding behind an earlier, simpler error."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for i in range(draw(st.integers(0, 3))):
+        dtype = draw(st.sampled_from(sorted(_SIZES)))
+        shape = draw(st.lists(st.integers(0, 4), max_size=2))
+        size = _SIZES[dtype] * math.prod(shape)
+        entry: Any = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+        damage = draw(st.sampled_from(["none", "none", "dtype", "shape", "data_offsets", "entry", "nudge"]))
+        if damage == "entry":
+            entry = draw(_json)
+        elif damage == "nudge":
+            entry["data_offsets"] = [o + draw(st.integers(-6, 6)) for o in entry["data_offsets"]]
+        elif damage != "none":
+            entry[damage] = draw(_json)
+        header[f"t{i}"] = entry
+    metadata = draw(st.none() | st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2) | _json)
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    whole: Any = draw(_json) if draw(st.integers(0, 9)) == 0 else header
+    return whole, max(0, offset + draw(st.integers(-8, 8)))  # data bytes: about what the layout needs
+
+
+@settings(max_examples=120, deadline=None)
+@given(case=_headers())
+def test_any_safetensors_header_is_refused_in_one_line_or_read_soundly(
+    tmp_path_factory: pytest.TempPathFactory, case: tuple[Any, int]
+) -> None:
+    """Fuzzed headers (wrong types, floats, booleans, string shapes, odd metadata, offsets anywhere):
+    the reader either raises a CheckpointError naming the file, or returns tensors that lie inside
+    the file, match their shape and do not overlap. Any other exception would be an internal error."""
+    from mergesmith.errors import CheckpointError
+    from mergesmith.io.checkpoint import read_safetensors_header
+
+    header, data_len = case
+    path = tmp_path_factory.getbasetemp() / "fuzz.safetensors"
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + b"\0" * data_len)
+    try:
+        tensors, _meta, _raw = read_safetensors_header(path)
+    except CheckpointError as exc:
+        assert str(exc).startswith(str(path)) and "\n" not in str(exc)
+        return
+    size = path.stat().st_size
+    spans = sorted((i.data_offset, i.data_offset + i.nbytes) for i in tensors.values() if i.nbytes)
+    assert all(8 + len(blob) <= b and e <= size for b, e in spans)
+    assert all(e0 <= b1 for (_, e0), (b1, _) in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 8]},  # was truncated to 2
+        {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]},  # was read as [1, 2]
+        {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]},  # was iterated as digits
+        {"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8.0]},
+        {"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]},  # was a TypeError
+        {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]},  # was a TypeError
+        {"dtype": "F32", "shape": [2], "data_offsets": [0, 4, 8]},
+    ],
+)
+def test_header_entries_of_the_wrong_type_are_refused_not_coerced(tmp_path: Path, entry: dict[str, Any]) -> None:
+    from mergesmith.errors import CheckpointError
+    from mergesmith.io.checkpoint import read_safetensors_header
+
+    path = tmp_path / "x.safetensors"
+    blob = json.dumps({"t": entry}).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + b"\0" * 8)
+    with pytest.raises(CheckpointError, match="tensor 't' has a malformed header entry"):
+        read_safetensors_header(path)
+
+
+@pytest.mark.parametrize("metadata", ["pt", [1], 3])
+def test_metadata_that_is_not_an_object_is_refused(tmp_path: Path, metadata: Any) -> None:
+    from mergesmith.errors import CheckpointError
+    from mergesmith.io.checkpoint import read_safetensors_header
+
+    path = tmp_path / "x.safetensors"
+    blob = json.dumps({"__metadata__": metadata, "t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob.encode() + b"\0" * 8)
+    with pytest.raises(CheckpointError, match="`__metadata__` is not a JSON object"):
+        read_safetensors_header(path)

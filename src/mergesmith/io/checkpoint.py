@@ -78,20 +78,21 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: safetensors `__metadata__` is not a JSON object")
     data_start = 8 + header_len
     data_len = size - data_start
     tensors: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if not _well_formed(entry):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry")
+        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         if dtype not in SAFETENSORS_TO_TORCH:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
         if any(d < 0 for d in shape):
             raise CheckpointError(f"{path}: tensor {name!r} has a negative dimension in shape {list(shape)}")
-        info = TensorInfo(name, dtype, shape, path, data_start + int(begin))
+        info = TensorInfo(name, dtype, shape, path, data_start + begin)
         if not (0 <= begin <= end) or end - begin != info.nbytes:
             raise CheckpointError(
                 f"{path}: tensor {name!r} offsets [{begin}, {end}) do not match its shape {list(shape)} and {dtype}"
@@ -103,12 +104,33 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
             )
         tensors[name] = info
         if end > begin:
-            spans.append((int(begin), int(end), name))
+            spans.append((begin, end, name))
     spans.sort()
     for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap in the file")
     return tensors, {str(k): str(v) for k, v in metadata.items()}, raw
+
+
+def _well_formed(entry: Any) -> bool:
+    """A header entry as the format defines it: a string dtype, a list of integer dimensions, two
+    integer offsets. Anything else (floats, booleans, a string shape that would iterate as digits)
+    is refused rather than coerced, as the reference safetensors reader does."""
+
+    def is_int(v: Any) -> bool:
+        return type(v) is int  # not bool, not float
+
+    if not isinstance(entry, dict):
+        return False
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    return (
+        isinstance(dtype, str)
+        and isinstance(shape, list)
+        and all(is_int(d) for d in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(is_int(o) for o in offsets)
+    )
 
 
 def _inside(root: Path, relative: str, index_path: Path) -> Path:
