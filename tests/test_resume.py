@@ -493,7 +493,7 @@ def test_second_merge_into_a_directory_being_written_is_refused(
     config, ref = linear_case
     out = tmp_path / "out"
     first = Runner(config, out, ["--threads", "1"], tmp_path / "first.log")
-    proc = first.start({"MERGESMITH_TEST_SLOW": "0.1"})  # ~4 s of merging
+    proc = first.start({"MERGESMITH_TEST_SLOW": "0.05"})  # ~2 s of merging
     deadline = time.monotonic() + 60
     while not (out / STATE_DIR / "journal.json").exists():
         assert proc.is_alive() and time.monotonic() < deadline, first.output()
