@@ -738,3 +738,41 @@ def test_metadata_that_is_not_an_object_is_refused(tmp_path: Path, metadata: Any
     path.write_bytes(struct.pack("<Q", len(blob)) + blob.encode() + b"\0" * 8)
     with pytest.raises(CheckpointError, match="`__metadata__` is not a JSON object"):
         read_safetensors_header(path)
+
+
+@pytest.mark.parametrize(
+    ("method", "params", "needle"),
+    [
+        ("ties", {"consensus_method": "bogus"}, "must be one of sum, count"),
+        ("ties", {"normalize": "maybe"}, "must be true or false"),
+        ("task_arithmetic", {"lambda": "big"}, "must be a number"),
+    ],
+)
+def test_bad_method_parameters_fail_at_plan_time(tmp_path, tiny_models, capsys, method, params, needle):
+    base, a = tiny_models("llama", seed=1), tiny_models("llama", seed=2)
+    cfg = tmp_path / "c.yml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "merge_method": method,
+                "base_model": str(base),
+                "models": [{"model": str(a), "parameters": {"weight": 1.0, "density": 0.5}}],
+                "parameters": params,
+            }
+        )
+    )
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        main(["merge", str(cfg), str(out), "-q"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error:") and needle in err and next(iter(params)) in err
+    assert not out.exists()
+
+
+def test_usage_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["merge", "c.yml", "out", "--threads", "0"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error:") and "--threads" in err

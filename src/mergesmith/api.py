@@ -35,7 +35,7 @@ from .errors import MergeInterrupted, MergesmithError, OutputError
 from .executor import LocalExecutor, ProgressEvent
 from .io._test_hooks import kill_point
 from .io.checkpoint import Checkpoint
-from .io.journal import STATE_DIR, Journal, ensure_writable_dir
+from .io.journal import STATE_DIR, Journal, ensure_writable_dir, partial_path
 from .io.safetensors_writer import file_checksum, write_file_atomic
 from .methods import require_method
 from .plan import Plan
@@ -229,7 +229,13 @@ def _human_bytes(n: float) -> str:
 
 
 def _check_space(out_dir: Path, plan: Plan, journal: Journal, force: bool) -> None:
-    needed = sum(s.data_bytes for s in plan.shards if s.filename not in journal.finished) + SMALL_FILES_MARGIN
+    needed = SMALL_FILES_MARGIN
+    for shard in plan.shards:
+        if shard.filename in journal.finished:
+            continue
+        partial = partial_path(out_dir, shard.filename)
+        reserved = partial.stat().st_blocks * 512 if partial.is_file() else 0  # an interrupted run's reservation
+        needed += max(0, shard.data_bytes - reserved)
     free = shutil.disk_usage(out_dir).free
     if free < needed and not force:
         raise OutputError(

@@ -538,8 +538,13 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
+    except click.UsageError as exc:
+        # one line, like every other user error; `--help` has the full usage
+        where = f" (see `mergesmith {exc.ctx.info_name} --help`)" if exc.ctx is not None else ""
+        click.echo(f"error: {exc.format_message()}{where}", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
-        exc.show()
+        click.echo(f"error: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
     except MergesmithError as exc:
         if verbose:

@@ -190,6 +190,12 @@ class Planner:
                         f"for {who} (tensor {tensor})"
                     )
                 value = p.default
+            problem = p.problem(value)
+            if problem:
+                raise ConfigError(
+                    f"{self.source}: `parameters.{p.name}` of method {self.spec.name!r} for {who} "
+                    f"(tensor {tensor}): {problem}"
+                )
             resolved.append((p.name, value))
         return tuple(resolved)
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+_SWITCH_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0", "t", "f", "y", "n"}
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -26,6 +28,22 @@ class ParamSpec:
     default: Any = None
     required: bool = False
     non_base: bool = False
+    choices: tuple[str, ...] | None = None
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` cannot be this parameter's value (checked at plan time, before any tensor is read),
+        or None. The kind is the default's: a switch, a number, or one of `choices`."""
+        if value is None:
+            return None if not self.required else "a value is required"
+        if self.choices is not None:
+            return None if str(value) in self.choices else f"must be one of {', '.join(self.choices)}, got {value!r}"
+        if isinstance(self.default, bool):
+            ok = isinstance(value, bool) or value in (0, 1) or str(value).strip().lower() in _SWITCH_WORDS
+            return None if ok else f"must be true or false, got {value!r}"
+        if self.required or isinstance(self.default, int | float):
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            return None if ok else f"must be a number, got {value!r}"
+        return None
 
 
 @dataclass

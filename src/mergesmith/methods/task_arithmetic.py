@@ -169,7 +169,7 @@ class _Family:
             ParamSpec("int8_mask", False),
         ]
         if self.consensus:
-            params.append(ParamSpec("consensus_method", "sum"))
+            params.append(ParamSpec("consensus_method", "sum", choices=("sum", "count")))
         return MethodSpec(
             name=self.name,
             merge=self.merge,
