@@ -8,7 +8,7 @@ a 70B merge takes a second and fails fast on any inconsistency.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -358,19 +358,7 @@ class Planner:
 
     # ----- sharding and the rest --------------------------------------------------------------
     def shards(self, recipes: list[TensorRecipe]) -> list[ShardPlan]:
-        """Cut recipes into shards: a new shard starts when the next tensor would pass the limit."""
-        limit = self.options.out_shard_size
-        groups: list[list[TensorRecipe]] = [[]]
-        size = 0
-        for r in recipes:
-            if groups[-1] and size + r.nbytes > limit:
-                groups.append([])
-                size = 0
-            groups[-1].append(r)
-            size += r.nbytes
-        n = len(groups)
-        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        return [ShardPlan(name, group) for name, group in zip(names, groups)]
+        return cut_shards(recipes, self.options.out_shard_size)
 
     def files_to_copy(self, tokenizer_files: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
         """Small files for the output; `tokenizer_files` (a built tokenizer) replace the copied ones."""
@@ -398,23 +386,12 @@ class Planner:
         return source
 
     def estimate(self, recipes: list[TensorRecipe]) -> Estimate:
-        """Bytes read and written, and peak working memory for the chosen concurrency."""
-        seen: set[tuple[str, str]] = set()
-        bytes_read = 0
-        for r in recipes:
-            for ref in r.inputs:
-                if (ref.model, ref.tensor) not in seen:
-                    seen.add((ref.model, ref.tensor))
-                    bytes_read += self.ckpts[ref.model].info(ref.tensor).nbytes
-        costs = [(recipe_memory(r, self.compute_dtype), r) for r in recipes] or [(0, None)]
-        costs.sort(key=lambda c: c[0], reverse=True)
-        threads = max(1, self.options.threads)
-        peak = sum(c for c, _ in costs[:threads])
-        if self.options.max_memory:
-            peak = max(min(peak, self.options.max_memory), costs[0][0])
-        largest = costs[0][1]
-        return Estimate(
-            bytes_read, sum(r.nbytes for r in recipes), peak, largest.name if largest else "", costs[0][0], threads
+        return estimate_plan(
+            recipes,
+            lambda ref: self.ckpts[ref.model].info(ref.tensor).nbytes,
+            self.compute_dtype,
+            self.options.threads,
+            self.options.max_memory,
         )
 
     def build(self) -> Plan:
@@ -469,6 +446,50 @@ class Planner:
             estimate=self.estimate(recipes),
         )
         return plan
+
+
+def cut_shards(recipes: list[TensorRecipe], limit: int) -> list[ShardPlan]:
+    """Cut recipes into shards as transformers names them: a new shard starts when the next tensor
+    would take the current one past `limit` bytes of tensor data (a larger tensor gets its own)."""
+    groups: list[list[TensorRecipe]] = [[]]
+    size = 0
+    for r in recipes:
+        if groups[-1] and size + r.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(r)
+        size += r.nbytes
+    n = len(groups)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return [ShardPlan(name, group) for name, group in zip(names, groups)]
+
+
+def estimate_plan(
+    recipes: list[TensorRecipe],
+    input_bytes: Callable[[InputRef], int],
+    compute_dtype: str,
+    threads: int,
+    max_memory: int | None,
+) -> Estimate:
+    """Bytes read (each input tensor once) and written, and peak working memory for `threads` recipes
+    in flight: the largest working sets, capped by the budget but never below the single largest."""
+    seen: set[tuple[str, str]] = set()
+    bytes_read = 0
+    for r in recipes:
+        for ref in r.inputs:
+            if (ref.model, ref.tensor) not in seen:
+                seen.add((ref.model, ref.tensor))
+                bytes_read += input_bytes(ref)
+    costs = [(recipe_memory(r, compute_dtype), r) for r in recipes] or [(0, None)]
+    costs.sort(key=lambda c: c[0], reverse=True)
+    threads = max(1, threads)
+    peak = sum(c for c, _ in costs[:threads])
+    if max_memory:
+        peak = max(min(peak, max_memory), costs[0][0])
+    largest = costs[0][1]
+    return Estimate(
+        bytes_read, sum(r.nbytes for r in recipes), peak, largest.name if largest else "", costs[0][0], threads
+    )
 
 
 def recipe_memory(recipe: TensorRecipe, compute_dtype: str) -> int:

@@ -23,27 +23,15 @@ from ..architecture import (
     rewrite_config,
     ties_embeddings,
 )
-from ..config import MergeConfiguration
 from ..dtypes import is_float, parse_config_dtype
 from ..errors import CheckpointError, ConfigError
-from ..io.checkpoint import Checkpoint, TensorInfo
+from ..io.checkpoint import Checkpoint
 from ..plan import InputRef, Plan, TensorRecipe
-from ..planner import TOKENIZER_FILES, MergeOptions, Planner, tensor_seed
+from ..planner import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
 from .arch import DENSE_MLP, OutputArchitecture, select_architecture
 from .card import moe_model_card
 from .config import PROMPT_MODES, Expert, MoEConfiguration, dump_moe_config
 from .router import ROUTER_MODEL, GateJob, router_tensor, shared_router_tensor
-
-
-class _PlannedInput:
-    """Header-only stand-in for the router-weights file before it exists (planning needs shapes only)."""
-
-    def __init__(self, infos: dict[str, TensorInfo]) -> None:
-        self.tensors = infos
-        self.config = None
-
-    def info(self, name: str) -> TensorInfo:
-        return self.tensors[name]
 
 
 class MoEPlanner:
@@ -268,13 +256,11 @@ class MoEPlanner:
         names = list(TOKENIZER_FILES) if self.options.copy_tokenizer else []
         return [(str(root / n), n) for n in [*names, "generation_config.json"] if (root / n).is_file()]
 
-    def _merge_helpers(self) -> Planner:
-        """A merge Planner over the same inputs, for its shard cutting and estimate (shared, not rewritten)."""
-        view = MergeConfiguration.model_validate(
-            {"merge_method": "passthrough", "models": [{"model": self.config.base_model}]}
-        )
-        inputs: dict[str, Any] = {**self.ckpts, ROUTER_MODEL: _PlannedInput(self.gates.tensor_infos())}
-        return Planner(view, inputs, self.options, self.source)
+    def _input_bytes(self, ref: InputRef) -> int:
+        """Size of an input tensor; the router weights are known by shape before their file exists."""
+        if ref.model == ROUTER_MODEL:
+            return self.gates.tensor_infos()[ref.tensor].nbytes
+        return self.ckpts[ref.model].info(ref.tensor).nbytes
 
     def build(self) -> tuple[Plan, GateJob]:
         expert_width, shared_width = self._check_expert_tensors()
@@ -289,14 +275,13 @@ class MoEPlanner:
         if seed is not None:
             config_yaml += f"# random seed used: {seed} (pass --random-seed to reproduce)\n"
         card = moe_model_card(self.config, self.arch.name, seed) if self.options.write_model_card else None
-        helpers = self._merge_helpers()
         # The router weights enter the fingerprint by their key (options["moe"]), not by their file,
         # which is written later and may be rewritten: identities list only files that exist now.
         identities: dict[str, Any] = {
             ref: [list(x) for x in self.ckpts[ref].identity()] for ref in self.config.referenced_models()
         }
         plan = Plan(
-            shards=helpers.shards(recipes),
+            shards=cut_shards(recipes, self.options.out_shard_size),
             output_config=output_config,
             compute_dtype="F32",
             out_dtype=self.out_dtype,
@@ -319,6 +304,6 @@ class MoEPlanner:
             },
             random_seed=seed,
             warnings=self.warnings,
-            estimate=helpers.estimate(recipes),
+            estimate=estimate_plan(recipes, self._input_bytes, "F32", self.options.threads, self.options.max_memory),
         )
         return plan, self.gates
