@@ -199,8 +199,9 @@ def parse_config(data: Any, source: str = "config") -> MergeConfiguration:
     return config
 
 
-def load_config(path: str | Path) -> MergeConfiguration:
-    """Read and validate a YAML merge config from disk."""
+def read_yaml(path: str | Path, *, all_documents: bool = False) -> tuple[Any, str]:
+    """The YAML at `path` (a list of its documents with `all_documents`) and its text; an unreadable
+    or malformed file is one ConfigError line naming the file (and line and column)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -209,12 +210,18 @@ def load_config(path: str | Path) -> MergeConfiguration:
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read config ({exc.__class__.__name__})") from None
     try:
-        data = yaml.safe_load(text)
+        data = list(yaml.safe_load_all(text)) if all_documents else yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
+    return data, text
+
+
+def load_config(path: str | Path) -> MergeConfiguration:
+    """Read and validate a YAML merge config from disk."""
+    data, _text = read_yaml(path)
     return parse_config(data, str(path))
 
 

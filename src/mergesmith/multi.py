@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .api import MergeResult, build_plan, execute_plan
-from .config import parse_config
+from .config import parse_config, read_yaml
 from .errors import CheckpointError, ConfigError
 from .executor import ProgressEvent
 from .io.checkpoint import resolve_model_path
@@ -98,19 +96,8 @@ def _resolvable(ref: str) -> bool:
 def load_stages(path: str | Path) -> list[Stage]:
     """Parse and validate every document of a multi-stage file, in file order."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read config ({exc.__class__.__name__})") from None
-    try:
-        documents = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
+    loaded, text = read_yaml(path, all_documents=True)
+    documents = [d for d in loaded if d is not None]
     if not documents:
         raise ConfigError(f"{path}: no merge documents found")
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..config import read_yaml
 from ..errors import ConfigError
 
 GateMode = Literal["hidden", "cheap_embed", "random", "uniform_random", "hidden_avg", "hidden_last"]
@@ -156,20 +157,7 @@ def validate_moe_config(config: MoEConfiguration, source: str = "config", *, all
 
 def load_moe_yaml(path: str | Path) -> tuple[Any, str]:
     """The YAML document at `path` and its text, with one-line errors for unreadable or malformed files."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read config ({exc.__class__.__name__})") from None
-    try:
-        return yaml.safe_load(text), text
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
+    return read_yaml(path)
 
 
 def is_moe_config_file(path: str | Path) -> bool:
