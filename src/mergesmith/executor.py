@@ -10,7 +10,6 @@ last tensor lands; progress inside a shard is journaled every second, so a kill 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from .plan import InputRef, Plan, ShardPlan, TensorRecipe
 from .planner import recipe_memory
 
 JOURNAL_INTERVAL_S = 1.0
+PREFETCH_BYTES = 512 << 20
 
 
 @dataclass
@@ -177,7 +177,6 @@ class LocalExecutor:
         self._lock = threading.Lock()
         self._writers: dict[str, ShardWriter] = {}
         self._remaining: dict[str, int] = {}
-        self._last_journal = time.monotonic()
         self._done = 0
         self._bytes = 0
         self._error: BaseException | None = None
@@ -209,11 +208,16 @@ class LocalExecutor:
         self._emit(None)
 
         slots = threading.Semaphore(self.threads)
+        flusher_done = threading.Event()
+        flusher = threading.Thread(target=self._flush_loop, args=(flusher_done,), name="merge-flush", daemon=True)
+        flusher.start()
+        prefetched = 0
         with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="merge") as pool:
             futures: list[Future[None]] = []
-            for shard, recipe in work:
+            for index, (shard, recipe) in enumerate(work):
                 if self.stop.is_set() or self._error is not None:
                     break
+                prefetched = self._prefetch(work, index, prefetched)
                 cost = recipe_memory(recipe, self.plan.compute_dtype)
                 while not slots.acquire(timeout=0.2):
                     if self.stop.is_set() or self._error is not None:
@@ -227,7 +231,9 @@ class LocalExecutor:
                 break
             for f in futures:
                 f.exception()  # wait for everything in flight
-        self._journal_progress(force=True)
+        flusher_done.set()
+        flusher.join()
+        self._journal_progress()
         if self._error is not None:
             raise self._error
         if self.stop.is_set():
@@ -250,8 +256,6 @@ class LocalExecutor:
                 last = self._remaining[shard.filename] == 0
             if last:
                 self._finish_shard(shard.filename)
-            else:
-                self._journal_progress()
             self._emit(recipe)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which re-raises it
             with self._lock:
@@ -266,7 +270,6 @@ class LocalExecutor:
 
         Returns False when a stop request left the tensor unwritten."""
         args = (self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
-        advise_inputs(recipe, self.ckpts, "willneed")
         blocks = row_blocks(recipe)
         if len(blocks) == 1:
             writer.write(recipe.name, compute(recipe, *args))
@@ -290,18 +293,47 @@ class LocalExecutor:
             self.journal.partial.pop(filename, None)
             self.journal.save()
 
-    def _journal_progress(self, force: bool = False) -> None:
-        """Record durable tensors of shards in progress, at most once a second."""
-        now = time.monotonic()
-        if not force and now - self._last_journal < JOURNAL_INTERVAL_S:
-            return
-        with self._lock:
-            if not force and now - self._last_journal < JOURNAL_INTERVAL_S:
+    def _flush_loop(self, done: threading.Event) -> None:
+        """Background writeback: every interval, make written tensors durable and journal them.
+
+        Doing this off the worker threads overlaps the disk's writeback with reading and merging
+        (instead of one long fsync per shard at the end) and never stalls a worker on the disk."""
+        while not done.wait(JOURNAL_INTERVAL_S):
+            try:
+                self._journal_progress()
+            except OSError as exc:  # e.g. ENOSPC at writeback: hand it to the main thread
+                with self._lock:
+                    if self._error is None:
+                        self._error = exc
                 return
-            self._last_journal = now
-            for name, writer in list(self._writers.items()):
-                self.journal.partial[name] = writer.sync()
+
+    def _journal_progress(self) -> None:
+        """Record the durable tensors of shards in progress (fdatasync outside the executor's lock)."""
+        with self._lock:
+            writers = list(self._writers.items())
+        synced = {name: writer.sync() for name, writer in writers}
+        with self._lock:
+            for name, crcs in synced.items():
+                if name not in self.journal.finished:
+                    self.journal.partial[name] = crcs
             self.journal.save()
+
+    def _prefetch(self, work: list[tuple[ShardPlan, TensorRecipe]], index: int, prefetched: int) -> int:
+        """Ask the kernel to read ahead the inputs of the next recipes (up to PREFETCH_BYTES beyond the
+        one being admitted), so cold-cache reads overlap the merging of earlier tensors."""
+        ahead = 0
+        position = max(prefetched, index)
+        while position < len(work) and ahead < PREFETCH_BYTES:
+            recipe = work[position][1]
+            if position >= prefetched:
+                advise_inputs(recipe, self.ckpts, "willneed")
+            ahead += sum(
+                self.ckpts[ref.model].info(ref.tensor).nbytes
+                for ref in recipe.inputs
+                if ref.tensor in self.ckpts[ref.model].tensors
+            )
+            position += 1
+        return max(prefetched, position)
 
     def _emit(self, recipe: TensorRecipe | None) -> None:
         if self.on_progress is not None:

@@ -528,6 +528,20 @@ parameters:
 """,
 )
 case(
+    "linear_bf16",
+    """
+merge_method: linear
+models:
+  - model: inputs/ft_a
+    parameters: {weight: 0.3}
+  - model: inputs/ft_b
+    parameters: {weight: 0.5}
+  - model: inputs/ft_c
+    parameters: {weight: 0.7}
+dtype: bfloat16
+""",
+)
+case(
     "ties_bf16",
     """
 merge_method: ties

@@ -108,6 +108,8 @@ class ShardWriter:
         self.size = slots[-1].end if slots else len(header)
         self._crcs: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._fd_lock = threading.Lock()
+        self._fd = -1
         temp_path.parent.mkdir(parents=True, exist_ok=True)
         if resume and self._reopen(header, resume):
             return
@@ -142,11 +144,16 @@ class ShardWriter:
             return set(self._crcs)
 
     def sync(self) -> dict[str, int]:
-        """Make every tensor written so far durable; returns their CRCs (safe to journal now)."""
+        """Make every tensor written so far durable; returns their CRCs (safe to journal now).
+
+        Runs from the executor's background flusher, so the page cache is written back while the
+        merge goes on instead of all at once at the end; `_fd_lock` keeps `finish`/`close` from closing
+        the descriptor under it, without ever blocking tensor writes."""
         with self._lock:
             snapshot = dict(self._crcs)
-        if self._fd >= 0:
-            os.fdatasync(self._fd)
+        with self._fd_lock:
+            if self._fd >= 0:
+                os.fdatasync(self._fd)
         return snapshot
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -190,9 +197,10 @@ class ShardWriter:
         if missing:
             raise ValueError(f"shard {self.final_path.name}: {len(missing)} tensors never written, e.g. {missing[0]!r}")
         digest = self.checksum()
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
+        with self._fd_lock:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
         os.replace(self.temp_path, self.final_path)
         fsync_dir(self.final_path.parent)
         kill_point("shard_renamed", self.final_path.name)
@@ -200,9 +208,10 @@ class ShardWriter:
 
     def close(self) -> None:
         """Close the file but keep the partial file, whose journaled tensors a resume will reuse."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        with self._fd_lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
     def __del__(self) -> None:
         # An interrupted or failed merge drops its unfinished writers without finishing them; without
@@ -215,9 +224,7 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Close and delete the partial file (used on error; a kill leaves it for the next run to discard)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self.close()
         self.temp_path.unlink(missing_ok=True)
 
 

@@ -12,20 +12,25 @@ from collections.abc import Sequence
 
 import torch
 
-from .common import as_bool, check_same_shape
+from .common import as_bool, check_same_shape, work_dtype
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
 
 def linear_average(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool) -> torch.Tensor:
-    """Weighted sum of same-shaped tensors, optionally normalised by the sum of weights."""
-    out = torch.zeros_like(tensors[0])
+    """Weighted sum of same-shaped tensors, optionally normalised by the sum of weights.
+
+    Accumulates in float32 (float64 for float64 inputs) whatever the inputs' dtype, and returns the
+    inputs' dtype: a bf16 merge rounds once, at the end, not after every model.
+    """
+    work = work_dtype(*tensors)
+    out = torch.zeros_like(tensors[0], dtype=work)
     for tensor, weight in zip(tensors, weights):
-        out.addcmul_(tensor, torch.tensor(weight, dtype=out.dtype, device=out.device))
+        out.addcmul_(tensor, torch.tensor(weight, dtype=work, device=out.device))
     if normalize:
-        total = torch.tensor(list(weights), dtype=out.dtype, device=out.device).sum()
+        total = torch.tensor(list(weights), dtype=work, device=out.device).sum()
         if float(total) != 0.0:
-            out = out / total
-    return out
+            out.div_(total)
+    return out.to(tensors[0].dtype)
 
 
 def _merge(inputs: MergeInputs) -> torch.Tensor:
