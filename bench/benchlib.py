@@ -5,9 +5,11 @@ measure in exactly the same way; a figure in one table means the same thing as i
 
 Measurement choices (why):
 
-* Each merge is a fresh process reaped with ``os.wait4``, which returns *that* child's rusage: CPU time, peak RSS
-  (``ru_maxrss``) and the bytes it made the block layer read/write (``ru_inblock``/``ru_oublock``, 512-byte units,
-  which count mmap page-ins too). ``RUSAGE_CHILDREN`` would give the max over all children so far, not per run.
+* Each merge is a fresh process, started by a tiny launcher that reaps it with ``os.wait4``, which returns *that*
+  child's rusage: CPU time, peak RSS (``ru_maxrss``) and the bytes it made the block layer read/write
+  (``ru_inblock``/``ru_oublock``, 512-byte units, which count mmap page-ins too). ``RUSAGE_CHILDREN`` would give the
+  max over all children so far, not per run; the launcher keeps this process's own RSS out of the figure (see
+  `_LAUNCHER`).
 * Peak RSS counts resident file-backed pages of mmapped inputs, which the kernel can drop at will; so a sampler also
   records the peak of ``RssAnon`` (private memory the process really needs) from ``/proc/PID/status`` every 50 ms.
 * The page cache is dropped before every run and before the floor is measured when we can (root), so every run
@@ -127,49 +129,86 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+# Runs the measured command as its own child and reports that child's rusage. Why a launcher: on exec, Linux folds
+# the RSS of the address space being replaced into the new program's ``ru_maxrss``, and a child forked (or vforked)
+# from this process starts with *our* address space -- which, after comparing two mmapped outputs, is gigabytes.
+# Forked from this ~10 MB interpreter instead, the inherited figure is far below any merge's own peak, and
+# ``ru_maxrss`` is a max, so it no longer shows.
+_LAUNCHER = r"""
+import json, os, sys, time
+out, argv = sys.argv[1], sys.argv[2:]
+t0 = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 1)
+        os.execvp(argv[0], argv)
+    finally:
+        os._exit(127)
+sys.stdout.write(f"{pid}\n")
+sys.stdout.flush()
+_, status, ru = os.wait4(pid, 0)
+wall = time.perf_counter() - t0
+with open(out, "w") as fh:
+    json.dump({"wall": wall, "code": os.waitstatus_to_exitcode(status), "utime": ru.ru_utime, "stime": ru.ru_stime,
+               "maxrss_kb": ru.ru_maxrss, "inblock": ru.ru_inblock, "oublock": ru.ru_oublock}, fh)
+"""
+
+
 def run_timed(
     cmd: Sequence[str], *, cold: bool, env: dict[str, str] | None = None, out_dir: Path | None = None
 ) -> RunResult:
-    """Run `cmd` as a fresh process and measure it (see module docstring); raises on a non-zero exit."""
+    """Run `cmd` as a fresh process (through `_LAUNCHER`) and measure it; raises on a non-zero exit."""
     dropped = drop_page_cache() if cold else False
     full_env = dict(os.environ)
     full_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
     if env:
         full_env.update(env)
+    DEFAULT_OUT_ROOT.mkdir(parents=True, exist_ok=True)
     errlog = DEFAULT_OUT_ROOT / f".stderr-{os.getpid()}.log"
-    errlog.parent.mkdir(parents=True, exist_ok=True)
+    usage_file = DEFAULT_OUT_ROOT / f".rusage-{os.getpid()}.json"
+    usage_file.unlink(missing_ok=True)
     load1 = os.getloadavg()[0]
     with open(errlog, "wb") as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(list(cmd), stdout=subprocess.DEVNULL, stderr=err, env=full_env)
-        sampler = _AnonSampler(proc.pid)
-        sampler.start()
-        _, status, ru = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - t0
-        sampler.stop()
-    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4; tell Popen so it never waits again
+        launcher = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(usage_file), *cmd],
+            stdout=subprocess.PIPE, stderr=err, env=full_env,
+        )
+        assert launcher.stdout is not None
+        line = launcher.stdout.readline()
+        sampler = _AnonSampler(int(line)) if line.strip() else None
+        if sampler:
+            sampler.start()
+        launcher.wait()
+        if sampler:
+            sampler.stop()
     t1 = time.perf_counter()
     os.sync()
     sync_s = time.perf_counter() - t1
     tail = errlog.read_text(errors="replace")[-3000:]
     errlog.unlink(missing_ok=True)
+    if launcher.returncode != 0 or not usage_file.exists():
+        raise RuntimeError(f"launcher failed ({launcher.returncode}) for: {' '.join(cmd)}\n{tail}")
+    ru = json.loads(usage_file.read_text())
+    usage_file.unlink()
     result = RunResult(
-        wall_s=wall,
+        wall_s=ru["wall"],
         sync_s=sync_s,
-        user_s=ru.ru_utime,
-        sys_s=ru.ru_stime,
-        maxrss=ru.ru_maxrss * 1024,
-        peak_anon=sampler.peak,
-        read_bytes=ru.ru_inblock * 512,
-        write_bytes=ru.ru_oublock * 512,
-        returncode=proc.returncode,
+        user_s=ru["utime"],
+        sys_s=ru["stime"],
+        maxrss=ru["maxrss_kb"] * 1024,
+        peak_anon=sampler.peak if sampler else 0,
+        read_bytes=ru["inblock"] * 512,
+        write_bytes=ru["oublock"] * 512,
+        returncode=ru["code"],
         cold=dropped,
         load1=load1,
         output_bytes=dir_bytes(out_dir) if out_dir else 0,
         stderr_tail=tail,
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"command failed with exit code {proc.returncode}: {' '.join(cmd)}\n{tail}")
+    if result.returncode != 0:
+        raise RuntimeError(f"command failed with exit code {result.returncode}: {' '.join(cmd)}\n{tail}")
     return result
 
 
