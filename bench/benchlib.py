@@ -341,6 +341,17 @@ def make_config(case: str, models: Sequence[Path], dtype: str = "bfloat16") -> d
             "parameters": {"normalize": True},
             **head,
         }
+    if case == "dare_ties":
+        return {
+            "merge_method": "dare_ties",
+            "base_model": m0,
+            "models": [
+                {"model": m1, "parameters": {"density": 0.5, "weight": 0.5}},
+                {"model": m2, "parameters": {"density": 0.5, "weight": 0.5}},
+            ],
+            "parameters": {"normalize": True},
+            **head,
+        }
     if case == "slerp":
         layers = _layers(models[0])
         return {
@@ -437,6 +448,9 @@ class Diff:
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)  # shape or dtype differs
+    randomised: bool = False  # compared by statistics of the task vectors, not elementwise (see compare_randomised)
+    worst_rms_ratio: float = 1.0  # the rms(a - base) / rms(b - base) furthest from 1
+    min_corr: float = 1.0  # the lowest correlation between the two task vectors
 
     @property
     def ok(self) -> bool:
@@ -444,6 +458,8 @@ class Diff:
 
     def verdict(self) -> str:
         if self.ok:
+            if self.randomised:
+                return f"alike (random draws; rms ratio {self.worst_rms_ratio:.3f}, corr >= {self.min_corr:.2f})"
             if self.exact == self.tensors:
                 return "bit-equal"
             return f"within tol ({100 * self.differing / max(1, self.elements):.1f}% elems differ)"
@@ -510,6 +526,54 @@ def compare_outputs(a: Path, b: Path, *, rtol: float = 2.0**-6) -> Diff:
             diff.max_abs, diff.worst = m, name
         rms = float(yf.square().mean().sqrt())
         if not bool((d <= rtol * (yf.abs() + rms)).all()):
+            diff.out_of_tol += 1
+    return diff
+
+
+def compare_randomised(a: Path, b: Path, base: Path, *, rms_tol: float = 0.1, min_corr: float = 0.2) -> Diff:
+    """Compare two outputs of a randomised method (DARE, DELLA): each tool draws its own drop masks, so no element
+    need match. What must match is the distribution: per tensor, the task vectors ``a - base`` and ``b - base`` have
+    the same rms within ``rms_tol`` (relative; a wrong density, rescale or weight moves it by far more) and are
+    positively correlated (both keep a random half of the same deltas with the same consensus sign; a sign error or
+    a wrong model gives ~0 or negative). Tensors the method leaves equal to the base compare exactly.
+    """
+    import torch
+    from safetensors import safe_open
+
+    ia, ib, i0 = _tensor_index(a), _tensor_index(b), _tensor_index(base)
+    diff = Diff(only_a=sorted(set(ia) - set(ib)), only_b=sorted(set(ib) - set(ia)), randomised=True)
+    handles: dict[Path, Any] = {}
+
+    def get(path: Path, name: str) -> torch.Tensor:
+        if path not in handles:
+            handles[path] = safe_open(str(path), "pt")
+        return handles[path].get_tensor(name).float()
+
+    for name in sorted(set(ia) & set(ib)):
+        x, y = get(ia[name], name), get(ib[name], name)
+        diff.tensors += 1
+        if x.shape != y.shape or name not in i0:
+            diff.mismatched.append(name)
+            continue
+        diff.elements += y.numel()
+        if y.numel() == 0:
+            diff.exact += 1
+            continue
+        d = (x - y).abs()
+        diff.differing += int((d > 0).sum())
+        if float(d.max()) > diff.max_abs:
+            diff.max_abs, diff.worst = float(d.max()), name
+        tx, ty = x - get(i0[name], name), y - get(i0[name], name)
+        rx, ry = float(tx.square().mean().sqrt()), float(ty.square().mean().sqrt())
+        if rx == 0.0 and ry == 0.0:
+            diff.exact += 1
+            continue
+        ratio = rx / ry if ry else float("inf")
+        corr = float(torch.nn.functional.cosine_similarity(tx.flatten(), ty.flatten(), dim=0))
+        if abs(ratio - 1) > abs(diff.worst_rms_ratio - 1):
+            diff.worst_rms_ratio = ratio
+        diff.min_corr = min(diff.min_corr, corr)
+        if abs(ratio - 1) > rms_tol or corr < min_corr:
             diff.out_of_tol += 1
     return diff
 

@@ -8,8 +8,10 @@ duplicated, which it otherwise discovers by failing a shard write and retrying).
 each case are compared tensor by tensor (bf16 tolerance, max abs diff reported), so a speed-up cannot hide a wrong
 result.
 
-Cases: 3-model ``linear``, 3-model ``ties`` (base + 2), ``passthrough`` frankenmerge with a duplicated layer range,
-2-model ``slerp`` with layer-gradient ``t``. Methods mergesmith does not register yet are skipped with a note.
+Cases: 3-model ``linear``, 3-model ``ties`` and ``dare_ties`` (base + 2; dare_ties draws random masks, so its
+outputs are compared by the statistics of their task vectors, see ``benchlib.compare_randomised``),
+``passthrough`` frankenmerge with a duplicated layer range, 2-model ``slerp`` with layer-gradient ``t``.
+Methods mergesmith does not register yet are skipped with a note.
 ``--scaling`` adds the linear merge at 0.25 B, 0.5 B and 1 B parameters.
 
 Usage::
@@ -32,7 +34,8 @@ from typing import Any
 import benchlib as bl
 from make_models import DEFAULT_ROOT, SIZES, ensure_models
 
-CASES = ("linear", "ties", "passthrough", "slerp")
+CASES = ("linear", "ties", "dare_ties", "passthrough", "slerp")
+RANDOMISED = {"dare_ties"}  # each tool draws its own masks: outputs compared by statistics, not elementwise
 SCALING_SIZES = ("0.25b", "0.5b", "1b")
 
 
@@ -123,7 +126,10 @@ class Runner:
         result = CaseResult(size, case, self.floor(config, output_bytes), summaries)
         if len(outs) == 2 and not a.no_check:
             bl.log(f"[{size} {case}] comparing outputs ...")
-            result.diff = bl.compare_outputs(outs["mergesmith"], outs["mergekit"])
+            if case in RANDOMISED:
+                result.diff = bl.compare_randomised(outs["mergesmith"], outs["mergekit"], Path(config["base_model"]))
+            else:
+                result.diff = bl.compare_outputs(outs["mergesmith"], outs["mergekit"])
             if not result.diff.ok:
                 bl.log(f"  {result.diff.verdict()}: only mergesmith {result.diff.only_a[:5]}, only mergekit "
                        f"{result.diff.only_b[:5]}, shape/dtype {result.diff.mismatched[:5]}")
