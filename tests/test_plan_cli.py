@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
-from mergesmith.cli import main
+from mergesmith.cli import main, parse_size
+from mergesmith.errors import ConfigError
 
 
 def _config(tmp_path, tiny_models):
@@ -84,3 +86,38 @@ def test_a_plain_merge_never_imports_transformers(tmp_path, tiny_models):
         [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
     )
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("5B", 5_000_000_000),
+        ("5b", 5_000_000_000),  # mergekit reads a lowercase b as billions too
+        ("0.5B", 500_000_000),
+        ("500M", 500_000_000),
+        ("500m", 500_000_000),
+        ("2G", 2_000_000_000),
+        ("8GB", 8_000_000_000),
+        ("16GiB", 16 * 1024**3),
+        ("64KiB", 64 * 1024),
+        ("1234", 1234),
+        (4096, 4096),
+    ],
+)
+def test_sizes_read_as_mergekit_reads_them(text, expected):
+    assert parse_size(text, "--out-shard-size") == expected
+
+
+@pytest.mark.parametrize("text", ["0", "0B", "0M", "five", "5X", "5iB", "-1G", ""])
+def test_unreadable_or_zero_sizes_are_refused_naming_the_option(text):
+    with pytest.raises(ConfigError, match="--max-memory"):
+        parse_size(text, "--max-memory")
+
+
+def test_zero_max_memory_on_the_command_line_is_one_error_line(tmp_path, tiny_models, capsys):
+    cfg = _config(tmp_path, tiny_models)
+    with pytest.raises(SystemExit) as exit_:
+        main(["merge", str(cfg), str(tmp_path / "o"), "--max-memory", "0"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: `--max-memory`: size must be positive, got '0'"]
+    assert not (tmp_path / "o" / "config.json").exists()

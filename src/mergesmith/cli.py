@@ -33,10 +33,15 @@ def parse_size(text: str | int, option: str) -> int:
         raise ConfigError(f"`{option}`: cannot read size {text!r} (examples: 5B, 500M, 2G, 8GB, 16GiB)")
     number, unit, binary, b = m.groups()
     unit = unit.lower()
-    if unit == "" and b == "B":  # "5B": billions, mergekit's spelling for shard sizes
-        return int(float(number) * 1e9)
-    base = 1024 if binary else 1000
-    return int(float(number) * base ** _UNITS[unit])
+    if binary and not unit:
+        raise ConfigError(f"`{option}`: cannot read size {text!r} (examples: 5B, 500M, 2G, 8GB, 16GiB)")
+    if unit == "" and b:  # "5B" or "5b": billions, mergekit's spelling for shard sizes
+        size = int(float(number) * 1e9)
+    else:
+        size = int(float(number) * (1024 if binary else 1000) ** _UNITS[unit])
+    if size <= 0:
+        raise ConfigError(f"`{option}`: size must be positive, got {text!r}")
+    return size
 
 
 def _human(n: float) -> str:
