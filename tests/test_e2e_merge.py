@@ -83,9 +83,8 @@ def test_passthrough_frankenmerge_with_a_layer_used_twice(tmp_path, tiny_models,
             src_name = f"model.layers.{src_layer}." + n[len(prefix) :]
             assert torch.equal(merged[n], sds[src][src_name]), n  # bit for bit
     for n in merged:
-        if not n.startswith("model.layers."):
-            src = a if not n.startswith(("lm_head", "model.norm")) else a
-            assert torch.equal(merged[n], sds[src][n])
+        if not n.startswith("model.layers."):  # first and last slice are both from a here
+            assert torch.equal(merged[n], sds[a][n])
 
 
 def test_linear_of_a_model_with_itself_is_the_model(tmp_path, tiny_models):
@@ -248,6 +247,38 @@ def test_embeddings_from_first_slice_and_head_from_last(tmp_path, tiny_models):
     assert torch.equal(merged["model.embed_tokens.weight"], sa["model.embed_tokens.weight"])
     assert torch.equal(merged["lm_head.weight"], sb["lm_head.weight"])
     assert torch.equal(merged["model.norm.weight"], sb["model.norm.weight"])
+
+
+def test_gpt_neox_head_named_embed_out_comes_from_the_last_slice(tmp_path):
+    """GPT-NeoX calls its output head `embed_out`: a head, not an embedding, whatever its name says."""
+    import transformers
+
+    paths = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        config = transformers.GPTNeoXConfig(
+            vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64, tie_word_embeddings=False,
+        )
+        path = tmp_path / f"neox{seed}"
+        transformers.GPTNeoXForCausalLM(config).save_pretrained(path)
+        paths.append(path)
+    a, b = paths
+    out = _merge(
+        tmp_path,
+        {
+            "merge_method": "passthrough",
+            "slices": [
+                {"sources": [{"model": str(a), "layer_range": [0, 2]}]},
+                {"sources": [{"model": str(b), "layer_range": [2, 4]}]},
+            ],
+        },
+    )
+    merged, sa, sb = read_state_dict(out), read_state_dict(a), read_state_dict(b)
+    assert torch.equal(merged["gpt_neox.embed_in.weight"], sa["gpt_neox.embed_in.weight"])
+    assert torch.equal(merged["embed_out.weight"], sb["embed_out.weight"])
+    assert torch.equal(merged["gpt_neox.final_layer_norm.weight"], sb["gpt_neox.final_layer_norm.weight"])
+    finite_logits(load_causal_lm(out))
 
 
 def test_vocab_size_mismatch_truncates_to_common_rows(tmp_path, tiny_models):

@@ -89,7 +89,13 @@ def find_layer_stack(names: Iterable[str], config: dict[str, Any] | None) -> Lay
 
 
 def is_embedding(name: str) -> bool:
-    """Non-layer tensors that sit before the layer stack (token and position embeddings)."""
+    """Non-layer tensors that sit before the layer stack (token and position embeddings).
+
+    Output heads are never embeddings, even where their name says "embed" (GPT-NeoX's `embed_out`): they sit
+    after the stack and come from the last slice's models.
+    """
+    if any(name == h or name.endswith("." + h) for h in LM_HEAD_NAMES):
+        return False
     lowered = name.lower()
     return any(marker in lowered for marker in _EMBEDDING_MARKERS)
 
