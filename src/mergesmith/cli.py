@@ -534,6 +534,9 @@ def extract_lora_cmd(
     )
 
 
+_NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", None)  # click >= 8.2
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning errors into one line and an exit code."""
     args = sys.argv[1:] if argv is None else argv
@@ -544,9 +547,14 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("aborted", err=True)
         sys.exit(130)
     except click.UsageError as exc:
+        if _NoArgsIsHelp is not None and isinstance(exc, _NoArgsIsHelp):
+            # `mergesmith` alone: the help is the answer, not an error
+            click.echo(exc.format_message(), err=True)
+            sys.exit(exc.exit_code)
         # one line, like every other user error; `--help` has the full usage
-        where = f" (see `mergesmith {exc.ctx.info_name} --help`)" if exc.ctx is not None else ""
-        click.echo(f"error: {exc.format_message()}{where}", err=True)
+        where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
+        message = " ".join(exc.format_message().split())
+        click.echo(f"error: {message}{where}", err=True)
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
         click.echo(f"error: {exc.format_message()}", err=True)
