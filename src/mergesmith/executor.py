@@ -194,12 +194,17 @@ class LocalExecutor:
     def run(self) -> None:
         pending = [s for s in self.plan.shards if s.filename not in self.journal.finished]
         total = len(self.plan.recipes)
-        self._done = total - sum(len(s.recipes) for s in pending)
+        # A resumed run starts its counters at what earlier runs finished (whole shards and the
+        # journaled tensors of partial ones), so the bar and its ETA continue where they stopped.
+        finished = [s for s in self.plan.shards if s.filename in self.journal.finished]
+        self._done = sum(len(s.recipes) for s in finished)
+        self._bytes = sum(s.data_bytes for s in finished)
         work: list[tuple[ShardPlan, TensorRecipe]] = []
         for shard in pending:
             writer = self._open_writer(shard)
             done = writer.done
             self._done += len(done)
+            self._bytes += sum(r.nbytes for r in shard.recipes if r.name in done)
             todo = [r for r in shard.recipes if r.name not in done]
             self._remaining[shard.filename] = len(todo)
             if not todo:

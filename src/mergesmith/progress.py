@@ -65,6 +65,10 @@ class MergeProgress:
     def update(self, event: ProgressEvent) -> None:
         if self._progress is None:
             return
+        if not self._last:
+            # The first event carries what a resumed run already finished: start the bar there (a reset,
+            # so that jump is not taken for throughput and the ETA counts only the work left).
+            self._progress.reset(self._task, completed=event.bytes_written, done=event.tensors_done)
         now = time.monotonic()
         if event.tensors_done < event.tensors_total and now - self._last < 0.1:
             return

@@ -192,6 +192,7 @@ class RayExecutor:
     def run(self) -> None:
         pending = [(i, s) for i, s in enumerate(self.plan.shards) if s.filename not in self.journal.finished]
         self._done = len(self.plan.recipes) - sum(len(s.recipes) for _, s in pending)
+        self._bytes = self.plan.total_size - sum(s.data_bytes for _, s in pending)  # a resume starts at what is done
         self._emit()
         if not pending:
             return
