@@ -61,3 +61,106 @@ def test_usage_error_in_a_subcommand_points_to_its_help(capsys: pytest.CaptureFi
     code, _out, err = run_cli(capsys, "merge")
     line = one_error_line(code, err, "CONFIG_FILE")
     assert "`mergesmith merge --help`" in line
+
+
+# ----- 2. `plan` on awkward output paths --------------------------------------------------------
+
+
+@pytest.fixture
+def linear_cfg(tmp_path: Path, tiny_models: Any) -> Path:
+    a, b = tiny_models("llama", seed=1), tiny_models("llama", seed=2)
+    return write_yaml(
+        tmp_path / "c.yml",
+        {"merge_method": "linear", "models": [{"model": str(a)}, {"model": str(b)}], "parameters": {"weight": 0.5}},
+    )
+
+
+def _plan_json(capsys: pytest.CaptureFixture[str], cfg: Path, out: Path) -> dict[str, Any]:
+    import json
+
+    code, stdout, err = run_cli(capsys, "plan", cfg, out, "--json")
+    assert code == 0, err
+    return json.loads(stdout)
+
+
+def _plan_text(capsys: pytest.CaptureFixture[str], cfg: Path, out: Path) -> str:
+    code, stdout, err = run_cli(capsys, "plan", cfg, out)
+    assert code == 0, err
+    return stdout
+
+
+def test_plan_out_dir_that_is_a_file_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], linear_cfg: Path
+) -> None:
+    out = tmp_path / "taken"
+    out.write_text("not a directory")
+    one_error_line(*run_cli(capsys, "plan", linear_cfg, out)[::2], str(out))
+    one_error_line(*run_cli(capsys, "plan", linear_cfg, out / "sub")[::2], str(out))
+
+
+def test_plan_skips_the_write_probe_when_the_disk_is_nearly_full(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], linear_cfg: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    real = shutil.disk_usage
+
+    def nearly_full(path: Any) -> Any:
+        usage = real(path)
+        return type(usage)(usage.total, usage.total - 10_000_000, 10_000_000)
+
+    monkeypatch.setattr(shutil, "disk_usage", nearly_full)
+    report = _plan_json(capsys, linear_cfg, tmp_path / "out")
+    assert report["write_throughput_bytes_per_s"] is None and report["write_not_measured"]
+    assert report["read_throughput_bytes_per_s"] > 0
+    text = _plan_text(capsys, linear_cfg, tmp_path / "out")
+    assert "write speed not measured" in text
+    assert not list(tmp_path.glob(".mergesmith-probe-*"))
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_plan_write_probe_hitting_enospc_is_reported_not_a_crash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], linear_cfg: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe file lands on a full filesystem (/dev/full answers every write with ENOSPC)."""
+    import os
+    import tempfile
+
+    def full_disk(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        name = tmp_path / ".mergesmith-probe-x"
+        name.write_bytes(b"")
+        return os.open("/dev/full", os.O_WRONLY), str(name)
+
+    monkeypatch.setattr(tempfile, "mkstemp", full_disk)
+    report = _plan_json(capsys, linear_cfg, tmp_path / "out")
+    assert report["write_throughput_bytes_per_s"] is None
+    assert "space" in report["write_not_measured"]
+    text = _plan_text(capsys, linear_cfg, tmp_path / "out")
+    assert "write speed not measured" in text and "no space" in text
+    assert not (tmp_path / ".mergesmith-probe-x").exists()
+
+
+def test_plan_on_a_read_only_output_says_not_writable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], linear_cfg: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import tempfile
+
+    def read_only(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    text = _plan_text(capsys, linear_cfg, tmp_path / "out")
+    disk = next(line for line in text.splitlines() if line.startswith("disk at"))
+    assert "not writable" in disk and "(ok)" not in disk
+    report = _plan_json(capsys, linear_cfg, tmp_path / "out")
+    assert report["disk"]["writable"] is False and report["write_throughput_bytes_per_s"] is None
+
+
+def test_plan_without_out_dir_does_not_label_the_read_speed_as_write_speed(
+    capsys: pytest.CaptureFixture[str], linear_cfg: Path
+) -> None:
+    code, stdout, err = run_cli(capsys, "plan", linear_cfg)
+    assert code == 0, err
+    probe = next(line for line in stdout.splitlines() if line.startswith("throughput probe"))
+    assert "write speed not measured" in probe

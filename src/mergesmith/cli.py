@@ -226,8 +226,10 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
     """
     from .api import build_plan
     from .moe.config import is_moe_config_file
-    from .report import plan_report, render_plan_text
+    from .report import check_plan_out_dir, plan_report, render_plan_text
 
+    if out_dir is not None:
+        check_plan_out_dir(out_dir)
     options = _options(kw)
     if is_moe_config_file(config_file):
         from .moe import build_moe_plan

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -9,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .errors import OutputError
 from .io.checkpoint import Checkpoint
 from .plan import Plan
 from .planner import MergeOptions
@@ -34,21 +36,49 @@ def probe_read_throughput(checkpoints: dict[str, Checkpoint], limit: int = PROBE
     return read / elapsed if elapsed > 0 and read else 0.0
 
 
-def probe_write_throughput(directory: Path, size: int = 64 << 20) -> float:
-    """Bytes/s writing and fsyncing a scratch file where the output will go."""
-    directory.mkdir(parents=True, exist_ok=True)
-    block = os.urandom(1 << 20)
-    fd, name = tempfile.mkstemp(dir=directory, prefix=".mergesmith-probe-")
+PROBE_WRITE_BYTES = 64_000_000
+
+
+def probe_write_throughput(directory: Path, size: int = PROBE_WRITE_BYTES) -> tuple[float | None, str | None]:
+    """(bytes/s, None) writing and fsyncing a scratch file in `directory` (an existing directory where
+    the output will go), or (None, why) when it cannot be measured there: read-only, full, or too
+    little free space to write the scratch file without crowding the merge itself."""
+    if not os.access(directory, os.W_OK):
+        return None, "not writable"
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError as exc:
+        return None, f"cannot read free space ({exc.strerror or exc})"
+    if free < 2 * size:
+        return None, f"less than {_h(2 * size)} free"
+    block = os.urandom(1_000_000)
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".mergesmith-probe-")
+    except OSError as exc:
+        return None, _write_failure(exc)
     try:
         started = time.perf_counter()
         for _ in range(size // len(block)):
             os.write(fd, block)
         os.fsync(fd)
         elapsed = time.perf_counter() - started
+    except OSError as exc:
+        return None, _write_failure(exc)
     finally:
         os.close(fd)
-        os.unlink(name)
-    return size / elapsed if elapsed > 0 else 0.0
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+    return (size / elapsed if elapsed > 0 else None), (None if elapsed > 0 else "too fast to time")
+
+
+def _write_failure(exc: OSError) -> str:
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "not writable"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left for the 64 MB probe"
+    return f"probe write failed ({exc.strerror or exc})"
 
 
 def _existing_parent(path: Path) -> Path:
@@ -58,6 +88,15 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
+def check_plan_out_dir(out_dir: Path) -> None:
+    """Refuse an OUT_DIR that is a file, or lies under one, in one line (as `merge` does)."""
+    where = _existing_parent(out_dir)
+    if not where.is_dir():
+        if where == out_dir.resolve():
+            raise OutputError(f"{out_dir}: output path exists and is not a directory")
+        raise OutputError(f"{out_dir}: {where} is a file, not a directory")
+
+
 def plan_report(
     plan: Plan, checkpoints: dict[str, Checkpoint], out_dir: Path | None, options: MergeOptions
 ) -> dict[str, Any]:
@@ -65,13 +104,21 @@ def plan_report(
     est = plan.estimate
     assert est is not None
     read_rate = probe_read_throughput(checkpoints)
-    where = _existing_parent(out_dir) if out_dir is not None else None
-    write_rate = probe_write_throughput(where) if where is not None and os.access(where, os.W_OK) else read_rate
+    where = None
+    if out_dir is not None:
+        check_plan_out_dir(out_dir)
+        where = _existing_parent(out_dir)
+    write_rate: float | None = None
+    write_note: str | None = "no OUT_DIR given"
+    if where is not None:
+        write_rate, write_note = probe_write_throughput(where)
     seconds = 0.0
     if read_rate > 0:
         seconds += est.bytes_read / read_rate
-    if write_rate > 0:
-        seconds += est.bytes_written / write_rate
+    # an unmeasured write speed is estimated as the read speed (and said so), never reported as measured
+    assumed_write_rate = write_rate if write_rate else read_rate
+    if assumed_write_rate > 0:
+        seconds += est.bytes_written / assumed_write_rate
     disk: dict[str, Any] | None = None
     if where is not None:
         free = shutil.disk_usage(where).free
@@ -80,6 +127,7 @@ def plan_report(
             "free_bytes": free,
             "needed_bytes": est.bytes_written,
             "enough": free >= est.bytes_written,
+            "writable": write_note != "not writable",
         }
     too_big = None
     if options.max_memory and est.largest_tensor_bytes > options.max_memory:
@@ -114,6 +162,7 @@ def plan_report(
         "disk": disk,
         "read_throughput_bytes_per_s": read_rate,
         "write_throughput_bytes_per_s": write_rate,
+        "write_not_measured": write_note if write_rate is None else None,
         "estimated_seconds": seconds,
         "random_seed": plan.random_seed,
         "files_to_copy": [name for _src, name in plan.files_to_copy],
@@ -150,12 +199,15 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
         )
     if report["disk"]:
         d = report["disk"]
-        verdict = "ok" if d["enough"] else "NOT ENOUGH"
+        verdict = "not writable" if not d.get("writable", True) else "ok" if d["enough"] else "NOT ENOUGH"
         lines.append(f"disk at {d['path']}: {_h(d['free_bytes'])} free, {_h(d['needed_bytes'])} needed ({verdict})")
-    lines.append(
-        f"throughput probe: read {_h(report['read_throughput_bytes_per_s'])}/s, "
-        f"write {_h(report['write_throughput_bytes_per_s'])}/s"
-    )
+    probe = f"throughput probe: read {_h(report['read_throughput_bytes_per_s'])}/s, "
+    if report["write_throughput_bytes_per_s"]:
+        probe += f"write {_h(report['write_throughput_bytes_per_s'])}/s"
+    else:
+        why = report.get("write_not_measured") or "not measured"
+        probe += f"write speed not measured ({why}; the estimate assumes the read speed)"
+    lines.append(probe)
     lines.append(f"estimated time: {report['estimated_seconds']:.1f} s")
     if report["random_seed"] is not None:
         lines.append(f"random seed: {report['random_seed']}")
