@@ -14,8 +14,10 @@ import json
 import mmap
 import os
 import pickle
+import re
 import struct
 import threading
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,22 +350,70 @@ def _weight_files(root: Path) -> list[Path]:
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    """A PyTorch checkpoint, memory-mapped, with `weights_only` so it can never run code."""
-    mmap_ok = zipfile.is_zipfile(path)
+    """A PyTorch checkpoint, memory-mapped, with `weights_only` so it can never run code.
+
+    Anything `torch.load` raises becomes one line naming the file: torch's own errors on a file that
+    is not a checkpoint at all (a text file, random bytes) are internal KeyErrors and IndexErrors of
+    its unpickler, and its warnings span several lines, so neither reaches the user as is.
+    """
     try:
-        state = torch.load(path, map_location="cpu", mmap=mmap_ok, weights_only=True)
-    except pickle.UnpicklingError:
-        raise CheckpointError(
-            f"{path}: refused: the file holds objects other than tensors (loaded with weights_only=True)"
-        ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise CheckpointError(f"{path}: cannot load PyTorch checkpoint ({first})") from None
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    is_zip = zipfile.is_zipfile(path)
+    looks_zip = is_zip or head.startswith(b"PK\x03\x04")  # a zip's first entry (a truncated one has no directory)
+    is_pickle = head.startswith(b"\x80")  # the PROTO opcode every pickle of protocol 2+ starts with
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": several lines, not actionable
+            state = torch.load(path, map_location="cpu", mmap=is_zip, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises anything on a file it cannot parse
+        raise CheckpointError(_bin_failure(path, exc, head, looks_zip, is_pickle)) from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: expected a dict of tensors, found {type(state).__name__}")
     for name, value in state.items():
+        if not isinstance(name, str):
+            raise CheckpointError(f"{path}: key {name!r} is a {type(name).__name__}, not a tensor name")
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{path}: entry {name!r} is a {type(value).__name__}, not a tensor")
     return state
+
+
+def _bin_failure(path: Path, exc: Exception, head: bytes, is_zip: bool, is_pickle: bool) -> str:
+    """The one-line message for a `.pt`/`.bin` file torch could not load."""
+    text = str(exc)
+    if not (is_zip or is_pickle):
+        return f"{path}: not a PyTorch checkpoint ({_what_it_is(head)})"
+    operand = re.search(r"Unsupported operand (\d+)", text)
+    if isinstance(exc, pickle.UnpicklingError) and operand is None:
+        return f"{path}: refused: the file holds objects other than tensors (loaded with weights_only=True)"
+    if operand is not None:
+        detail = f"unsupported pickle opcode {operand.group(1)}: corrupt, or not written by torch.save"
+    else:
+        detail = _first_sentence(text) or exc.__class__.__name__
+    return f"{path}: cannot load PyTorch checkpoint ({detail})"
+
+
+def _what_it_is(head: bytes) -> str:
+    """What a file that is neither a zip nor a pickle seems to be, from its first bytes."""
+    if not head:
+        return "the file is empty"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        text = head[: exc.start].decode("utf-8") if exc.start >= len(head) - 3 else ""  # a character cut off?
+    if text and len(text) >= len(head) - 3 and all(c.isprintable() or c in "\t\n\r\f\v" for c in text):
+        return "it is a text file"
+    return "neither a zip archive nor a pickle"
+
+
+def _first_sentence(text: str, limit: int = 160) -> str:
+    lines = text.strip().splitlines()
+    line = lines[0].strip() if lines else ""
+    cut = line.find(". ")
+    if cut > 0:
+        line = line[:cut]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
