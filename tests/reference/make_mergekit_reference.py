@@ -148,10 +148,14 @@ def build_inputs() -> dict[str, dict[str, torch.Tensor]]:
         extra = 0.2 * noise(999, 0 if name.startswith("model") else 1, (8, HIDDEN))
         vocab[name] = torch.cat([vocab[name], extra], dim=0)
     models["ft_vocab"] = vocab
+    # bf16 copies, for merges of bf16 checkpoints whose config names no `dtype` (mergekit then computes in bf16)
+    for name in ("base", "ft_a", "ft_c"):
+        models[f"{name}_bf16"] = {k: v.to(torch.bfloat16) for k, v in models[name].items()}
     return models
 
 
 def write_inputs(models: dict) -> None:
+    import torch
     from safetensors.torch import save_file
 
     root = HERE / "inputs"
@@ -160,7 +164,10 @@ def write_inputs(models: dict) -> None:
         d = root / name
         d.mkdir(parents=True)
         vocab = tensors["model.embed_tokens.weight"].shape[0]
-        (d / "config.json").write_text(json.dumps(llama_config(vocab), indent=2) + "\n")
+        config = llama_config(vocab)
+        if tensors["model.embed_tokens.weight"].dtype == torch.bfloat16:
+            config["dtype"] = "bfloat16"
+        (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"), {"format": "pt"})
 
 
@@ -552,6 +559,35 @@ models:
   - model: inputs/ft_c
     parameters: {weight: 0.4, density: 0.6}
 dtype: bfloat16
+""",
+)
+# bf16 checkpoints and no `dtype`: mergekit computes in bf16, mergesmith in float32 (a deliberate deviation, see
+# DEVIATIONS_E2E in test_mergekit_reference.py); the second case is mergekit told to compute in float32, which
+# mergesmith's no-dtype output must equal bit for bit.
+case(
+    "ties_bf16_inputs_no_dtype",
+    """
+merge_method: ties
+base_model: inputs/base_bf16
+models:
+  - model: inputs/ft_a_bf16
+    parameters: {weight: 0.6, density: 0.6}
+  - model: inputs/ft_c_bf16
+    parameters: {weight: 0.4, density: 0.6}
+""",
+)
+case(
+    "ties_bf16_inputs_f32_compute",
+    """
+merge_method: ties
+base_model: inputs/base_bf16
+models:
+  - model: inputs/ft_a_bf16
+    parameters: {weight: 0.6, density: 0.6}
+  - model: inputs/ft_c_bf16
+    parameters: {weight: 0.4, density: 0.6}
+dtype: float32
+out_dtype: bfloat16
 """,
 )
 case(
