@@ -193,3 +193,24 @@ def test_a_randomised_stage_without_a_seed_reuses_its_recorded_seed_and_is_skipp
     before = _snapshot(out)
     assert _ran(run_multi(cfg, out, MergeOptions())) == []
     assert _snapshot(out) == before
+
+
+@pytest.mark.parametrize("which", ["stage", "path"])
+def test_tokenizer_source_in_mergekits_model_prefix_form(tmp_path, tiny_models, which):
+    """`tokenizer_source: model:<ref>` names a stage or a local model, as mergekit writes it."""
+    a, b = tiny_models("llama", seed=1), tiny_models("llama", seed=2)
+    ref = "first" if which == "stage" else str(b)
+    docs = [
+        _doc("first", str(a), str(b)),
+        {**_doc("second", "first", str(a)), "tokenizer_source": f"model:{ref}"},
+        {**_doc("third", str(a), str(b)), "tokenizer": {"source": f"model:{ref}"}},
+    ]
+    cfg = _write_multi(tmp_path / "multi.yml", docs)
+    stages = load_stages(cfg)
+    assert stages[1].depends_on == ["first"]
+    assert stages[2].depends_on == (["first"] if which == "stage" else [])
+    out = tmp_path / "stages"
+    assert _ran(run_multi(cfg, out, MergeOptions())) == ["first", "second", "third"]
+    for name in ("second", "third"):
+        assert (out / name / "config.json").is_file() and (out / name / "tokenizer.json").is_file()
+    assert _ran(run_multi(cfg, out, MergeOptions())) == []  # the substituted document plans the same

@@ -63,7 +63,7 @@ class StageResult:
 
 
 def _model_slots(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
-    """Every (mapping, key) of a merge document whose value names a model."""
+    """Every (mapping, key) of a merge document whose value names a model (see `_slot_ref`)."""
     if isinstance(doc.get("base_model"), str):
         yield doc, "base_model"
     for entry in doc.get("models") or []:
@@ -83,6 +83,18 @@ def _model_slots(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
     if isinstance(tokenizer, dict) and isinstance(tokenizer.get("source"), str):
         if tokenizer["source"] not in ("base", "union"):
             yield tokenizer, "source"
+
+
+_TOKENIZER_KEYS = ("tokenizer_source", "source")
+_MODEL_PREFIX = "model:"  # mergekit's spelling of a tokenizer source that is a model: `model:<ref>`
+
+
+def _slot_ref(key: str, value: str) -> tuple[str, str]:
+    """(prefix, model reference) of a slot's value: a tokenizer source may be spelled `model:<ref>`,
+    and the prefix must come back when the reference is replaced by a stage's output directory."""
+    if key in _TOKENIZER_KEYS and value.startswith(_MODEL_PREFIX):
+        return _MODEL_PREFIX, value[len(_MODEL_PREFIX) :]
+    return "", value
 
 
 def _resolvable(ref: str) -> bool:
@@ -133,7 +145,7 @@ def load_stages(path: str | Path) -> list[Stage]:
 
     for stage in stages:
         for holder, key in _model_slots(stage.document):
-            ref = holder[key]
+            _prefix, ref = _slot_ref(key, holder[key])
             if ref in seen:
                 if ref == stage.name:
                     raise ConfigError(f"{path}: {stage.label} names itself as a model")
@@ -177,8 +189,9 @@ def _resolved_document(stage: Stage, outputs: dict[str, Path]) -> dict[str, Any]
     """The stage's document with every stage name replaced by that stage's output directory."""
     doc = copy.deepcopy(stage.document)
     for holder, key in _model_slots(doc):
-        if holder[key] in outputs:
-            holder[key] = str(outputs[holder[key]])
+        prefix, ref = _slot_ref(key, holder[key])
+        if ref in outputs:
+            holder[key] = prefix + str(outputs[ref])
     return doc
 
 
