@@ -74,7 +74,7 @@ def _merge_options(f: Any) -> Any:
             help="Copy the tokenizer (from the base model or tokenizer_source).",
         ),
         click.option("--write-model-card/--no-write-model-card", default=True, show_default=True),
-        click.option("--allow-crimes", is_flag=True, help="Allow mixing tensors of different shapes where possible."),
+        click.option("--allow-crimes", is_flag=True, help="Merge models of different architectures."),
         click.option(
             "--clone-tensors",
             is_flag=True,

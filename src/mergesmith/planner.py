@@ -114,9 +114,28 @@ class Planner:
         self.stacks: dict[str, LayerStack | None] = {
             ref: find_layer_stack(ck.tensors, ck.config) for ref, ck in checkpoints.items()
         }
+        if not options.allow_crimes:
+            self._check_architectures()
         self.compute_dtype = parse_config_dtype(config.dtype, "dtype") if config.dtype else "F32"
         self.out_dtype = self._out_dtype()
         self.warnings: list[str] = []
+
+    def _check_architectures(self) -> None:
+        """mergekit's rule: models whose config.json names different architectures (LlamaForCausalLM
+        and MistralForCausalLM) are merged only with --allow-crimes. Models without one are not judged."""
+        seen: list[tuple[str, str]] = []
+        for ref, ck in self.ckpts.items():
+            archs = (ck.config or {}).get("architectures")
+            if not isinstance(archs, list) or not archs:
+                continue
+            arch = str(archs[0])
+            other = next(((r, a) for r, a in seen if a != arch), None)
+            if other is not None:
+                raise ConfigError(
+                    f"{self.source}: models {other[0]!r} ({other[1]}) and {ref!r} ({arch}) have different "
+                    "architectures; pass --allow-crimes to merge them anyway"
+                )
+            seen.append((ref, arch))
 
     # ----- dtype ---------------------------------------------------------------------------
     def _out_dtype(self) -> str:
@@ -260,9 +279,12 @@ class Planner:
                 ]
                 shape = (rows, *shape[1:])
                 self._vocab_rows = rows
-            elif not self.options.allow_crimes:
+            else:
+                # Refused even with --allow-crimes (which only lifts the architecture check): no method can
+                # merge tensors of different shapes, and finding out here beats failing halfway through.
                 detail = ", ".join(f"{r.model} {list(i.shape)}" for r, i in zip(inputs, infos))
-                raise CheckpointError(f"tensor {out_name!r}: shapes differ across models ({detail})")
+                note = " (--allow-crimes cannot merge tensors of different shapes)" if self.options.allow_crimes else ""
+                raise CheckpointError(f"tensor {out_name!r}: shapes differ across models ({detail}){note}")
 
         dtype = self.out_dtype if is_float(infos[0].dtype) else infos[0].dtype
         model_params = tuple(
