@@ -193,3 +193,43 @@ def test_ctrl_c_while_verifying_finished_shards_stops_between_shards(
     assert journal is not None and journal.complete
     monkeypatch.undo()
     assert run_merge(config, out, MergeOptions(out_shard_size=50_000, threads=1)).already_complete
+
+
+_SECOND_CTRL_C_AT_EXIT = """
+import atexit, os, signal, sys, time
+from mergesmith.cli import main
+
+def second_ctrl_c():  # the user presses Ctrl-C again while the process shuts down
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+    print("still running after the second Ctrl-C", file=sys.stderr)
+
+atexit.register(second_ctrl_c)
+main(sys.argv[1:])
+"""
+
+
+def test_second_ctrl_c_during_shutdown_exits_130_without_a_traceback(
+    tmp_path: Path, case: tuple[Path, dict[str, bytes]]
+) -> None:
+    """After the first Ctrl-C has stopped the merge, the process still has to shut down (thread
+    joins, atexit hooks); a Ctrl-C there must quit at once with 130, not print a KeyboardInterrupt
+    traceback ("Exception ignored in atexit callback")."""
+    config, _ref = case
+    out = tmp_path / "out"
+    env = {**os.environ, "MERGESMITH_TEST_SLOW": "0.2"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SECOND_CTRL_C_AT_EXIT, "merge", str(config), str(out), *SHARD_ARGS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    _wait_until_merging(proc, out)
+    proc.send_signal(signal.SIGINT)
+    _stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "stopping after the tensors in flight" in stderr
+    assert "run the same command again to resume" in stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    assert "KeyboardInterrupt" not in stderr and "still running" not in stderr, stderr

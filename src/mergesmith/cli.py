@@ -164,13 +164,28 @@ class _Interrupts:
 
     def _handle(self, _signum: int, _frame: Any) -> None:
         if self.stop.is_set():
-            os._exit(130)
+            _quit_at_once(_signum, _frame)
         self.stop.set()
         click.echo("\nstopping after the tensors in flight (Ctrl-C again to quit at once)...", err=True)
 
     def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
+        if self._previous is None:
+            return
+        if self.stop.is_set():
+            # Shutdown after a stop (joining threads, atexit callbacks) can take a while; a Ctrl-C
+            # there must quit at once, not print a KeyboardInterrupt traceback from an atexit hook.
+            signal.signal(signal.SIGINT, _quit_at_once)
+        else:
             signal.signal(signal.SIGINT, self._previous)
+
+
+def _quit_at_once(_signum: int, _frame: Any) -> None:
+    try:
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - a half-written line must not keep us from exiting
+        pass
+    os.write(2, b"\ninterrupted again: quitting at once\n")
+    os._exit(130)
 
 
 @cli.command()
