@@ -118,12 +118,24 @@ def test_lora_ref_problems_are_one_line(peft_adapter: tuple[Path, Path, dict], t
         Checkpoint.open(f"{base}+{bad}")
 
 
-def _peft_logits(base: Path, adapter: Path) -> torch.Tensor:
-    from peft import PeftModel
+def _peft_logits(base: Path, adapter: Path, merge: bool = True) -> torch.Tensor:
+    """Logits of the base with the adapter loaded by PEFT, after `merge_and_unload()` (checked equal
+    to the unmerged model's) unless `merge` is false; any PeftWarning (e.g. a lora_bias PEFT cannot
+    merge) fails the test."""
+    import warnings
+
+    from peft import PeftModel, PeftWarning
     from transformers import AutoModelForCausalLM
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(adapter))
-    return _logits(model.eval())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PeftWarning)
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(adapter)).eval()
+        unmerged = _logits(model)
+        if not merge:
+            return unmerged
+        merged = _logits(model.merge_and_unload())
+    torch.testing.assert_close(merged, unmerged, atol=1e-5, rtol=1e-5)
+    return merged
 
 
 def test_extract_error_shrinks_with_rank_and_vanishes_at_full_rank(tiny_models: Any, tmp_path: Path) -> None:
@@ -149,20 +161,58 @@ def test_extract_error_shrinks_with_rank_and_vanishes_at_full_rank(tiny_models: 
 
 
 def test_extract_tied_embeddings_biases_and_embed_lora(tiny_models: Any, tmp_path: Path) -> None:
-    """Qwen2 ties its head to the embedding and has q/k/v biases: at full rank the adapter is exact
-    both with the embedding saved whole and factored (`--embed-lora`)."""
+    """Qwen2 ties its head to the embedding and has q/k/v biases but none on o_proj or the MLP: PEFT's
+    lora_bias would give those a bias it cannot merge, so the changed biases travel whole (`bias:
+    lora_only`, as `base_layer.bias`). At full rank PEFT loads and merges the adapter exactly, both
+    with the embedding saved whole and factored (`--embed-lora`)."""
     base = tiny_models("qwen2", seed=0, layers=2)
     ft = tiny_models.derive(base, seed=12, scale=0.02)
     target = _logits(load_causal_lm(ft))
     whole = extract_lora(str(ft), str(base), tmp_path / "whole", 256)
-    assert json.loads((tmp_path / "whole" / "adapter_config.json").read_text())["lora_bias"] is True
+    config = json.loads((tmp_path / "whole" / "adapter_config.json").read_text())
+    assert config["lora_bias"] is False and config["bias"] == "lora_only"
+    keys = read_state_dict_keys(tmp_path / "whole")
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.bias" in keys
+    assert not any(k.endswith("lora_B.bias") for k in keys)
+    assert any("bias: lora_only" in note for note in whole.notes)
     torch.testing.assert_close(_peft_logits(base, tmp_path / "whole"), target, atol=1e-4, rtol=1e-4)
     factored = extract_lora(str(ft), str(base), tmp_path / "factored", 256, embed_lora=True)
     assert "model.embed_tokens" in factored.ranks and "model.embed_tokens" not in whole.ranks
     keys = read_state_dict_keys(tmp_path / "factored")
     assert "base_model.model.model.embed_tokens.lora_embedding_A" in keys
-    embedded = Checkpoint.open(f"{base}+{tmp_path / 'factored'}").get("model.embed_tokens.weight")
-    torch.testing.assert_close(embedded, read_state_dict(ft)["model.embed_tokens.weight"], atol=1e-5, rtol=1e-4)
+    # PEFT ties the head's LoRA to the embedding's, and its merge_and_unload() (0.21) then adds the
+    # update twice to the one shared matrix: only the unmerged model is PEFT's reference here.
+    assert any("merge_and_unload" in note for note in factored.notes)
+    factored_logits = _peft_logits(base, tmp_path / "factored", merge=False)
+    torch.testing.assert_close(factored_logits, target, atol=1e-4, rtol=1e-4)
+    want = read_state_dict(ft)
+    for adapter in ("whole", "factored"):  # read back as an input: the fine-tune's tensors, biases included
+        back = Checkpoint.open(f"{base}+{tmp_path / adapter}")
+        for name in ("model.embed_tokens.weight", "model.layers.1.self_attn.k_proj.bias"):
+            torch.testing.assert_close(back.get(name), want[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_extract_lora_bias_when_every_target_has_a_bias(tiny_models: Any, tmp_path: Path) -> None:
+    """A fine-tune that changed only q/k/v (weights and biases): every target has a bias, so the bias
+    deltas go as PEFT's `lora_B.bias`, which PEFT merges without a warning."""
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_models("qwen2", seed=0, layers=2)
+    ft = tmp_path / "ft"
+    shutil.copytree(base, ft)
+    tensors = load_file(ft / "model.safetensors")
+    generator = torch.Generator().manual_seed(5)
+    for name in sorted(tensors):
+        if any(f"self_attn.{p}_proj." in name for p in "qkv"):
+            tensors[name] = tensors[name] + 0.02 * torch.randn(tensors[name].shape, generator=generator)
+    save_file(tensors, ft / "model.safetensors", metadata={"format": "pt"})
+    result = extract_lora(str(ft), str(base), tmp_path / "adapter", 256)
+    assert sorted(result.ranks) == sorted(f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkv")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["lora_bias"] is True and config["bias"] == "none"
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias" in read_state_dict_keys(tmp_path / "adapter")
+    target = _logits(load_causal_lm(ft))
+    torch.testing.assert_close(_peft_logits(base, tmp_path / "adapter"), target, atol=1e-4, rtol=1e-4)
 
 
 def read_state_dict_keys(adapter: Path) -> set[str]:
@@ -197,6 +247,37 @@ def test_extract_cli(tiny_models: Any, tmp_path: Path, capsys: pytest.CaptureFix
         extract_lora(str(ft), str(base), out, 4)
     with pytest.raises(CheckpointError, match="identical"):
         extract_lora(str(base), str(base), tmp_path / "same", 4)
+
+
+def test_extract_without_a_lora_target_is_one_line(
+    tiny_models: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PEFT cannot load an adapter whose target_modules is empty, so when nothing survives as a
+    low-rank update extraction stops with one line and exit 2, naming the cause, and writes nothing."""
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_models("llama", seed=0, layers=2)
+    ft = tiny_models.derive(base, seed=11, scale=0.02)
+    out = tmp_path / "adapter"
+    args = ["extract-lora", "--model", str(ft), "--base", str(base), "--out", str(out), "--sv-epsilon", "1e9"]
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1, err
+    assert "--sv-epsilon" in err and "identical" not in err and "largest singular value" in err
+    assert not (out / "adapter_config.json").exists()
+
+    norms_only = tmp_path / "norms"
+    shutil.copytree(base, norms_only)
+    tensors = load_file(norms_only / "model.safetensors")
+    for name in ("model.norm.weight", "model.embed_tokens.weight"):
+        tensors[name] = tensors[name] * 1.5
+    save_file(tensors, norms_only / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.norm") as info:
+        extract_lora(str(norms_only), str(base), out, 8)
+    assert "identical" not in str(info.value) and "--embed-lora" in str(info.value)
+    result = extract_lora(str(norms_only), str(base), out, 8, embed_lora=True)  # the embedding is a target now
+    assert list(result.ranks) == ["model.embed_tokens"] and result.modules_to_save == ["model.norm"]
 
 
 def _adapter_tensors(adapter: Path) -> dict[str, torch.Tensor]:

@@ -10,9 +10,20 @@ everywhere and `W + B @ A` is exactly what PEFT adds.
 What cannot be a low-rank update travels whole, as PEFT's `modules_to_save`: changed norms and
 other 1-D weights, modules with other changed parameters, and by default the token embedding and
 lm_head (as PEFT and mergekit do for vocabulary matrices; `--embed-lora` factors the embedding as a
-`lora_embedding_A/B` pair and the lm_head as a linear LoRA instead). A changed bias of a factored
-linear layer is saved as `lora_B.bias` (PEFT's `lora_bias`). Tensors are read one at a time and the
-adapter file is written by the streaming writer, so memory holds one weight pair plus the factors.
+`lora_embedding_A/B` pair and the lm_head as a linear LoRA instead).
+
+A changed bias of a factored linear layer: PEFT's `lora_bias` is one switch for the whole adapter and
+gives every target a `lora_B` bias, which PEFT cannot merge into a layer without a bias (Qwen2: q/k/v
+have biases, o_proj and the MLP do not). So `lora_bias` (the bias delta as `lora_B.bias`) is used
+only when every factored module has a bias in the base; otherwise the adapter says `bias:
+"lora_only"` and carries the fine-tune's bias of each changed layer whole as
+`<module>.base_layer.bias`, which PEFT loads into the targeted layer and keeps when merging (a
+note says so: with that layout, disabling the adapter in PEFT keeps the new biases).
+
+An adapter without a single LoRA target cannot be loaded by PEFT, so when nothing survives as a
+low-rank update (`--sv-epsilon` above every singular value, or only norms and vocabulary matrices
+changed) extraction stops with one line instead of writing one. Tensors are read one at a time and
+the adapter file is written by the streaming writer, so memory holds one weight pair plus the factors.
 """
 
 from __future__ import annotations
@@ -48,16 +59,20 @@ class ExtractResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _factor(delta: torch.Tensor, max_rank: int, sv_epsilon: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(A, B) with B @ A the best rank-r approximation of `delta`, or None when nothing is kept."""
+def _factor(
+    delta: torch.Tensor, max_rank: int, sv_epsilon: float
+) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, float]:
+    """((A, B) with B @ A the best rank-r approximation of `delta`, or None when nothing is kept;
+    the largest singular value)."""
     u, s, vh = torch.linalg.svd(delta.to(torch.float32), full_matrices=False)
+    top = float(s[0]) if s.numel() else 0.0
     rank = min(max_rank, s.shape[0])
     if sv_epsilon > 0:
         rank = min(rank, int((s > sv_epsilon).sum()))
     if rank == 0:
-        return None
+        return None, top
     root = s[:rank].sqrt()
-    return root[:, None] * vh[:rank], u[:, :rank] * root[None, :]
+    return (root[:, None] * vh[:rank], u[:, :rank] * root[None, :]), top
 
 
 def _differs(ft: Checkpoint, bs: Checkpoint, name: str) -> bool:
@@ -93,7 +108,7 @@ def extract_lora(
     if sv_epsilon < 0:
         raise ConfigError(f"`--sv-epsilon` must not be negative, got {sv_epsilon}")
     out = Path(out_dir)
-    _prepare(out, overwrite)
+    _check_out(out, overwrite)
     ft, bs = Checkpoint.open(model), Checkpoint.open(base)
     extra = sorted(set(ft.tensors) - set(bs.tensors))
     if extra:
@@ -110,13 +125,16 @@ def extract_lora(
     stack = find_layer_stack(ft.tensors, ft.config)
     embed = embedding_for_head(ft.tensors, stack)
     vocab_modules = {n.rpartition(".")[0] for n in (embed, *LM_HEAD_NAMES) if n is not None and n in ft.tensors}
+    modules = _modules(list(bs.tensors))
     dev = torch.device(device)
     factors: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}  # module -> (A, B, embedding)
-    biases: dict[str, torch.Tensor] = {}
+    changed_bias: list[str] = []  # factored modules whose bias changed
     to_save: list[str] = []
     notes: list[str] = []
+    dropped: list[str] = []
+    top_sv = 0.0
 
-    for module, params in _modules(list(bs.tensors)).items():
+    for module, params in modules.items():
         changed = {p for p, name in params.items() if _differs(ft, bs, name)}
         if not changed:
             continue
@@ -137,20 +155,40 @@ def extract_lora(
         assert weight is not None
         is_embedding = is_vocab and weight == embed
         delta = ft.get(weight).to(dev, torch.float32) - bs.get(weight).to(dev, torch.float32)
-        pair = _factor(delta.T if is_embedding else delta, max_rank, sv_epsilon)
+        pair, top = _factor(delta.T if is_embedding else delta, max_rank, sv_epsilon)
+        top_sv = max(top_sv, top)
         if pair is None:
-            notes.append(f"{module}: every singular value is below --sv-epsilon; left out")
+            dropped.append(module)
+            if "bias" in changed:  # the bias change is real: the layer travels whole
+                to_save.append(module)
+                notes.append(f"{module}: weight change below --sv-epsilon but its bias changed; saved whole")
+            else:
+                notes.append(f"{module}: every singular value is at or below --sv-epsilon; left out")
             continue
         dtype = ft.get(weight).dtype
         factors[module] = (pair[0].to(dtype).cpu(), pair[1].to(dtype).cpu(), is_embedding)
         if "bias" in changed:
-            bias = params["bias"]
-            biases[module] = (ft.get(bias).to(torch.float32) - bs.get(bias).to(torch.float32)).to(ft.get(bias).dtype)
+            changed_bias.append(module)
 
-    if not factors and not to_save:
-        raise CheckpointError(f"model {model!r} is identical to the base {base!r}; there is nothing to extract")
+    if not factors:
+        raise CheckpointError(_nothing_to_factor(model, base, to_save, dropped, vocab_modules, sv_epsilon, top_sv))
+    # lora_bias applies to every target; PEFT can merge it only into layers that have a bias.
+    lora_bias = bool(changed_bias) and all("bias" in modules[m] for m in factors)
+    whole_bias = bool(changed_bias) and not lora_bias
+    if whole_bias:
+        no_bias = next(m for m in factors if "bias" not in modules[m])
+        notes.append(
+            f"{len(changed_bias)} changed bias(es) saved whole (bias: lora_only), not as lora_bias, since targets "
+            f"such as {no_bias} have no bias; PEFT's disable_adapter() keeps the new biases"
+        )
     tied = ties_embeddings(bs.config, bs.tensors) and embed is not None
-    entries, writers = _layout(ft, factors, biases, to_save, _modules(list(bs.tensors)))
+    if tied and any(e for _a, _b, e in factors.values()):
+        notes.append(
+            f"{embed.rpartition('.')[0] if embed else 'the embedding'} is factored on a model with tied embeddings: "
+            "PEFT applies its LoRA to the tied head too, and PEFT's merge_and_unload() adds it twice to the "
+            "shared matrix; merge with mergesmith (`base+adapter`) or without --embed-lora"
+        )
+    entries, writers = _layout(ft, bs, factors, changed_bias, lora_bias, to_save, modules)
     if (
         tied
         and embed is not None
@@ -161,6 +199,7 @@ def extract_lora(
         info = ft.info(embed)
         entries.append((PEFT_PREFIX + LM_HEAD_NAMES[0], info.dtype, tuple(info.shape)))
         writers.append((PEFT_PREFIX + LM_HEAD_NAMES[0], lambda: ft.get(embed)))
+    _clear_out(out)
     writer = ShardWriter(out / ADAPTER_FILE, out / f".{ADAPTER_FILE}.partial", entries)
     try:
         for name, produce in writers:
@@ -170,19 +209,51 @@ def extract_lora(
         writer.abort()
         raise
     ranks = {m: a.shape[0] for m, (a, _b, _e) in factors.items()}
-    config = _adapter_config(base, ranks, to_save, bool(biases), tied)
+    config = _adapter_config(base, ranks, to_save, lora_bias, "lora_only" if whole_bias else "none", tied)
     write_file_atomic(out / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
     return ExtractResult(out, ranks, to_save, time.monotonic() - started, notes)
 
 
+def _nothing_to_factor(
+    model: str,
+    base: str,
+    to_save: list[str],
+    dropped: list[str],
+    vocab_modules: set[str],
+    sv_epsilon: float,
+    top_sv: float,
+) -> str:
+    """Why no module became a LoRA target (PEFT refuses an adapter without one), as one line."""
+    if not to_save and not dropped:
+        return f"model {model!r} is identical to the base {base!r}; there is nothing to extract"
+    if dropped:
+        return (
+            f"no linear layer's change survives --sv-epsilon {sv_epsilon:g} (the largest singular value of "
+            f"any change is {top_sv:.4g}), so the adapter would target no module and PEFT could not load it; "
+            "lower --sv-epsilon"
+        )
+    shown = ", ".join(to_save[:3]) + (f" and {len(to_save) - 3} more" if len(to_save) > 3 else "")
+    hint = "; --embed-lora factors the embedding and lm_head" if vocab_modules & set(to_save) else ""
+    return (
+        f"model {model!r} differs from the base only in modules that are not low-rank updates ({shown}); "
+        f"an adapter with no LoRA target cannot be loaded by PEFT{hint}"
+    )
+
+
 def _layout(
     ft: Checkpoint,
+    bs: Checkpoint,
     factors: dict[str, tuple[torch.Tensor, torch.Tensor, bool]],
-    biases: dict[str, torch.Tensor],
+    changed_bias: list[str],
+    lora_bias: bool,
     to_save: list[str],
     modules: dict[str, dict[str, str]],
 ) -> tuple[list[tuple[str, str, tuple[int, ...]]], list[tuple[str, Callable[[], torch.Tensor]]]]:
-    """The adapter file's entries (name, dtype, shape) and how to produce each tensor, in order."""
+    """The adapter file's entries (name, dtype, shape) and how to produce each tensor, in order.
+
+    With `lora_bias` every linear target gets `lora_B.bias` (the bias delta, zero where unchanged;
+    every target has a bias then). Otherwise a changed bias goes whole as `<module>.base_layer.bias`
+    (PEFT's `bias: lora_only` layout)."""
     entries: list[tuple[str, str, tuple[int, ...]]] = []
     producers: list[tuple[str, Callable[[], torch.Tensor]]] = []
 
@@ -190,17 +261,24 @@ def _layout(
         entries.append((name, dtype, shape))
         producers.append((name, produce))
 
-    with_bias = bool(biases)
     for module, (a, b, is_embedding) in factors.items():
         prefix = f"{PEFT_PREFIX}{module}."
         names = ("lora_embedding_A", "lora_embedding_B") if is_embedding else ("lora_A.weight", "lora_B.weight")
         add(prefix + names[0], from_torch(a.dtype), tuple(a.shape), lambda a=a: a)
         add(prefix + names[1], from_torch(b.dtype), tuple(b.shape), lambda b=b: b)
-        if with_bias and not is_embedding:
-            bias = biases.get(module)
-            if bias is None:  # PEFT gives every targeted layer a lora_B bias once any has one
-                bias = torch.zeros(b.shape[0], dtype=b.dtype)
-            add(prefix + "lora_B.bias", from_torch(bias.dtype), tuple(bias.shape), lambda t=bias: t)
+        if lora_bias:
+            name = modules[module]["bias"]
+            info = ft.info(name)
+
+            def delta(n: str = name) -> torch.Tensor:
+                new = ft.get(n)
+                return (new.to(torch.float32) - bs.get(n).to(torch.float32)).to(new.dtype)
+
+            add(prefix + "lora_B.bias", info.dtype, tuple(info.shape), delta)
+        elif module in changed_bias:
+            name = modules[module]["bias"]
+            info = ft.info(name)
+            add(prefix + "base_layer.bias", info.dtype, tuple(info.shape), lambda n=name: ft.get(n))
     for module in to_save:
         for name in modules[module].values():
             info = ft.info(name)
@@ -209,7 +287,7 @@ def _layout(
 
 
 def _adapter_config(
-    base: str, ranks: dict[str, int], to_save: list[str], lora_bias: bool, tied_embedding: bool
+    base: str, ranks: dict[str, int], to_save: list[str], lora_bias: bool, bias: str, tied_embedding: bool
 ) -> dict[str, Any]:
     """adapter_config.json: alpha equal to rank everywhere (scale 1), full module names as targets."""
     r = max(ranks.values(), default=1)
@@ -228,7 +306,7 @@ def _adapter_config(
         "use_dora": False,
         "lora_bias": lora_bias,
         "lora_dropout": 0.0,
-        "bias": "none",
+        "bias": bias,
         "fan_in_fan_out": False,
         "init_lora_weights": True,
         "inference_mode": True,
@@ -236,12 +314,18 @@ def _adapter_config(
     }
 
 
-def _prepare(out: Path, overwrite: bool) -> None:
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse early (before reading any tensor) an output that is a file or holds an adapter."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: output path exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
     existing = [p for p in (out / ADAPTER_CONFIG, out / ADAPTER_FILE) if p.exists()]
     if existing and not overwrite:
         raise OutputError(f"{out}: already holds an adapter; use --overwrite to replace it")
-    for path in existing:
-        path.unlink()
+
+
+def _clear_out(out: Path) -> None:
+    """Make the directory and drop a replaced adapter, only once there is a new one to write."""
+    out.mkdir(parents=True, exist_ok=True)
+    for path in (out / ADAPTER_CONFIG, out / ADAPTER_FILE):
+        if path.exists():
+            path.unlink()
