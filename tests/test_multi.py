@@ -214,3 +214,25 @@ def test_tokenizer_source_in_mergekits_model_prefix_form(tmp_path, tiny_models, 
     for name in ("second", "third"):
         assert (out / name / "config.json").is_file() and (out / name / "tokenizer.json").is_file()
     assert _ran(run_multi(cfg, out, MergeOptions())) == []  # the substituted document plans the same
+
+
+@pytest.mark.parametrize("where", ["one", "one/sub", "./one/../one"])
+def test_out_path_that_is_or_is_inside_a_stage_directory_is_refused(tmp_path, tiny_models, monkeypatch, where):
+    a, b = str(tiny_models("llama", seed=1)), str(tiny_models("llama", seed=2))
+    cfg = _write_multi(tmp_path / "multi.yml", [_doc("one", a, b), _doc(None, "one", a)])
+    monkeypatch.chdir(tmp_path)  # relative spellings of the same directory are caught too
+    with pytest.raises(ConfigError, match="stage 'one'") as err:
+        run_multi(cfg, "st", out_path=f"st/{where}")
+    assert "\n" not in str(err.value) and "--out-path" in str(err.value)
+    assert not (tmp_path / "st").exists()  # refused before anything ran
+
+
+def test_out_path_with_no_unnamed_document_is_an_error_not_ignored(tmp_path, tiny_models, capsys):
+    a, b = str(tiny_models("llama", seed=1)), str(tiny_models("llama", seed=2))
+    cfg = _write_multi(tmp_path / "multi.yml", [_doc("one", a, b), _doc("two", "one", a)])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["multi", str(cfg), "--out-dir", str(tmp_path / "st"), "--out-path", str(tmp_path / "final"), "-q"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--out-path" in err and "every document has a `name`" in err
+    assert not (tmp_path / "st").exists() and not (tmp_path / "final").exists()

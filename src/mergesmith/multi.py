@@ -195,6 +195,24 @@ def _resolved_document(stage: Stage, outputs: dict[str, Path]) -> dict[str, Any]
     return doc
 
 
+def _check_out_path(source: str, out_path: Path, outputs: dict[str, Path], has_final: bool) -> None:
+    """--out-path is for the unnamed final merge, and must not be (or be inside) a stage's directory:
+    the final merge would replace that stage's files, and every rerun would rewrite both."""
+    if not has_final:
+        raise ConfigError(
+            f"{source}: --out-path {out_path} is given but every document has a `name` (each goes to its "
+            "stage directory); drop --out-path, or drop the `name` of the final merge"
+        )
+    final = out_path.resolve()
+    for name, stage_dir in outputs.items():
+        resolved = stage_dir.resolve()
+        if final == resolved or resolved in final.parents:
+            raise ConfigError(
+                f"{source}: --out-path {out_path} is {'' if final == resolved else 'inside '}the directory of "
+                f"stage {name!r} ({stage_dir}); write the final merge somewhere else"
+            )
+
+
 def run_multi(
     config_path: str | Path,
     out_dir: str | Path,
@@ -220,6 +238,8 @@ def run_multi(
     if any(s.name is None for s in stages) and out_path is None:
         raise ConfigError(f"{source}: one document has no `name` (the final merge): give --out-path for its output")
     outputs = {s.name: root / s.name for s in stages if s.name is not None}
+    if out_path is not None:
+        _check_out_path(source, Path(out_path), outputs, has_final=any(s.name is None for s in stages))
     options = options or MergeOptions()
 
     results: list[StageResult] = []
