@@ -164,3 +164,29 @@ def test_plan_without_out_dir_does_not_label_the_read_speed_as_write_speed(
     assert code == 0, err
     probe = next(line for line in stdout.splitlines() if line.startswith("throughput probe"))
     assert "write speed not measured" in probe
+
+
+# ----- 4. `plan --tensors` shows each tensor's parameters ----------------------------------------
+
+
+def test_plan_tensors_text_lists_each_tensors_parameters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_models: Any
+) -> None:
+    a, b = tiny_models("llama", seed=1), tiny_models("llama", seed=2)
+    cfg = write_yaml(
+        tmp_path / "c.yml",
+        {
+            "merge_method": "linear",
+            "models": [
+                {"model": str(a), "parameters": {"weight": 1.0}},
+                {"model": str(b), "parameters": {"weight": [0.0, 1.0]}},
+            ],
+            "parameters": {"normalize": False},
+        },
+    )
+    code, out, err = run_cli(capsys, "plan", cfg, "--tensors")
+    assert code == 0, err
+    lines = {line.split(" ", 1)[0]: line for line in out.splitlines() if " <- " in line}
+    first, last = lines["model.layers.0.mlp.up_proj.weight"], lines["model.layers.3.mlp.up_proj.weight"]
+    assert "linear" in first.split(" <- ")[1] and "normalize=false" in first
+    assert "weight=[1, 0]" in first and "weight=[1, 1]" in last

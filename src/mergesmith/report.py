@@ -214,7 +214,33 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
     if show_tensors:
         lines.append("")
         for t in report["tensors"]:
-            lines.append(
-                f"{t['name']} {t['shape']} {t['dtype']} {t['op']} <- " + ", ".join(f"{m}:{n}" for m, n in t["inputs"])
+            line = f"{t['name']} {t['shape']} {t['dtype']} {t['op']} <- " + ", ".join(
+                f"{m}:{n}" for m, n in t["inputs"]
             )
+            summary = _param_summary(t)
+            lines.append(f"{line}  [{summary}]" if summary else line)
     return "\n".join(lines)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v).lower()
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    return str(v)
+
+
+def _param_summary(t: dict[str, Any]) -> str:
+    """`method k=v ... k=[per input]`: the method's parameters for this tensor, then each per-model
+    parameter as a list in input order (`-` where an input has none)."""
+    parts = [t["method"]] if t.get("method") else []
+    parts += [f"{k}={_value(v)}" for k, v in t.get("params", {}).items()]
+    per_model = t.get("model_params") or []
+    keys: list[str] = []
+    for p in per_model:
+        keys += [k for k in p if k not in keys]
+    for k in keys:
+        parts.append(f"{k}=[" + ", ".join(_value(p[k]) if k in p else "-" for p in per_model) + "]")
+    return " ".join(parts)
