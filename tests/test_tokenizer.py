@@ -186,6 +186,17 @@ def test_legacy_base_and_model_sources_reindex_rows(vocab_models: dict[str, Path
     assert config["vocab_size"] == len(WORDS_B_SHIFTED)
     expected_ids = {k: WORDS_B_SHIFTED.index(t) for k, t in [("pad", "<pad>"), ("bos", "<s>"), ("eos", "</s>")]}
     assert {k: config[f"{k}_token_id"] for k in expected_ids} == expected_ids
+    # generate() takes its ids from generation_config.json: moved there too, the rest kept
+    from transformers import GenerationConfig
+
+    base_generation = json.loads((vocab_models["a"] / "generation_config.json").read_text())
+    assert {k: base_generation[f"{k}_token_id"] for k in expected_ids} != expected_ids
+    generation = GenerationConfig.from_pretrained(str(tmp_path / "model"))
+    assert {k: getattr(generation, f"{k}_token_id") for k in expected_ids} == expected_ids
+    written = json.loads((tmp_path / "model" / "generation_config.json").read_text())
+    assert {k: v for k, v in written.items() if not k.endswith("_token_id")} == {
+        k: v for k, v in base_generation.items() if not k.endswith("_token_id")
+    }
     merged = _rows(tmp_path / "model")[EMBED]
     s = _rows(vocab_models["b_shifted"])[EMBED]
     for i, word in enumerate(WORDS_B_SHIFTED):

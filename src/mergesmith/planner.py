@@ -394,7 +394,7 @@ class Planner:
                 if (tok_root / name).is_file():
                     files.append((str(tok_root / name), name))
         gen = self.base.root / "generation_config.json"
-        if gen.is_file():
+        if gen.is_file() and all(name != gen.name for _src, name in files):  # the tokenizer step may rewrite it
             files.append((str(gen), "generation_config.json"))
         return files
 

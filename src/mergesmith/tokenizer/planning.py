@@ -7,7 +7,9 @@ Called by the merge planner only when a config has a `tokenizer` section, `token
   the output like any other tokenizer file;
 - rewrites the embedding and lm_head recipes into `vocab_merge` recipes that re-index every input
   to the output vocabulary before the merge method runs (align.py);
-- gives the output config its new `vocab_size` and moves bos/eos/pad ids to the output tokenizer.
+- gives the output config its new `vocab_size` and moves bos/eos/pad ids to the output tokenizer,
+  in config.json and in the base's generation_config.json alike (a staged rewrite of which replaces
+  the copied file, since generate() reads its ids from there).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +28,16 @@ import torch
 from ..architecture import LM_HEAD_NAMES, embedding_for_head
 from ..errors import CheckpointError, ConfigError
 from ..plan import InputRef, TensorRecipe
-from .align import DTYPE_PARAM, MAP_PARAM, VOCAB_OP, build_alignment, parse_token_rules, register, staging_root
+from .align import (
+    DTYPE_PARAM,
+    MAP_PARAM,
+    VOCAB_OP,
+    build_alignment,
+    parse_token_rules,
+    register,
+    staging_root,
+    write_atomic,
+)
 from .build import VocabularyBuild, build_vocabulary, load_tokenizer, require_transformers
 from .templates import resolve_chat_template
 
@@ -89,6 +101,8 @@ def plan_tokenizer(planner: Planner, recipes: list[TensorRecipe]) -> TokenizerPl
     if cfg.chat_template:
         _set_chat_template(planner, build.tokenizer, refs)
     files = _stage_tokenizer(build.tokenizer)
+    move = _token_mover(planner, build)
+    files.extend(_stage_generation_config(planner, move))
 
     vocab_names = _vocab_tensor_names(planner)
     out: list[TensorRecipe] = []
@@ -99,7 +113,7 @@ def plan_tokenizer(planner: Planner, recipes: list[TensorRecipe]) -> TokenizerPl
     for tok in (by_id[i] for i in orphans):
         if tok not in tokens:
             warnings.append(f"token {tok!r} is in no input model; its embedding is zero")
-    return TokenizerPlan(out, files, build.rows, _moved_token_ids(planner, build), warnings)
+    return TokenizerPlan(out, files, build.rows, _moved_token_ids(planner, move), warnings)
 
 
 def _chat_template_only(planner: Planner, recipes: list[TensorRecipe]) -> TokenizerPlan:
@@ -228,26 +242,62 @@ def _vocab_recipe(
     )
 
 
-def _moved_token_ids(planner: Planner, build: VocabularyBuild) -> dict[str, Any]:
-    """Special-token ids of the base config, re-pointed at the same tokens in the output vocabulary."""
-    cfg = planner.base.config or {}
-    scopes = [cfg, cfg.get("text_config") or {}]
+def _token_mover(planner: Planner, build: VocabularyBuild) -> Callable[[Any], Any]:
+    """A function re-pointing a base-vocabulary id (or a list of ids) at the same token in the output
+    vocabulary; ids it cannot place (not a base token, or a token the output lacks) stay as they are."""
     base_vocab = build.original_vocabs.get(planner.base_ref) or {}
     by_id = {idx: tok for tok, idx in base_vocab.items()}
-    moved: dict[str, Any] = {}
 
-    def move(idx: Any) -> Any:
+    def move_one(idx: Any) -> Any:
         if isinstance(idx, int) and not isinstance(idx, bool) and idx in by_id and by_id[idx] in build.vocab:
             return build.vocab[by_id[idx]]
         return idx
 
+    def move(value: Any) -> Any:
+        return [move_one(v) for v in value] if isinstance(value, list) else move_one(value)
+
+    return move
+
+
+def _moved_token_ids(planner: Planner, move: Callable[[Any], Any]) -> dict[str, Any]:
+    """Special-token ids of the base config, re-pointed at the same tokens in the output vocabulary."""
+    cfg = planner.base.config or {}
+    scopes = [cfg, cfg.get("text_config") or {}]
+    moved: dict[str, Any] = {}
     for scope in scopes:
         if not isinstance(scope, dict):
             continue
         for key in _TOKEN_ID_KEYS:
             if key in scope and key not in moved:
                 value = scope[key]
-                new = [move(v) for v in value] if isinstance(value, list) else move(value)
+                new = move(value)
                 if new != value:
                     moved[key] = new
     return moved
+
+
+def _stage_generation_config(planner: Planner, move: Callable[[Any], Any]) -> list[tuple[str, str]]:
+    """The base's generation_config.json with its special-token ids moved like config.json's, staged
+    (content-addressed) to replace the copied file; nothing when no id moves or there is none."""
+    path = planner.base.root / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return []  # copied as it is, like any other small file
+    if not isinstance(data, dict):
+        return []
+    changed = False
+    for key in _TOKEN_ID_KEYS:
+        if key in data:
+            new = move(data[key])
+            changed |= new != data[key]
+            data[key] = new
+    if not changed:
+        return []
+    text = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+    target = staging_root() / "generation" / hashlib.sha256(text).hexdigest() / "generation_config.json"
+    if not target.is_file():
+        write_atomic(target, text)
+    return [(str(target), "generation_config.json")]
