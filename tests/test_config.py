@@ -182,13 +182,14 @@ def test_star_filter_matches_everything_and_switch_lists_step():
     cfg = parse_config(
         {
             "merge_method": "linear",
-            "models": [{"model": "a", "parameters": {"weight": [{"filter": "*", "value": 3}], "flag": [True, False]}}],
+            "models": [{"model": "a", "parameters": {"weight": [{"filter": "*", "value": 3}]}}],
+            "parameters": {"normalize": [True, False]},
         }
     )
     params = cfg.models[0].parameters
     assert resolve("weight", [params], "model.norm.weight", 0.0) == 3
-    assert resolve("flag", [params], "x", 0.4) is True
-    assert resolve("flag", [params], "x", 1.0) is False
+    assert resolve("normalize", [cfg.parameters], "x", 0.4) is True
+    assert resolve("normalize", [cfg.parameters], "x", 1.0) is False
 
 
 def test_model_count_problems_are_config_errors():

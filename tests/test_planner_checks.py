@@ -69,3 +69,100 @@ def test_shape_mismatch_is_a_plan_time_error_even_with_allow_crimes(tmp_path, ti
     line = one_line_error(code, err, "mlp.", "shapes differ", str(llama), str(wider))
     assert "internal error" not in line
     assert not out.exists()  # refused before the output directory (or its .mergesmith/) was made
+
+
+# ----- merge-parameter names --------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    ("config", "key", "hint"),
+    [
+        (
+            {"merge_method": "linear", "models": [{"model": "a"}, {"model": "b"}], "parameters": {"normalise": False}},
+            "parameters.normalise",
+            "did you mean `normalize`",
+        ),
+        (
+            {
+                "merge_method": "ties",
+                "base_model": "base",
+                "models": [{"model": "a", "parameters": {"weight": 1, "densty": 0.5}}],
+            },
+            "models[0].parameters.densty",
+            "did you mean `density`",
+        ),
+        (
+            {
+                "merge_method": "slerp",
+                "base_model": "a",
+                "slices": [
+                    {
+                        "sources": [{"model": "a", "layer_range": [0, 2]}, {"model": "b", "layer_range": [0, 2]}],
+                        "parameters": {"tt": 0.5},
+                    }
+                ],
+            },
+            "slices[0].parameters.tt",
+            "did you mean `t`",
+        ),
+        (
+            {
+                "merge_method": "passthrough",
+                "slices": [{"sources": [{"model": "a", "layer_range": [0, 2], "parameters": {"scael": 0.5}}]}],
+            },
+            "slices[0].sources[0].parameters.scael",
+            "did you mean `scale`",
+        ),
+        (
+            {"merge_method": "linear", "models": [{"model": "a", "parameters": {"weight": 1, "normalize": True}}]},
+            "models[0].parameters.normalize",
+            "of the whole merge",
+        ),
+        (
+            {"merge_method": "karcher", "models": [{"model": "a", "parameters": {"weight": 1}}, {"model": "b"}]},
+            "models[0].parameters.weight",
+            "no parameter 'weight'",
+        ),
+    ],
+)
+def test_unknown_parameter_names_fail_before_any_checkpoint_is_opened(tmp_path, capsys, config, key, hint):
+    # the models do not exist: the error must be about the parameter, found before anything is opened
+    cfg = write_config(tmp_path / "c.yml", config)
+    code, err = run_cli(capsys, "plan", cfg)
+    one_line_error(code, err, str(cfg), f"`{key}`", f"{config['merge_method']!r}", hint)
+
+
+def test_declared_parameters_at_every_level_are_accepted():
+    from mergesmith.config import parse_config
+
+    parse_config(
+        {
+            "merge_method": "task_arithmetic",
+            "base_model": "base",
+            "slices": [
+                {
+                    "sources": [
+                        {"model": "base", "layer_range": [0, 2]},
+                        {"model": "a", "layer_range": [0, 2], "parameters": {"weight": 0.5, "density": 0.9}},
+                    ],
+                    "parameters": {"lambda": 0.9, "weight": [{"filter": "mlp", "value": 0.3}, {"value": 1}]},
+                }
+            ],
+            "parameters": {"normalize": True, "rescale": False, "int8_mask": False, "weight": 1.0},
+        }
+    )
+
+
+def test_shipped_and_reference_configs_still_validate():
+    from mergesmith.config import parse_config
+
+    paths = sorted((REPO / "tests" / "reference" / "configs").glob("*.yml"))
+    paths += [REPO / "examples" / name for name in ("linear.yml", "frankenmerge.yml")]
+    assert len(paths) > 20
+    for path in paths:
+        parse_config(yaml.safe_load(path.read_text()), str(path))
+    for doc in yaml.safe_load_all((REPO / "examples" / "multi-stage.yml").read_text()):
+        doc.pop("name")
+        parse_config(doc, "multi-stage.yml")
