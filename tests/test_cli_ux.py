@@ -190,3 +190,26 @@ def test_plan_tensors_text_lists_each_tensors_parameters(
     first, last = lines["model.layers.0.mlp.up_proj.weight"], lines["model.layers.3.mlp.up_proj.weight"]
     assert "linear" in first.split(" <- ")[1] and "normalize=false" in first
     assert "weight=[1, 0]" in first and "weight=[1, 1]" in last
+
+
+# ----- 5. progress off a terminal -------------------------------------------------------------
+
+
+def test_merge_off_a_terminal_prints_plain_progress_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], linear_cfg: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under capsys stderr is not a terminal, as in a pipe or a notebook's `!mergesmith`."""
+    import re
+
+    monkeypatch.setenv("MERGESMITH_TEST_SLOW", "0.05")  # seconds per tensor: 39 tensors last ~2 s
+    monkeypatch.setenv("MERGESMITH_PROGRESS_INTERVAL", "0.3")
+    code, out, err = run_cli(capsys, "merge", linear_cfg, tmp_path / "out", "--threads", "1")
+    assert code == 0, err
+    assert "wrote" in out
+    lines = err.strip().splitlines()
+    pattern = re.compile(r"^progress: \d+/39 tensors, [\d.]+ MB/s, RSS [\d.]+ GB, ETA (\d+:\d\d:\d\d|unknown)$")
+    assert len(lines) >= 2 and all(pattern.match(line) for line in lines), err
+    assert "\x1b[" not in err  # plain text, no terminal control codes
+
+    code, out, err = run_cli(capsys, "merge", linear_cfg, tmp_path / "quiet", "--threads", "1", "-q")
+    assert code == 0 and err == "", err

@@ -12,6 +12,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,96 @@ def _quit_at_once(_signum: int, _frame: Any) -> None:
     os._exit(130)
 
 
+PROGRESS_INTERVAL_ENV = "MERGESMITH_PROGRESS_INTERVAL"
+
+
+def _progress_interval() -> float:
+    try:
+        value = float(os.environ.get(PROGRESS_INTERVAL_ENV, "30"))
+    except ValueError:
+        return 30.0
+    return value if value > 0 else 30.0
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class _PlainProgress:
+    """Off a terminal (a pipe, a log file, a notebook's `!mergesmith`): a plain line on stderr every
+    `interval` seconds (tensors done/total, MB/s, RSS, ETA), since a redrawn bar cannot work there.
+    A merge that ends (or fails) before the first interval prints nothing."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._total_bytes = 0
+        self._event: Any = None
+        self._base: tuple[float, int] | None = None  # (time, bytes) of the first event: a resume starts there
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _PlainProgress:
+        return self
+
+    def start(self, plan: Any) -> None:
+        self.close()
+        self._total_bytes = plan.total_size
+        self._event, self._base = None, None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mergesmith-progress", daemon=True)
+        self._thread.start()
+
+    def update(self, event: Any) -> None:
+        with self._lock:
+            if self._base is None:
+                self._base = (time.monotonic(), event.bytes_written)
+            self._event = event
+
+    def _run(self) -> None:
+        while not self._done.wait(self.interval):
+            line = self.line()
+            if line:
+                click.echo(line, err=True)
+
+    def line(self) -> str | None:
+        import psutil
+
+        with self._lock:
+            event, base = self._event, self._base
+        if event is None or base is None:
+            return None
+        elapsed = time.monotonic() - base[0]
+        rate = (event.bytes_written - base[1]) / elapsed if elapsed > 0 else 0.0
+        left = max(self._total_bytes - event.bytes_written, 0)
+        eta = _clock(left / rate) if rate > 0 else "unknown"
+        rss = psutil.Process().memory_info().rss
+        return (
+            f"progress: {event.tensors_done}/{event.tensors_total} tensors, {rate / 1e6:.1f} MB/s, "
+            f"RSS {rss / 1e9:.2f} GB, ETA {eta}"
+        )
+
+    def close(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._thread = None
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _merge_progress(quiet: bool) -> Any:
+    """The live bar on a terminal, plain periodic lines elsewhere, nothing with -q."""
+    from .progress import MergeProgress
+
+    display = MergeProgress(enabled=not quiet)
+    if quiet or display.enabled:
+        return display
+    return _PlainProgress(_progress_interval())
+
+
 @cli.command()
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
@@ -199,12 +290,11 @@ def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet:
     """Merge the models of CONFIG_FILE into OUT_DIR (rerun to resume an interrupted merge)."""
     from .api import run_merge
     from .moe.config import is_moe_config_file
-    from .progress import MergeProgress
 
     if is_moe_config_file(config_file):
         raise ConfigError(f"{config_file}: this is a mergekit-moe config (it has `experts`); use `mergesmith moe`")
     options = _options(kw)
-    with _Interrupts() as interrupts, MergeProgress(enabled=not quiet) as progress:
+    with _Interrupts() as interrupts, _merge_progress(quiet) as progress:
         result = run_merge(
             config_file,
             out_dir,
@@ -295,14 +385,13 @@ def merge_raw(
     CONFIG_FILE is a merge config with `models` (file paths) and no `slices`; OUT_DIR receives
     model.safetensors (or shards and an index) and mergesmith_config.yml.
     """
-    from .progress import MergeProgress
     from .raw import run_raw_merge
 
     if tensor_union and tensor_intersection:
         raise ConfigError("give --tensor-union or --tensor-intersection, not both")
     options = _options(kw)
     tensor_set = "union" if tensor_union else "intersection" if tensor_intersection else "exact"
-    with _Interrupts() as interrupts, MergeProgress(enabled=not quiet) as progress:
+    with _Interrupts() as interrupts, _merge_progress(quiet) as progress:
         result = run_raw_merge(
             config_file,
             out_dir,
@@ -343,10 +432,8 @@ class _StageProgress:
         self._plan = plan
 
     def update(self, event: Any) -> None:
-        from .progress import MergeProgress
-
         if self._display is None and self._plan is not None and self.enabled:
-            self._display = MergeProgress(enabled=True).__enter__()
+            self._display = _merge_progress(quiet=False).__enter__()
             self._display.start(self._plan)
         if self._display is not None:
             self._display.update(event)
@@ -461,7 +548,6 @@ def moe_cmd(
     """
     from .moe import run_moe
     from .moe.progress import RouterProgress
-    from .progress import MergeProgress
 
     if load_in_4bit or load_in_8bit:
         raise ConfigError(
@@ -474,7 +560,7 @@ def moe_cmd(
         click.echo(f"warning: {message}", err=True)
 
     with _Interrupts() as interrupts, RouterProgress("router weights", enabled=not quiet) as router:
-        with MergeProgress(enabled=not quiet) as progress:
+        with _merge_progress(quiet) as progress:
 
             def start(plan: Any) -> None:
                 router.close()  # the router pass is over once writing starts
