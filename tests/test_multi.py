@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from mergesmith.cli import main
-from mergesmith.errors import ConfigError
+from mergesmith.errors import ConfigError, MergesmithError
 from mergesmith.io.journal import Journal
 from mergesmith.multi import load_stages, run_multi, stage_order
 from mergesmith.planner import MergeOptions
@@ -236,3 +236,36 @@ def test_out_path_with_no_unnamed_document_is_an_error_not_ignored(tmp_path, tin
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert "--out-path" in err and "every document has a `name`" in err
     assert not (tmp_path / "st").exists() and not (tmp_path / "final").exists()
+
+
+def test_a_bad_input_of_a_later_stage_is_found_before_any_stage_runs(tmp_path, tiny_models, capsys):
+    a, b = str(tiny_models("llama", seed=1)), str(tiny_models("llama", seed=2))
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "config.json").write_text((Path(a) / "config.json").read_text())
+    (garbage / "model.safetensors").write_bytes(b"\xff" * 64)  # header length far past the end
+    cfg = _write_multi(tmp_path / "multi.yml", [_doc("one", a, b), _doc("two", "one", str(garbage))])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["multi", str(cfg), "--out-dir", str(tmp_path / "st"), "-q"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "stage 'two'" in err and str(garbage / "model.safetensors") in err
+    assert not (tmp_path / "st").exists()  # stage `one` never ran
+
+
+def test_an_error_while_running_a_later_stage_names_that_stage(tmp_path, tiny_models):
+    a, b = str(tiny_models("llama", seed=1)), str(tiny_models("llama", seed=2))
+    other = str(tiny_models("qwen2", seed=1))  # another architecture: its tensors do not line up with `one`'s
+    cfg = _write_multi(tmp_path / "multi.yml", [_doc("one", a, b), _doc(None, "one", other)])
+    with pytest.raises(MergesmithError) as err:
+        run_multi(cfg, tmp_path / "st", out_path=tmp_path / "final")
+    assert "document 2 (the unnamed final merge)" in str(err.value) and "\n" not in str(err.value)
+    assert (tmp_path / "st" / "one" / "config.json").is_file()  # it failed in the later stage, not before
+
+    # An error from writing (not planning) the stage is labelled too.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cfg = _write_multi(tmp_path / "multi.yml", [_doc("one", a, b), _doc(None, "one", a)])
+    with pytest.raises(MergesmithError) as err:
+        run_multi(cfg, tmp_path / "st", out_path=blocker)
+    assert str(err.value).startswith(f"document 2 (the unnamed final merge): {blocker}: "), str(err.value)

@@ -72,11 +72,16 @@ def open_checkpoints(config: MergeConfiguration) -> dict[str, Checkpoint]:
 
 
 def build_plan(
-    config: str | Path | MergeConfiguration, options: MergeOptions | None = None, out_dir: str | Path | None = None
+    config: str | Path | MergeConfiguration,
+    options: MergeOptions | None = None,
+    out_dir: str | Path | None = None,
+    source: str | None = None,
 ) -> tuple[Plan, dict[str, Checkpoint]]:
     """Plan a merge from headers alone. For randomised methods without a seed, reuse the seed an
-    interrupted run in `out_dir` recorded (so it can resume), or draw a new one."""
-    cfg, source = as_config(config)
+    interrupted run in `out_dir` recorded (so it can resume), or draw a new one. `source` names the
+    config in messages (default: its path, or "config" for a parsed one)."""
+    cfg, default_source = as_config(config)
+    source = source or default_source
     options = options or MergeOptions()
     choose_random_seed(cfg, source, options, out_dir)
     checkpoints = open_checkpoints(cfg)

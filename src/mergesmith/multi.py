@@ -6,7 +6,8 @@ sources, `tokenizer_source`). Named stages are written to `<out-dir>/<name>`; at
 may be unnamed, the final merge, written to `--out-path`.
 
 Everything that can be checked before any tensor moves is checked first: document syntax, duplicate
-or unsafe names, references that are neither a stage nor an existing model, and dependency cycles.
+or unsafe names, references that are neither a stage nor an existing model, the headers of every
+input that is not a stage, and dependency cycles. An error met while a stage runs names the stage.
 Stages then run one at a time in dependency order (ties keep file order). A stage whose plan
 fingerprint matches a complete output is skipped without touching its files; since a fingerprint
 covers its inputs' identities (size, mtime, header hash), a stage downstream of one that reran is
@@ -22,15 +23,16 @@ import difflib
 import re
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .api import MergeResult, build_plan, execute_plan
 from .config import parse_config, read_yaml
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, MergesmithError
 from .executor import ProgressEvent
-from .io.checkpoint import resolve_model_path
+from .io.checkpoint import Checkpoint, resolve_model_path
 from .io.journal import Journal
 from .plan import Plan
 from .planner import MergeOptions
@@ -98,11 +100,33 @@ def _slot_ref(key: str, value: str) -> tuple[str, str]:
 
 
 def _resolvable(ref: str) -> bool:
+    """A local path or cached hub id, or `model+lora` whose two parts are."""
     try:
         resolve_model_path(ref)
+        return True
     except CheckpointError:
-        return False
-    return True
+        pass
+    if "+" in ref:
+        from .io.lora import split_lora_ref
+
+        try:
+            resolve_model_path(split_lora_ref(ref)[0])
+            return True
+        except CheckpointError:
+            return False
+    return False
+
+
+def _check_input(source: Path, stage: Stage, ref: str, checked: set[str]) -> None:
+    """Open (and validate the headers of) an input that is not a stage, before any stage runs: a bad
+    file in the last stage must not be found only after the first stages wrote their outputs."""
+    if ref in checked:
+        return
+    checked.add(ref)
+    try:
+        Checkpoint.open(ref).close()
+    except CheckpointError as exc:
+        raise CheckpointError(f"{source}: {stage.label}: {exc}") from None
 
 
 def load_stages(path: str | Path) -> list[Stage]:
@@ -143,6 +167,7 @@ def load_stages(path: str | Path) -> list[Stage]:
             f"{path}: documents {', '.join(map(str, unnamed))} have no `name`; only the final merge may be unnamed"
         )
 
+    checked: set[str] = set()
     for stage in stages:
         for holder, key in _model_slots(stage.document):
             _prefix, ref = _slot_ref(key, holder[key])
@@ -158,6 +183,8 @@ def load_stages(path: str | Path) -> list[Stage]:
                     f"{path}: {stage.label}: model {ref!r} is neither a stage of this file nor a local path or "
                     f"cached model{suggestion}"
                 )
+            elif key not in _TOKENIZER_KEYS:  # a tokenizer source need not hold weights
+                _check_input(path, stage, ref, checked)
     return stages
 
 
@@ -213,6 +240,18 @@ def _check_out_path(source: str, out_path: Path, outputs: dict[str, Path], has_f
             )
 
 
+@contextmanager
+def _labelled(stage: Stage) -> Iterator[None]:
+    """Prefix a stage's one-line errors with its label: which of several merges failed matters."""
+    try:
+        yield
+    except MergesmithError as exc:
+        message = str(exc)
+        if stage.label not in message:
+            exc.args = (f"{stage.label}: {message}", *exc.args[1:])
+        raise
+
+
 def run_multi(
     config_path: str | Path,
     out_dir: str | Path,
@@ -247,24 +286,26 @@ def run_multi(
         target = outputs[stage.name] if stage.name is not None else Path(out_path or "")
         if on_stage is not None:
             on_stage(stage, target)
-        config = parse_config(_resolved_document(stage, outputs), f"{source} ({stage.label})")
-        stage_options = copy.deepcopy(options)  # build_plan may draw a seed: never share it across stages
-        plan, checkpoints = build_plan(config, stage_options, target)
-        previous = Journal.load(target) if target.is_dir() else None
-        if previous is None:
-            replace = overwrite  # not a mergesmith output: only with the user's say-so
-        else:
-            replace = not lazy or previous.fingerprint != plan.fingerprint()
-        result = execute_plan(
-            plan,
-            checkpoints,
-            target,
-            stage_options,
-            overwrite=replace,
-            force=force,
-            on_plan=on_plan,
-            on_progress=on_progress,
-            stop=stop,
-        )
+        with _labelled(stage):
+            where = f"{source} ({stage.label})"
+            config = parse_config(_resolved_document(stage, outputs), where)
+            stage_options = copy.deepcopy(options)  # build_plan may draw a seed: never share it across stages
+            plan, checkpoints = build_plan(config, stage_options, target, source=where)
+            previous = Journal.load(target) if target.is_dir() else None
+            if previous is None:
+                replace = overwrite  # not a mergesmith output: only with the user's say-so
+            else:
+                replace = not lazy or previous.fingerprint != plan.fingerprint()
+            result = execute_plan(
+                plan,
+                checkpoints,
+                target,
+                stage_options,
+                overwrite=replace,
+                force=force,
+                on_plan=on_plan,
+                on_progress=on_progress,
+                stop=stop,
+            )
         results.append(StageResult(stage.name, target, not result.already_complete, result))
     return results
