@@ -4,6 +4,7 @@ any tensor is read (and, where the check needs no checkpoint, before any checkpo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +167,51 @@ def test_shipped_and_reference_configs_still_validate():
     for doc in yaml.safe_load_all((REPO / "examples" / "multi-stage.yml").read_text()):
         doc.pop("name")
         parse_config(doc, "multi-stage.yml")
+
+
+# ----- config.json of sliced outputs --------------------------------------------------------------
+
+
+def test_rewrite_config_reindexes_only_per_layer_lists():
+    from mergesmith.architecture import rewrite_config
+
+    config = {
+        "num_hidden_layers": 2,
+        "eos_token_id": [2, 3],
+        "architectures": ["LlamaForCausalLM", "X"],
+        "mlp_only_layers": [0, 1],  # layer indices, not one entry per layer
+        "layer_types": ["sliding_attention", "full_attention"],
+        "no_rope_layers": [1, 0],
+        "text_config": {"bos_token_id": [1, 4]},
+    }
+    out = rewrite_config(config, [0, 1, 1], "F32")
+    assert out["num_hidden_layers"] == 3
+    assert out["eos_token_id"] == [2, 3] and out["text_config"]["bos_token_id"] == [1, 4]
+    assert out["architectures"] == ["LlamaForCausalLM", "X"] and out["mlp_only_layers"] == [0, 1]
+    assert out["layer_types"] == ["sliding_attention", "full_attention", "full_attention"]
+    assert out["no_rope_layers"] == [1, 0, 0]
+
+
+def test_sliced_output_keeps_a_list_of_eos_token_ids(tmp_path, tiny_models):
+    from mergesmith.api import run_merge
+    from tests.helpers import load_causal_lm
+
+    model = tiny_models("qwen2", seed=1, layers=2, eos_token_id=[2, 3])
+    source = json.loads((model / "config.json").read_text())
+    assert source["eos_token_id"] == [2, 3] and len(source["layer_types"]) == 2
+    cfg = write_config(
+        tmp_path / "c.yml",
+        {
+            "merge_method": "passthrough",
+            "slices": [
+                {"sources": [{"model": str(model), "layer_range": [0, 2]}]},
+                {"sources": [{"model": str(model), "layer_range": [1, 2]}]},
+            ],
+        },
+    )
+    run_merge(cfg, tmp_path / "out")
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out["num_hidden_layers"] == 3
+    assert out["eos_token_id"] == [2, 3]
+    assert out["layer_types"] == [source["layer_types"][i] for i in (0, 1, 1)]
+    load_causal_lm(tmp_path / "out")

@@ -21,6 +21,19 @@ _LAYER_RE = re.compile(r"^(?P<prefix>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")
 _LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _EMBEDDING_MARKERS = ("embed", "wte", "wpe", "word_embeddings", "tok_embeddings")
 LM_HEAD_NAMES = ("lm_head.weight", "embed_out.weight", "output.weight")
+PER_LAYER_KEYS = frozenset(
+    {
+        "layer_types",  # qwen2/3, gemma2/3, gpt-oss, exaone4, ...: "full_attention" / "sliding_attention" per layer
+        "no_rope_layers",  # llama4, smollm3: 1 where a layer uses RoPE
+        "sliding_window_pattern",  # where given as a list (elsewhere an int period, which is left alone)
+        "attn_type_list",  # minimax: linear or softmax attention per layer
+        "layers_block_type",  # zamba2: "mamba" / "hybrid" per layer
+        "block_configs",  # nemotron-nas (DeciLM): one block description per layer
+    }
+)
+"""config.json lists with one entry per decoder layer: re-indexed when slices change the layers.
+Only these: token ids (`eos_token_id: [2, 3]`) and lists of layer *indices* (`mlp_only_layers`,
+`moe_layers`) are not per-layer lists, whatever their length."""
 
 
 @dataclass(frozen=True)
@@ -134,8 +147,10 @@ def rewrite_config(
 ) -> dict[str, Any]:
     """The output config.json: layer count and per-layer lists for the slices, dtype, vocab size.
 
-    `layer_sources[i]` is the source layer index of output layer i; a per-layer list (any list as
-    long as the old layer count, such as `layer_types`) is re-indexed the same way.
+    `layer_sources[i]` is the source layer index of output layer i; a per-layer list (a key of
+    PER_LAYER_KEYS, such as `layer_types`, as long as the old layer count) is re-indexed the same way.
+    Other lists are left alone even when their length happens to equal the layer count: token ids
+    (`eos_token_id: [2, 3]` in a 2-layer model), `architectures`, lists of layer indices.
     """
     out = copy.deepcopy(config)
     found = layer_count_key(out)
@@ -147,7 +162,7 @@ def rewrite_config(
             if not isinstance(holder, dict):
                 continue
             for key, value in list(holder.items()):
-                if isinstance(value, list) and len(value) == old_count and key not in ("architectures",):
+                if key in PER_LAYER_KEYS and isinstance(value, list) and len(value) == old_count:
                     holder[key] = [value[min(src, old_count - 1)] for src in layer_sources]
     dtype_name = TORCH_NAMES[out_dtype]
     wrote = False
