@@ -269,3 +269,15 @@ def test_an_error_while_running_a_later_stage_names_that_stage(tmp_path, tiny_mo
     with pytest.raises(MergesmithError) as err:
         run_multi(cfg, tmp_path / "st", out_path=blocker)
     assert str(err.value).startswith(f"document 2 (the unnamed final merge): {blocker}: "), str(err.value)
+
+
+def test_a_model_plus_lora_input_is_accepted_and_checked_up_front(tmp_path, tiny_models):
+    from mergesmith.lora_extract import extract_lora
+
+    base = tiny_models("llama", seed=1)
+    tuned = tiny_models.derive(base, seed=5)
+    extract_lora(str(tuned), str(base), tmp_path / "adapter", 4)
+    lora_ref = f"{base}+{tmp_path / 'adapter'}"
+    cfg = _write_multi(tmp_path / "multi.yml", [_doc("one", lora_ref, str(base)), _doc("two", "one", str(base))])
+    assert [s.depends_on for s in load_stages(cfg)] == [[], ["one"]]
+    assert _ran(run_multi(cfg, tmp_path / "st")) == ["one", "two"]
