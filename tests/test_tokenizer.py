@@ -57,9 +57,10 @@ def vocab_models(tiny_models: Any, tmp_path_factory: pytest.TempPathFactory) -> 
     root = tmp_path_factory.mktemp("vocab_models")
     out = {}
     specs = {
-        "a": (WORDS_A, 0, "{{ 'T1' }}"),
+        # the base holds the minority template, so `auto` taking the first (or the base's) is caught
+        "a": (WORDS_A, 0, "{{ 'T2' }}"),
         "b": (WORDS_B, 1, "{{ 'T1' }}"),
-        "c": (WORDS_C, 2, "{{ 'T2' }}"),
+        "c": (WORDS_C, 2, "{{ 'T1' }}"),
         "b_shifted": (WORDS_B_SHIFTED, 3, None),
     }
     for name, (words, seed, template) in specs.items():
@@ -251,6 +252,8 @@ def test_builtin_templates_render() -> None:
         )
         assert "hi" in out and "hello" in out and "bye" in out and "be brief" in out, name
     assert resolve_chat_template("auto", [None, " x ", "y", "x"]) == "x"
+    assert resolve_chat_template("auto", ["y", "x", "x"]) == "x"  # the most common, not the first
+    assert resolve_chat_template("auto", ["y", "x"]) == "y"  # first seen on a tie
     assert resolve_chat_template("auto", [None]) is None
     with pytest.raises(ConfigError, match="unknown template 'vicuna-9'"):
         resolve_chat_template("vicuna-9", [])
