@@ -188,6 +188,52 @@ def test_cheap_embed_router_weights_are_normalised_prompt_embeddings(tmp_path, t
             torch.testing.assert_close(router[e], want[e] / want[e].norm(), rtol=1e-5, atol=1e-6)
 
 
+def _swap_tokens(root: Path, a: str, b: str) -> None:
+    """Exchange two words' ids in a word-level tokenizer.json (a tokenizer unlike the base's)."""
+    path = root / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(data))
+
+
+def test_hidden_router_of_a_lora_base_is_the_adapted_models(tmp_path, tiny_models):
+    """`base_model: B+adapter` routes with the adapted model: its router weights differ from plain B's
+    and equal those of a directory holding B with the adapter merged in (by PEFT) and the adapter's
+    own tokenizer (which maps the first expert's words elsewhere than B's does)."""
+    import shutil
+
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base, other = tiny_models("llama", seed=1), tiny_models("llama", seed=2)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        wrapped = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base)), lora)
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    wrapped.save_pretrained(str(adapter))
+    wrapped.merge_and_unload().save_pretrained(str(merged))
+    for root in (adapter, merged):
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy2(base / name, root / name)
+        _swap_tokens(root, "tok10", "tok200")
+
+    def routers(base_model: str, name: str) -> torch.Tensor:
+        config = experts_config(base, [base, other], "hidden")
+        config["base_model"] = base_model
+        out = tmp_path / "out" / name
+        run_moe(write_config(tmp_path, config, f"{name}.yml"), out, MergeOptions())
+        state = read_state_dict(out)
+        return torch.stack([state[f"model.layers.{i}.block_sparse_moe.gate.weight"] for i in range(4)])
+
+    with_lora = routers(f"{base}+{adapter}", "lora")
+    plain = routers(str(base), "plain")
+    assert (with_lora - plain).abs().max() > 1e-2
+    torch.testing.assert_close(with_lora, routers(str(merged), "merged"), rtol=1e-4, atol=1e-5)
+
+
 # ----- Qwen2-MoE and Qwen3-MoE ------------------------------------------------------------------
 
 

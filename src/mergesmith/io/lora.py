@@ -204,6 +204,11 @@ class LoraCheckpoint(Checkpoint):
         return (tensor.to(torch.float32) + update).to(tensor.dtype)
 
     @property
+    def adapted_tensors(self) -> list[str]:
+        """The tensor names whose values the adapter changes (low-rank updates and saved replacements)."""
+        return sorted(set(self._deltas) | set(self._replaced))
+
+    @property
     def tokenizer_root(self) -> Path:
         """Where this input's tokenizer lives: the adapter's own when it ships one (adapters that add
         tokens save the grown tokenizer beside themselves), else the base model's."""

@@ -10,7 +10,9 @@ so a token resembling those prompts scores highest for that expert:
 - `cheap_embed`: the sum of the prompts' token embeddings, the same vector for every layer;
 - `random`: standard normal; `uniform_random`: U(-1/sqrt(hidden), 1/sqrt(hidden)), like nn.Linear.
 
-Prompts are tokenized with the base model's tokenizer, its BOS token first.
+Prompts are tokenized with the base model's tokenizer, its BOS token first. A base given as
+`model+lora` is the adapted model throughout: its tokenizer is the adapter's when it ships one, and
+the `hidden` forward pass runs with the adapter's tensors written over the plain model's.
 
 These weights are in no input checkpoint, so they are written once to a small safetensors file in a
 cache directory, named by a hash of everything that decides them (mode, prompts, seed, base model
@@ -74,6 +76,11 @@ def _version(package: str) -> str:
         return "?"
 
 
+def _tokenizer_root(base: Checkpoint) -> Path:
+    """Where the base's tokenizer lives (an adapter may ship its own, see io/lora.py)."""
+    return Path(getattr(base, "tokenizer_root", base.root))
+
+
 def _tokenizer_digest(root: Path) -> str:
     h = hashlib.sha256()
     for name in TOKENIZER_FILES:
@@ -121,7 +128,7 @@ class GateJob:
         if self.mode in PROMPT_MODES:
             payload["prompts"] = [[e.positive_prompts or [], e.negative_prompts or []] for e in self.prompted]
             payload["base"] = [list(x) for x in self.base.identity()]
-            payload["tokenizer"] = _tokenizer_digest(self.base.root)
+            payload["tokenizer"] = _tokenizer_digest(_tokenizer_root(self.base))
             if self.mode == "cheap_embed":
                 payload["embedding"] = self.embed_name
             else:  # a forward pass: the numbers may move with the libraries and the device
@@ -310,7 +317,7 @@ def _load_tokenizer(job: GateJob) -> Any:
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    root = job.base.root
+    root = _tokenizer_root(job.base)
     generic = _declared_tokenizer_class(root) in ("TokenizersBackend", "PreTrainedTokenizerFast")
     try:
         if generic and (root / "tokenizer.json").is_file():
@@ -339,7 +346,35 @@ def _load_model(job: GateJob) -> Any:
         raise CheckpointError(
             f"base_model {job.base.ref!r}: transformers cannot load it for gate_mode {job.mode} ({first})"
         ) from None
+    _apply_checkpoint_tensors(model, job.base)
     return model.to(job.device).eval()
+
+
+def _apply_checkpoint_tensors(model: Any, base: Checkpoint) -> None:
+    """Write the tensors a LoRA input changes (`model+lora`: merged deltas, saved modules) over the
+    plain model transformers loaded from its root, so the forward pass sees the adapted model."""
+    from ..io.lora import LoraCheckpoint
+
+    if not isinstance(base, LoraCheckpoint):
+        return
+    state = model.state_dict()
+    changed = base.adapted_tensors
+    missing = [name for name in changed if name not in state]
+    if missing:
+        raise CheckpointError(
+            f"base_model {base.ref!r}: the adapter changes {missing[0]!r}, which the transformers model "
+            "loaded for the router has no parameter for"
+        )
+    with torch.no_grad():
+        for name in changed:
+            target = state[name]
+            tensor = base.get(name)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(
+                    f"base_model {base.ref!r}: {name!r} is {list(tensor.shape)} with the adapter, "
+                    f"{list(target.shape)} in the transformers model"
+                )
+            target.copy_(tensor.to(target.dtype))
 
 
 def degenerate_layers(gates: torch.Tensor, threshold: float = DEGENERATE_COND) -> list[str]:
