@@ -71,3 +71,64 @@ def test_a_resumed_run_starts_its_counters_at_what_is_already_finished(tmp_path:
     for before, after in zip(second, second[1:]):
         assert after.tensors_done == before.tensors_done + 1
         assert after.recipe is not None and after.bytes_written == before.bytes_written + done_bytes[after.recipe.name]
+
+
+def _record_budgets(monkeypatch: Any) -> list[Any]:
+    """Every MemoryBudget the executor makes, and each recipe slowed a little so that threads overlap."""
+    import time
+
+    from mergesmith import executor
+
+    budgets: list[Any] = []
+
+    class Recording(executor.MemoryBudget):
+        def __init__(self, limit: int | None) -> None:
+            super().__init__(limit)
+            self.items = self.most_items = 0
+            budgets.append(self)
+
+        def acquire(self, cost: int, stop: Any) -> bool:
+            admitted = super().acquire(cost, stop)
+            with self._cond:
+                self.items += admitted
+                self.most_items = max(self.most_items, self.items)
+            return admitted
+
+        def release(self, cost: int) -> None:
+            with self._cond:
+                self.items -= 1
+            super().release(cost)
+
+    real_compute = executor.compute
+
+    def slow_compute(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.05)
+        return real_compute(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "MemoryBudget", Recording)
+    monkeypatch.setattr(executor, "compute", slow_compute)
+    return budgets
+
+
+def test_the_memory_budget_bounds_the_bytes_in_flight(tmp_path: Path, tiny_models: Any, monkeypatch: Any) -> None:
+    from mergesmith.planner import recipe_memory
+
+    cfg = _linear_config(tmp_path, tiny_models)
+    budgets = _record_budgets(monkeypatch)
+
+    # Without a budget, four threads hold several recipes at once: more than the largest one alone
+    # (so this test would notice a budget that admitted everything).
+    plan = run_merge(cfg, tmp_path / "free", MergeOptions(threads=4)).plan
+    largest = max(recipe_memory(r, plan.compute_dtype) for r in plan.recipes)
+    assert budgets[-1].limit is None and budgets[-1].most_items >= 3 and budgets[-1].peak > largest
+
+    # A budget of the largest working set: small recipes still run side by side, never over the budget.
+    budget = largest
+    run_merge(cfg, tmp_path / "bounded", MergeOptions(threads=4, max_memory=budget))
+    recorded = budgets[-1]
+    assert recorded.limit == budget and recorded.in_flight == 0
+    assert recorded.peak <= max(budget, largest) and recorded.most_items >= 2
+
+    # A budget below the largest working set still completes, an oversized recipe running alone.
+    run_merge(cfg, tmp_path / "tiny", MergeOptions(threads=4, max_memory=1))
+    assert budgets[-1].peak <= largest and budgets[-1].most_items == 1

@@ -45,6 +45,7 @@ class MemoryBudget:
     def __init__(self, limit: int | None) -> None:
         self.limit = limit
         self.in_flight = 0
+        self.peak = 0  # the most bytes ever admitted at once: a statistic for tests and reports
         self._cond = threading.Condition()
 
     def acquire(self, cost: int, stop: threading.Event) -> bool:
@@ -54,6 +55,7 @@ class MemoryBudget:
                     return False
                 self._cond.wait(0.2)
             self.in_flight += cost
+            self.peak = max(self.peak, self.in_flight)
             return True
 
     def release(self, cost: int) -> None:
