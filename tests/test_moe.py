@@ -510,12 +510,17 @@ def _bad_configs(tiny_models: Any) -> dict[str, tuple[dict[str, Any], tuple[str,
 
 
 def test_bad_moe_configs_fail_with_one_line_naming_the_key(tmp_path, tiny_models, capsys, router_cache):
+    lines = {}
     for name, (config, names) in _bad_configs(tiny_models).items():
         path = write_config(tmp_path, config, f"{name}.yml")
         code, _out, err = run_cli(capsys, "moe", path, tmp_path / name)
-        one_line_error(code, err, *names)
+        lines[name] = one_line_error(code, err, *names)
         assert not (tmp_path / name / "config.json").exists(), name
     assert not router_cache.exists()
+    # a gemma base fits no family by type: say so for each, not that Qwen2-MoE wants a shared expert
+    assert "shared_experts" not in lines["gemma"], lines["gemma"]
+    for family in ("Mixtral is built from", "Qwen2-MoE is built from", "Qwen3-MoE is built from"):
+        assert family in lines["gemma"], lines["gemma"]
     code, _out, err = run_cli(capsys, "moe", tmp_path / "no_prompts.yml", tmp_path / "q", "--load-in-4bit")
     one_line_error(code, err, "--load-in-4bit")
     # mergekit-moe's escape hatch for one model as every expert with prompt-based gates

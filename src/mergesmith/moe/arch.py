@@ -53,7 +53,10 @@ class OutputArchitecture:
         return bool(wanted) and any(a.startswith(wanted) for a in self.aliases)
 
     def why_not(self, config: MoEConfiguration, model_type: str) -> str | None:
-        """Why this family cannot hold the config's models (None when it can)."""
+        """Why this family cannot hold the config's models (None when it can); the model type first,
+        since no `shared_experts` edit helps a family that cannot be built from these models."""
+        if model_type not in self.input_types:
+            return f"{self.name} is built from {'/'.join(self.input_types)} models, not {model_type!r}"
         shared = config.shared_experts or []
         if self.has_shared and len(shared) != 1:
             return f"{self.name} needs exactly one entry in `shared_experts`"
@@ -64,8 +67,6 @@ class OutputArchitecture:
                 f"{self.name} gates its shared expert, so gate_mode {config.gate_mode} needs "
                 "`shared_experts[0].positive_prompts`"
             )
-        if model_type not in self.input_types:
-            return f"{self.name} is built from {'/'.join(self.input_types)} models, not {model_type!r}"
         return None
 
     def expert_rest(self, dense_rest: str, expert: int) -> str:
