@@ -63,6 +63,22 @@ def routing_shares(model: Any, prompts: list[str]) -> torch.Tensor:
     return torch.stack(per_layer).mean(0)
 
 
+def hidden_gate_rows(base: Path, prompts: list[str]) -> torch.Tensor:
+    """mergekit-moe's `hidden` gate vector per layer [layers, hidden], computed here independently: the
+    residual stream entering each layer at each prompt's last token (each prompt run alone), averaged
+    over the prompts, normalised."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    rows = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([token_ids(prompt)]), output_hidden_states=True)
+        rows.append(torch.stack(out.hidden_states[:-1])[:, 0, -1])
+    mean = torch.stack(rows).mean(0)
+    return mean / mean.norm(dim=-1, keepdim=True)
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
     with pytest.raises(SystemExit) as exc:
         main([str(a) for a in args])
@@ -267,7 +283,15 @@ def test_qwen2_moe_with_a_gated_shared_expert(tmp_path, tiny_models):
     torch.testing.assert_close(state[p + "shared_expert.down_proj.weight"], shared[p + "down_proj.weight"] * 0.5)
     assert torch.equal(state[p + "shared_expert.up_proj.weight"], shared[p + "up_proj.weight"])
     assert state[p + "shared_expert_gate.weight"].shape == (1, HIDDEN)
-    torch.testing.assert_close(state[p + "shared_expert_gate.weight"].norm(), torch.tensor(1.0))
+    # the gate row is the base's normalised hidden state on the shared expert's own prompt, and the
+    # routed rows are the experts' (not, e.g., the last routed expert's row again)
+    shared_want = hidden_gate_rows(models[0], ["tok200 tok201"])
+    routed_want = [hidden_gate_rows(models[0], prompts) for prompts in PROMPTS[:2]]
+    for layer in range(4):
+        p = f"model.layers.{layer}.mlp."
+        torch.testing.assert_close(state[p + "shared_expert_gate.weight"][0], shared_want[layer], rtol=1e-4, atol=1e-5)
+        for e in range(2):
+            torch.testing.assert_close(state[p + "gate.weight"][e], routed_want[e][layer], rtol=1e-4, atol=1e-5)
 
 
 def test_qwen2_moe_from_llama_gets_zero_qkv_biases(tmp_path, tiny_models):
