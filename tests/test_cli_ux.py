@@ -213,3 +213,58 @@ def test_merge_off_a_terminal_prints_plain_progress_lines(
 
     code, out, err = run_cli(capsys, "merge", linear_cfg, tmp_path / "quiet", "--threads", "1", "-q")
     assert code == 0 and err == "", err
+
+
+# ----- 6. errors that point to the right command or say what is wrong ---------------------------
+
+_TWO_DOCS = "merge_method: linear\nmodels:\n  - model: a\n---\nmerge_method: linear\nmodels:\n  - model: b\n"
+_MOE = {"base_model": "a", "gate_mode": "random", "experts": [{"source_model": "a"}, {"source_model": "b"}]}
+
+
+@pytest.mark.parametrize("command", ["merge", "plan"])
+def test_multi_document_yaml_points_to_multi(tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    cfg = tmp_path / "stages.yml"
+    cfg.write_text(_TWO_DOCS)
+    one_error_line(*run_cli(capsys, command, cfg, tmp_path / "out")[::2], str(cfg), "mergesmith multi")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["multi", "{cfg}", "--out-dir", "{out}"], ["merge-raw", "{cfg}", "{out}"]],
+    ids=["multi", "merge-raw"],
+)
+def test_moe_config_given_to_multi_or_merge_raw_points_to_moe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    cfg = write_yaml(tmp_path / "moe.yml", _MOE)
+    argv = [a.format(cfg=cfg, out=tmp_path / "out") for a in args]
+    one_error_line(*run_cli(capsys, *argv)[::2], str(cfg), "mergesmith moe")
+    assert not (tmp_path / "out").exists()
+
+
+def test_moe_document_in_a_multi_stage_file_points_to_moe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "stages.yml"
+    cfg.write_text(_TWO_DOCS.split("---")[0] + "---\n" + yaml.safe_dump(_MOE))
+    line = one_error_line(*run_cli(capsys, "multi", cfg, "--out-dir", tmp_path / "out")[::2], "mergesmith moe")
+    assert "document 2" in line
+
+
+@pytest.mark.parametrize("command", ["merge", "plan", "multi", "merge-raw", "moe"])
+def test_empty_config_file_says_it_is_empty(tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    cfg = tmp_path / "c.yml"
+    cfg.write_text("# nothing yet\n")
+    out = ["--out-dir", tmp_path / "out"] if command == "multi" else [tmp_path / "out"]
+    one_error_line(*run_cli(capsys, command, cfg, *out)[::2], f"{cfg}: the config file is empty")
+
+
+def test_models_as_plain_strings_says_how_to_write_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_yaml(tmp_path / "c.yml", {"merge_method": "linear", "models": ["org/model-a", "org/model-b"]})
+    one_error_line(*run_cli(capsys, "plan", cfg)[::2], "models[0]", "- model: org/model-a")
+
+
+@pytest.mark.parametrize("command", ["merge", "plan", "multi", "merge-raw", "moe"])
+def test_config_path_that_is_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    cfg = tmp_path / "configs"
+    cfg.mkdir()
+    out = ["--out-dir", tmp_path / "out"] if command == "multi" else [tmp_path / "out"]
+    one_error_line(*run_cli(capsys, command, cfg, *out)[::2], str(cfg), "is a directory")

@@ -387,6 +387,7 @@ def merge_raw(
     """
     from .raw import run_raw_merge
 
+    _refuse_moe_config(config_file)
     if tensor_union and tensor_intersection:
         raise ConfigError("give --tensor-union or --tensor-intersection, not both")
     options = _options(kw)
@@ -404,6 +405,23 @@ def merge_raw(
             stop=interrupts.stop,
         )
     _report_result(out_dir, result)
+
+
+def _refuse_moe_config(config_file: Path) -> None:
+    """A mergekit-moe config (or one document of a multi-stage file that is one) belongs to `mergesmith moe`."""
+    from .config import read_yaml
+    from .moe.config import looks_like_moe
+
+    try:
+        documents, _text = read_yaml(config_file, all_documents=True)
+    except ConfigError:
+        return  # unreadable or malformed: the command itself reports it
+    moe = [i for i, doc in enumerate(documents, start=1) if looks_like_moe(doc)]
+    if moe:
+        which = f" (document {moe[0]})" if len(documents) > 1 else ""
+        raise ConfigError(
+            f"{config_file}: this is a mergekit-moe config{which} (it has `experts`); use `mergesmith moe`"
+        )
 
 
 def _report_result(out_dir: Path, result: Any, prefix: str = "") -> None:
@@ -485,6 +503,7 @@ def multi_cmd(
     """
     from .multi import run_multi
 
+    _refuse_moe_config(config_file)
     options = _options(kw)
     progress = _StageProgress(enabled=not quiet)
 

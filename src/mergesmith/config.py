@@ -189,6 +189,13 @@ def parse_config(data: Any, source: str = "config") -> MergeConfiguration:
     """Validate a loaded YAML document; any problem becomes one ConfigError line naming the key."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
+    models = data.get("models")
+    for i, entry in enumerate(models if isinstance(models, list) else []):
+        if isinstance(entry, str):
+            raise ConfigError(
+                f"{source}: `models[{i}]`: each entry is a mapping: write `- model: {entry}` "
+                "(with optional `parameters:`)"
+            )
     try:
         config = MergeConfiguration.model_validate(data)
     except ValidationError as err:
@@ -207,7 +214,9 @@ def read_yaml(path: str | Path, *, all_documents: bool = False) -> tuple[Any, st
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except (PermissionError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read config ({exc.__class__.__name__})") from None
     try:
         data = list(yaml.safe_load_all(text)) if all_documents else yaml.safe_load(text)
@@ -215,7 +224,14 @@ def read_yaml(path: str | Path, *, all_documents: bool = False) -> tuple[Any, st
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        if not all_documents and isinstance(exc, yaml.composer.ComposerError) and "another document" in problem:
+            raise ConfigError(
+                f"{path}: has more than one YAML document (another starts with `---`{where}); "
+                "for a multi-stage merge use `mergesmith multi`"
+            ) from None
         raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
+    if data is None or (all_documents and all(d is None for d in data)):
+        raise ConfigError(f"{path}: the config file is empty")
     return data, text
 
 
