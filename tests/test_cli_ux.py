@@ -268,3 +268,28 @@ def test_config_path_that_is_a_directory(tmp_path: Path, capsys: pytest.CaptureF
     cfg.mkdir()
     out = ["--out-dir", tmp_path / "out"] if command == "multi" else [tmp_path / "out"]
     one_error_line(*run_cli(capsys, command, cfg, *out)[::2], str(cfg), "is a directory")
+
+
+# ----- 7. --ray-address and --device with the Ray executor ------------------------------------
+
+
+@pytest.mark.parametrize("command", ["plan", "merge"])
+def test_ray_address_without_the_ray_executor_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], linear_cfg: Path, command: str
+) -> None:
+    out = tmp_path / "out"
+    one_error_line(*run_cli(capsys, command, linear_cfg, out, "--ray-address", "auto")[::2], "--executor ray")
+    assert not out.exists()
+
+
+def test_device_cuda_with_the_ray_executor_is_not_checked_on_the_driver(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], linear_cfg: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU-only head node plans for GPU workers; a local merge on a CPU-only machine is refused."""
+    pytest.importorskip("ray")
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    one_error_line(*run_cli(capsys, "plan", linear_cfg, "--device", "cuda")[::2], "--device cuda")
+    code, out, err = run_cli(capsys, "plan", linear_cfg, "--device", "cuda", "--executor", "ray", "--json")
+    assert code == 0, err

@@ -123,18 +123,21 @@ def _merge_options(f: Any) -> Any:
 def _options(kw: dict[str, Any]):
     from .planner import MergeOptions
 
+    executor = kw.get("executor") or "local"
+    if kw.get("ray_address") and executor != "ray":
+        raise ConfigError("`--ray-address` only applies to the Ray executor: add `--executor ray`")
     device = "cuda" if kw.get("cuda") else kw.get("device", "cpu")
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else ("mps" if torch.backends.mps.is_available() else "cpu")
-    elif device in ("cuda", "mps"):
+    elif device in ("cuda", "mps") and executor != "ray":  # Ray workers, not this driver, need the device
         import torch
 
         available = torch.cuda.is_available() if device == "cuda" else torch.backends.mps.is_available()
         if not available:
             raise ConfigError(f"`--device {device}`: no {device} device is available on this machine")
-    if kw.get("executor") == "ray":
+    if executor == "ray":
         from .executors.ray import RayExecutor  # noqa: F401 - fail before planning when Ray is not installed
     return MergeOptions(
         out_shard_size=parse_size(kw["out_shard_size"], "--out-shard-size"),
@@ -146,7 +149,7 @@ def _options(kw: dict[str, Any]):
         threads=kw.get("threads") or (os.cpu_count() or 1),
         max_memory=parse_size(kw["max_memory"], "--max-memory") if kw.get("max_memory") else None,
         device=device,
-        executor=kw.get("executor") or "local",
+        executor=executor,
         ray_address=kw.get("ray_address"),
     )
 
