@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import yaml
 
@@ -293,3 +294,37 @@ def test_device_cuda_with_the_ray_executor_is_not_checked_on_the_driver(
     one_error_line(*run_cli(capsys, "plan", linear_cfg, "--device", "cuda")[::2], "--device cuda")
     code, out, err = run_cli(capsys, "plan", linear_cfg, "--device", "cuda", "--executor", "ray", "--json")
     assert code == 0, err
+
+
+# ----- 8. help text ---------------------------------------------------------------------------
+
+
+def test_top_level_help_shows_every_command_description_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "--help")
+    assert code == 0, err
+    commands = out.split("Commands:", 1)[1].strip().splitlines()
+    names = {line.split()[0] for line in commands}
+    assert names == {"merge", "plan", "merge-raw", "multi", "moe", "extract-lora"}
+    for line in commands:
+        assert len(line.split(None, 1)) == 2, f"no description: {line!r}"
+        assert not line.rstrip().endswith("..."), f"truncated: {line!r}"
+
+
+def test_merge_raw_help_hides_options_with_no_effect_there(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _err = run_cli(capsys, "merge-raw", "--help")
+    assert code == 0
+    for hidden in ("--copy-tokenizer", "--write-model-card", "--trust-remote-code"):
+        assert hidden not in out
+    assert "--tensor-union" in out and "--out-shard-size" in out
+    code, out, _err = run_cli(capsys, "merge", "--help")
+    for shown in ("--copy-tokenizer", "--write-model-card", "--trust-remote-code"):
+        assert shown in out
+
+
+def test_every_option_of_every_command_has_help_text() -> None:
+    from mergesmith.cli import cli
+
+    for name, command in cli.commands.items():
+        for param in command.params:
+            if isinstance(param, click.Option) and not param.hidden:
+                assert param.help, f"`mergesmith {name}` option {param.opts[0]} has no help text"

@@ -59,48 +59,65 @@ def cli() -> None:
     """Merge language-model checkpoints (mergekit configs, streamed, resumable)."""
 
 
-def _merge_options(f: Any) -> Any:
+_NO_EFFECT_ON_RAW = (
+    "--copy-tokenizer/--no-copy-tokenizer",
+    "--write-model-card/--no-write-model-card",
+    "--trust-remote-code",
+)
+
+
+def _merge_options(f: Any, hide: tuple[str, ...] = ()) -> Any:
+    """The options every merging command shares; those in `hide` are still accepted but left out of --help."""
+
+    def option(*decls: str, **attrs: Any) -> Any:
+        return click.option(*decls, hidden=decls[0] in hide, **attrs)
+
     opts = [
-        click.option(
+        option(
             "--out-shard-size",
             default="5B",
             show_default=True,
             help="Bytes of tensor data per output shard: 5B, 500M, 2G...",
         ),
-        click.option("--random-seed", type=int, default=None, help="Seed for randomised methods (DARE, DELLA)."),
-        click.option(
+        option("--random-seed", type=int, default=None, help="Seed for randomised methods (DARE, DELLA)."),
+        option(
             "--copy-tokenizer/--no-copy-tokenizer",
             default=True,
             show_default=True,
             help="Copy the tokenizer (from the base model or tokenizer_source).",
         ),
-        click.option("--write-model-card/--no-write-model-card", default=True, show_default=True),
-        click.option("--allow-crimes", is_flag=True, help="Merge models of different architectures."),
-        click.option(
+        option(
+            "--write-model-card/--no-write-model-card",
+            default=True,
+            show_default=True,
+            help="Write a README.md model card naming the method and the models merged.",
+        ),
+        option("--allow-crimes", is_flag=True, help="Merge models of different architectures."),
+        option(
             "--clone-tensors",
             is_flag=True,
             help="Accepted for mergekit compatibility; has no effect (every tensor is always written "
             "as its own bytes).",
         ),
-        click.option(
+        option(
             "--lazy-unpickle",
             is_flag=True,
             help="Accepted for mergekit compatibility; has no effect (inputs are always read lazily).",
         ),
-        click.option("--trust-remote-code", is_flag=True, help="Allow model code from checkpoints (off by default)."),
-        click.option(
+        option("--trust-remote-code", is_flag=True, help="Allow model code from checkpoints (off by default)."),
+        option(
             "--device",
             type=click.Choice(["cpu", "cuda", "mps", "auto"]),
             default="cpu",
             show_default=True,
             help="Where the merge arithmetic runs.",
         ),
-        click.option("--cuda", is_flag=True, help="Same as --device cuda."),
-        click.option(
+        option("--cuda", is_flag=True, help="Same as --device cuda."),
+        option(
             "--threads", type=click.IntRange(1, 256), default=None, help="Worker threads (default: number of cores)."
         ),
-        click.option("--max-memory", default=None, help="Bound on bytes in flight, e.g. 8GB."),
-        click.option(
+        option("--max-memory", default=None, help="Bound on bytes in flight, e.g. 8GB."),
+        option(
             "--executor",
             type=click.Choice(["local", "ray"]),
             default="local",
@@ -108,16 +125,21 @@ def _merge_options(f: Any) -> Any:
             help="local: a thread pool here; ray: one Ray task per output shard (needs `pip install mergesmith[ray]` "
             "and OUT_DIR and the inputs on a filesystem every node shares).",
         ),
-        click.option(
+        option(
             "--ray-address",
             default=None,
             help="Ray cluster to join (`auto`, `HOST:6379`, `ray://HOST:10001`); default: RAY_ADDRESS or a local Ray.",
         ),
-        click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details."),
+        option("-v", "--verbose", is_flag=True, help="Show tracebacks and details."),
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+def _raw_merge_options(f: Any) -> Any:
+    """merge-raw writes no tokenizer, model card or config.json, so those options are hidden there."""
+    return _merge_options(f, hide=_NO_EFFECT_ON_RAW)
 
 
 def _options(kw: dict[str, Any]):
@@ -282,7 +304,7 @@ def _merge_progress(quiet: bool) -> Any:
     return _PlainProgress(_progress_interval())
 
 
-@cli.command()
+@cli.command(short_help="Merge a mergekit config into OUT_DIR (resumable).")
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @_merge_options
@@ -320,7 +342,7 @@ def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet:
     )
 
 
-@cli.command("plan")
+@cli.command("plan", short_help="Show what a merge will do and cost, from headers.")
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path), required=False)
 @_merge_options
@@ -362,10 +384,10 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
             )
 
 
-@cli.command("merge-raw")
+@cli.command("merge-raw", short_help="Merge bare state dicts (no config.json) into OUT_DIR.")
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@_merge_options
+@_raw_merge_options
 @click.option(
     "--tensor-union", "-u", is_flag=True, help="Merge a tensor some models lack from the models that have it."
 )
@@ -466,7 +488,7 @@ class _StageProgress:
         self._plan = None
 
 
-@cli.command("multi")
+@cli.command("multi", short_help="Run a multi-stage merge file (documents split by ---).")
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.option(
     "--out-dir",
@@ -536,7 +558,7 @@ def multi_cmd(
         _report_result(r.out_dir, r.result, prefix=f"{r.name or '(final)'}: ")
 
 
-@cli.command("moe")
+@cli.command("moe", short_help="Build a mixture of experts from dense models.")
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @_merge_options
@@ -615,14 +637,20 @@ def moe_cmd(
     )
 
 
-@cli.command("extract-lora")
+@cli.command("extract-lora", short_help="Extract a LoRA adapter approximating MODEL - BASE.")
 @click.option("--model", required=True, help="The fine-tuned model (path, cached hub id, or model+lora).")
 @click.option("--base", "--base-model", "base", required=True, help="The model it was fine-tuned from.")
 @click.option("--out", "--out-path", "out", required=True, type=click.Path(path_type=Path), help="Adapter directory.")
 @click.option("--max-rank", type=click.IntRange(min=1), default=128, show_default=True, help="Largest LoRA rank.")
 @click.option("--sv-epsilon", type=float, default=0.0, show_default=True, help="Drop singular values at or below.")
 @click.option("--embed-lora", is_flag=True, help="Factor the embedding and lm_head too (default: save them whole).")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "mps"]), default="cpu", show_default=True)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda", "mps"]),
+    default="cpu",
+    show_default=True,
+    help="Where the SVDs run.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an adapter already in --out.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details.")
 def extract_lora_cmd(
