@@ -115,7 +115,10 @@ def compute(
     tensors = [load(ref).to(device=device, dtype=compute_dtype) for ref in recipe.inputs]
     generator = None
     if recipe.seed is not None:
-        generator = torch.Generator(device=device)
+        # Always a CPU generator, whatever the compute device: methods draw their random masks on the
+        # CPU and move them over, so the output bytes of a seed do not depend on the device (which is
+        # not in the plan's fingerprint, so a resume on another device must draw the same masks).
+        generator = torch.Generator(device="cpu")
         generator.manual_seed(recipe.seed)
     merged = spec.merge(
         MergeInputs(

@@ -42,7 +42,8 @@ def quantiles(values: torch.Tensor, qs: torch.Tensor, generator: torch.Generator
     flat = values.reshape(-1)
     if flat.numel() > QUANTILE_SAMPLE:
         gen = require_generator(generator, "arcee_fusion", name)
-        flat = flat[torch.randint(flat.numel(), (QUANTILE_SAMPLE,), generator=gen, device=flat.device)]
+        picks = torch.randint(flat.numel(), (QUANTILE_SAMPLE,), generator=gen)  # on the CPU, as the generator
+        flat = flat[picks.to(flat.device)]
     ordered = torch.sort(flat).values
     return ordered[(qs.to(ordered.device) * (ordered.numel() - 1)).long()]
 

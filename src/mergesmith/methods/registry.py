@@ -53,7 +53,9 @@ class MergeInputs:
     `tensors` holds one tensor per contributing model in config order, all in the compute dtype
     and on the compute device, the base model's among them at `base_index` (None without a base).
     `model_params[i]` are the resolved per-model parameters of `tensors[i]`; `params` the global ones.
-    `generator` is seeded by (random seed, output tensor name) for randomised methods, else None.
+    `generator` is seeded by (random seed, output tensor name) for randomised methods, else None. It is
+    always a CPU generator: a method draws on the CPU and moves the draw to its tensors' device, so a seed
+    gives the same bytes on every device.
     """
 
     tensors: Sequence[torch.Tensor]

@@ -18,8 +18,9 @@ mergekit 0.1.5 realises the papers' 1/p rescaling (the two agree in expectation 
 fraction concentrates at p). A density of 1 or more returns the task vector untouched (no draw is made).
 
 Random rules draw only from the generator they are given, in a fixed order, so results are identical
-for a given seed whatever the thread count. Magnitude ranks use torch's sort, the same call as mergekit,
-so equal magnitudes are broken the same way.
+for a given seed whatever the thread count. The generator is a CPU one and the draws are made on the
+CPU (then moved to the tensor's device), so a seed gives the same mask on any device. Magnitude
+ranks use torch's sort, the same call as mergekit, so equal magnitudes are broken the same way.
 """
 
 from __future__ import annotations
@@ -45,10 +46,16 @@ def keep_l1_norm(delta: torch.Tensor, mask: torch.Tensor, rescale: bool) -> torc
 
 
 def _float_work(delta: torch.Tensor) -> torch.dtype:
-    """Random draws and ranks on CPU are made in float32 for half types other than bfloat16 (as mergekit)."""
-    if delta.device.type != "cpu" or delta.dtype == torch.bfloat16:
+    """Random draws (always on the CPU) are made in float32 for dtypes other than bfloat16, as mergekit does
+    on the CPU; the same on every device, so the probabilities, and so the mask, do not depend on it."""
+    if delta.dtype == torch.bfloat16:
         return delta.dtype
     return torch.float32
+
+
+def _cpu_bernoulli(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One Bernoulli draw per entry, made on the CPU from a CPU generator, returned on `probs`' device."""
+    return torch.bernoulli(probs.cpu(), generator=generator).to(probs.device)
 
 
 def magnitude(delta: torch.Tensor, density: float, rescale: bool = False) -> torch.Tensor:
@@ -88,8 +95,8 @@ def random_drop(delta: torch.Tensor, density: float, generator: torch.Generator,
     if density >= 1:
         return delta
     dtype = _float_work(delta)
-    probs = torch.full_like(delta, fill_value=density, dtype=dtype)
-    mask = torch.bernoulli(probs, generator=generator)
+    probs = torch.full(delta.shape, fill_value=density, dtype=dtype)  # on the CPU, where the draw is made
+    mask = torch.bernoulli(probs, generator=generator).to(delta.device)
     return keep_l1_norm(delta.to(dtype), mask, rescale).to(delta.dtype)
 
 
@@ -120,5 +127,5 @@ def della_magprune(
     # A one-entry row has no spread of ranks; it is kept with probability `density` (mergekit would divide 0 by 0).
     position = torch.where(span > 0, (ranks - lowest) / torch.where(span > 0, span, 1), 0.5).clamp(0, 1)
     probs = (density - epsilon) + position * 2 * epsilon
-    mask = torch.bernoulli(probs, generator=generator).to(dtype)
+    mask = _cpu_bernoulli(probs, generator).to(dtype)
     return keep_l1_norm(rows.to(dtype), mask, rescale).to(delta.dtype).reshape(shape)
