@@ -458,6 +458,44 @@ def test_plan_fingerprint_is_stable_and_follows_prompts_and_mode(tmp_path, tiny_
     assert code == 0 and "moe: Mixtral, 2 experts, 2 per token" in out
 
 
+def test_plan_estimate_counts_the_router_pass(tmp_path, tiny_models, capsys):
+    """`hidden` loads the whole base into transformers and `cheap_embed` turns the embedding into
+    float32 before assembly: the plan's bytes read and peak memory include that pass, it is named as
+    the largest working set when it is, and a --max-memory it exceeds is reported (plan and moe)."""
+    from mergesmith.io.checkpoint import Checkpoint
+
+    models = [tiny_models("llama", seed=s, dtype=torch.bfloat16) for s in (1, 2)]
+    base = Checkpoint.open(str(models[0]))
+    embed = base.info("model.embed_tokens.weight")
+    reports = {}
+    for mode in ("random", "cheap_embed", "hidden"):
+        cfg = write_config(tmp_path, experts_config(models[0], models, mode), f"{mode}.yml")
+        code, out, err = run_cli(capsys, "plan", cfg, "--json", "--random-seed", "1")
+        assert code == 0, err
+        reports[mode] = json.loads(out)
+    random, cheap, hidden = reports["random"], reports["cheap_embed"], reports["hidden"]
+    assert cheap["bytes_read"] - random["bytes_read"] == embed.nbytes
+    assert hidden["bytes_read"] - random["bytes_read"] == base.total_bytes
+    assert hidden["peak_memory_bytes"] >= base.total_bytes > random["peak_memory_bytes"]
+    assert hidden["largest_tensor"] == {
+        "name": "router pass (gate_mode hidden: the whole base model in transformers)",
+        "working_bytes": base.total_bytes,
+    }
+    assert cheap["peak_memory_bytes"] >= embed.nbytes * 3  # bf16 read plus a float32 copy
+
+    budget = str(base.total_bytes // 2)
+    code, out, err = run_cli(capsys, "plan", tmp_path / "hidden.yml", "--json", "--max-memory", budget)
+    assert code == 0, err
+    over = json.loads(out)["over_budget"]
+    assert over is not None and over["tensor"].startswith("router pass") and over["bytes"] == base.total_bytes
+    code, out, err = run_cli(capsys, "plan", tmp_path / "random.yml", "--json", "--max-memory", budget)
+    assert code == 0 and json.loads(out)["over_budget"] is None, err
+    code, out, err = run_cli(capsys, "moe", tmp_path / "hidden.yml", tmp_path / "out", "--max-memory", budget, "-q")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "router pass" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning: ") and "--max-memory" in lines[0], err
+
+
 def test_an_interrupted_assembly_resumes_without_recomputing_the_router(tmp_path, tiny_models):
     import threading
 

@@ -86,9 +86,13 @@ def run_moe(
     options = options or MergeOptions()
     plan, checkpoints, gates = build_moe_plan(config, options, out, allow_all_same=allow_all_same)
     _refuse_early(out, plan, overwrite)
-    router, warnings = gates.materialize(on_gate_progress)
-    plan.warnings.extend(warnings)
+    # the planner's warnings (e.g. a router pass over --max-memory) before that pass, its own after
     for warning in plan.warnings:
+        if on_warning is not None:
+            on_warning(warning)
+    router, router_warnings = gates.materialize(on_gate_progress)
+    plan.warnings.extend(router_warnings)
+    for warning in router_warnings:
         if on_warning is not None:
             on_warning(warning)
     inputs: dict[str, Any] = {**checkpoints, ROUTER_MODEL: router}

@@ -7,11 +7,17 @@ a router, and for Qwen2-MoE a shared expert and its gate. Every output tensor is
 several experts is simply read several times from its memory map: no warning, no extra memory.
 
 Router weights come from a `GateJob` (see router.py) and are referenced like any input tensor; the
-plan needs only their shapes, so planning reads headers alone.
+plan needs only their shapes, so planning reads headers alone. Computing them is a pass of its own
+before assembly, and the estimate counts it: `hidden`/`hidden_avg` load the whole base model into
+transformers in its dtype, `cheap_embed` converts the token embedding to float32. Its memory is part
+of the peak (and, when it is the largest working set, named as such), what it reads is part of the
+bytes read (and so of the time estimate), and a warning says when it alone exceeds --max-memory,
+which cannot split it.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..architecture import (
@@ -23,10 +29,10 @@ from ..architecture import (
     rewrite_config,
     ties_embeddings,
 )
-from ..dtypes import is_float, parse_config_dtype
+from ..dtypes import dtype_size, is_float, parse_config_dtype
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
-from ..plan import InputRef, Plan, TensorRecipe
+from ..plan import Estimate, InputRef, Plan, TensorRecipe
 from ..planner import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
 from .arch import DENSE_MLP, OutputArchitecture, select_architecture
 from .card import moe_model_card
@@ -262,6 +268,40 @@ class MoEPlanner:
             return self.gates.tensor_infos()[ref.tensor].nbytes
         return self.ckpts[ref.model].info(ref.tensor).nbytes
 
+    def router_pass(self) -> tuple[int, int, str] | None:
+        """(working bytes, bytes read, what) of the pass computing the router weights, None in the
+        random modes (no pass)."""
+        mode = self.config.gate_mode
+        if mode not in PROMPT_MODES:
+            return None
+        if mode == "cheap_embed":
+            assert self.gates.embed_name is not None
+            info = self.base.info(self.gates.embed_name)
+            numel = info.nbytes // dtype_size(info.dtype)
+            memory = numel * 4 + (0 if info.dtype == "F32" else info.nbytes)  # read in its dtype, then float32
+            return memory, info.nbytes, f"router pass (gate_mode cheap_embed: {self.gates.embed_name} in float32)"
+        size = self.base.total_bytes
+        return size, size, f"router pass (gate_mode {mode}: the whole base model in transformers)"
+
+    def _with_router_pass(self, estimate: Estimate) -> Estimate:
+        """The assembly's estimate with the router pass, which runs alone before it, added."""
+        found = self.router_pass()
+        if found is None:
+            return estimate
+        memory, read, what = found
+        estimate = replace(
+            estimate, bytes_read=estimate.bytes_read + read, peak_memory=max(estimate.peak_memory, memory)
+        )
+        if memory > estimate.largest_tensor_bytes:
+            estimate = replace(estimate, largest_tensor=what, largest_tensor_bytes=memory)
+        budget = self.options.max_memory
+        if budget and memory > budget:
+            self.warnings.append(
+                f"the {what} needs about {_human(memory)}, over the --max-memory budget of {_human(budget)} "
+                "(it cannot be split)"
+            )
+        return estimate
+
     def build(self) -> tuple[Plan, GateJob]:
         expert_width, shared_width = self._check_expert_tensors()
         self.gates = self.gate_job()
@@ -304,6 +344,16 @@ class MoEPlanner:
             },
             random_seed=seed,
             warnings=self.warnings,
-            estimate=estimate_plan(recipes, self._input_bytes, "F32", self.options.threads, self.options.max_memory),
+            estimate=self._with_router_pass(
+                estimate_plan(recipes, self._input_bytes, "F32", self.options.threads, self.options.max_memory)
+            ),
         )
         return plan, self.gates
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
