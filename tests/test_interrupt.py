@@ -167,8 +167,9 @@ def test_stop_request_in_process_journals_and_resumes(
 def test_ctrl_c_while_verifying_finished_shards_stops_between_shards(
     tmp_path: Path, case: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A rerun first checksums every finished shard (minutes for a large merge): Ctrl-C must stop it
-    between shards, changing nothing, instead of waiting for the whole verification."""
+    """A verifying rerun checksums every finished shard (minutes for a large merge): Ctrl-C must stop it
+    between shards, changing nothing, instead of waiting for the whole verification. (A plain rerun of
+    a complete merge whose shards are untouched reads none of them; `verify=True` forces the reading.)"""
     import mergesmith.api
 
     config, ref = case
@@ -186,7 +187,7 @@ def test_ctrl_c_while_verifying_finished_shards_stops_between_shards(
 
     monkeypatch.setattr(mergesmith.api, "file_checksum", checksum_then_ctrl_c)
     with pytest.raises(MergeInterrupted, match="nothing was changed"):
-        run_merge(config, out, MergeOptions(out_shard_size=50_000, threads=1), stop=stop)
+        run_merge(config, out, MergeOptions(out_shard_size=50_000, threads=1), stop=stop, verify=True)
     assert len(checked) == 1
     assert _files(out) == ref
     journal = Journal.load(out)

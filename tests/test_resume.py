@@ -505,3 +505,82 @@ def test_second_merge_into_a_directory_being_written_is_refused(
     proc.join(120)
     assert proc.exitcode == 0, first.output()
     assert_same_as_reference(out, ref, "first run after a refused second one")
+
+
+# ----- a rerun of a complete merge trusts size and mtime, not a re-read ---------------------------
+
+
+def _count_checksums(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the shards whose bytes `_verify_finished` reads (via file_checksum)."""
+    import mergesmith.api as api
+
+    calls: list[str] = []
+    real = api.file_checksum
+
+    def counting(path: Path) -> str:
+        calls.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(api, "file_checksum", counting)
+    return calls
+
+
+def _complete_copy(linear_case: tuple[Path, dict[str, bytes]], out: Path) -> list[str]:
+    from mergesmith.cli import parse_size
+
+    config, _ref = linear_case
+    run_merge(config, out, MergeOptions(out_shard_size=parse_size(SHARD_SIZE, "x"), threads=1))
+    return sorted(p.name for p in out.glob("model-*.safetensors"))
+
+
+def _rerun(linear_case: tuple[Path, dict[str, bytes]], out: Path, verify: bool = False) -> Any:
+    from mergesmith.cli import parse_size
+
+    return run_merge(linear_case[0], out, MergeOptions(out_shard_size=parse_size(SHARD_SIZE, "x")), verify=verify)
+
+
+def test_rerun_of_a_complete_merge_reads_no_shard_bytes(
+    tmp_path: Path, linear_case: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    shards = _complete_copy(linear_case, out)
+    journal = Journal.load(out)
+    assert journal is not None and all("mtime_ns" in journal.finished[s] for s in shards)
+    calls = _count_checksums(monkeypatch)
+    result = _rerun(linear_case, out)
+    assert result.already_complete and calls == []
+    # --verify (verify=True) reads every shard, and still changes nothing
+    result = _rerun(linear_case, out, verify=True)
+    assert result.already_complete and sorted(calls) == shards
+    assert_same_as_reference(out, linear_case[1], "verified rerun")
+
+
+@pytest.mark.parametrize("change", ["mtime", "size", "bytes"])
+def test_a_shard_changed_since_completion_is_detected(
+    tmp_path: Path, linear_case: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    out = tmp_path / "out"
+    shards = _complete_copy(linear_case, out)
+    victim = out / shards[1]
+    st = victim.stat()
+    if change == "mtime":  # touched, same bytes: verified in full, kept, and trusted again afterwards
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    elif change == "size":  # a byte appended
+        with open(victim, "ab") as f:
+            f.write(b"\0")
+    else:  # same size, one data byte flipped (the write moves the mtime)
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    calls = _count_checksums(monkeypatch)
+    result = _rerun(linear_case, out)
+    checked = [s for s in shards if s != victim.name] if change == "size" else shards  # a size mismatch needs no read
+    assert sorted(calls) == checked, "a changed shard must make the rerun verify every shard"
+    if change == "mtime":
+        assert result.already_complete
+    else:
+        assert not result.already_complete and result.shards_reused == len(shards) - 1
+    assert_same_as_reference(out, linear_case[1], f"after a {change} change")
+    calls.clear()
+    assert _rerun(linear_case, out).already_complete and calls == []  # the new mtimes are trusted

@@ -14,6 +14,12 @@ A raw merge (`merge-raw`: bare state dicts, no architecture) has no `config.json
 file is the index when sharded, else its single shard (whole by construction: fsync'ed, then renamed
 into place). Either way the journal's `complete` flag is set only after that file, and it is what
 a rerun trusts.
+
+Resuming an incomplete merge checksums every finished shard before reusing it (a shard may be torn).
+A rerun of a complete merge reads no shard bytes when every shard still has the size and mtime the
+journal recorded on completion; a shard that was touched or changed since (other mtime or size) makes
+it checksum every shard, as does `verify=True`. (A change that keeps both size and mtime, such as an
+in-place edit followed by `touch -r`, goes unseen without `verify`.)
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import errno
 import os
 import secrets
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -195,6 +202,41 @@ def _prepare_out_dir(out_dir: Path, fingerprint: str, overwrite: bool) -> Journa
     return Journal(out_dir, fingerprint)
 
 
+def _untouched_since_complete(out_dir: Path, plan: Plan, journal: Journal) -> bool:
+    """A complete merge whose shards all still have the size and mtime recorded when it completed.
+
+    Such a rerun is trusted without reading the shards (a finished 140 GB merge would otherwise be
+    re-read in full just to say "nothing to do"). A shard that was touched, rewritten, truncated or
+    replaced since has another mtime or size, and the rerun then verifies every shard by checksum
+    (as it always does when resuming an incomplete merge, where a shard may be torn). A journal from
+    before mtimes were recorded is verified in full too. `verify=True` forces the full check.
+    """
+    if not journal.complete or not (out_dir / completion_marker(plan)).is_file():
+        return False
+    if set(journal.finished) != {s.filename for s in plan.shards}:
+        return False
+    for name, record in journal.finished.items():
+        try:
+            st = (out_dir / name).stat()
+        except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode) or st.st_size != record.get("size") or st.st_mtime_ns != record.get("mtime_ns"):
+            return False
+    return True
+
+
+def _record_mtimes(out_dir: Path, journal: Journal) -> bool:
+    """Store each finished shard's mtime in the journal (what `_untouched_since_complete` trusts);
+    True when any changed."""
+    changed = False
+    for name, record in journal.finished.items():
+        mtime = (out_dir / name).stat().st_mtime_ns
+        if record.get("mtime_ns") != mtime:
+            record["mtime_ns"] = mtime
+            changed = True
+    return changed
+
+
 def _verify_finished(out_dir: Path, plan: Plan, journal: Journal, stop: threading.Event | None = None) -> list[Path]:
     """Keep journaled shards whose file still has the recorded size and checksum; forget the rest.
 
@@ -278,8 +320,10 @@ def run_merge(
     on_plan: Callable[[Plan], None] | None = None,
     on_progress: Callable[[ProgressEvent], None] | None = None,
     stop: threading.Event | None = None,
+    verify: bool = False,
 ) -> MergeResult:
-    """Merge into `out_dir`; rerunning after an interruption resumes where it stopped."""
+    """Merge into `out_dir`; rerunning after an interruption resumes where it stopped (`verify`: see
+    `execute_plan`)."""
     started = time.monotonic()
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -297,6 +341,7 @@ def run_merge(
         on_progress=on_progress,
         stop=stop,
         started=started,
+        verify=verify,
     )
 
 
@@ -312,10 +357,13 @@ def execute_plan(
     on_progress: Callable[[ProgressEvent], None] | None = None,
     stop: threading.Event | None = None,
     started: float | None = None,
+    verify: bool = False,
 ) -> MergeResult:
     """Write any plan (a merge, an MoE assembly, ...) into `out_dir` with the journaled protocol.
 
     Every planner ends here, so resume, the disk check, progress and crash-consistency come for free.
+    A rerun of a complete merge trusts shards whose size and mtime are unchanged unless `verify`,
+    which re-reads and checksums every shard (see `_untouched_since_complete`).
     """
     started = time.monotonic() if started is None else started
     out = Path(out_dir)
@@ -329,7 +377,7 @@ def execute_plan(
         with _exclusive(out):
             journal = _prepare_out_dir(out, fingerprint, overwrite)
             journal.random_seed = plan.random_seed
-            return _write_plan(out, plan, checkpoints, options, journal, force, on_progress, stop, started)
+            return _write_plan(out, plan, checkpoints, options, journal, force, on_progress, stop, started, verify)
     except OSError as exc:  # a full or read-only disk, a quota: the user's environment, not a bug
         if exc.filename:
             raise OutputError(f"{exc.filename}: {exc.strerror or exc}") from None
@@ -346,11 +394,19 @@ def _write_plan(
     on_progress: Callable[[ProgressEvent], None] | None,
     stop: threading.Event | None,
     started: float,
+    verify: bool = False,
 ) -> MergeResult:
     """Steps 1-4 of the output-directory protocol (see the module docstring) into a prepared `out`."""
+    if not verify and _untouched_since_complete(out, plan, journal):
+        return MergeResult(out, plan, len(journal.finished), True, time.monotonic() - started)
     bad = _verify_finished(out, plan, journal, stop)
     reused = len(journal.finished)
     if journal.complete and not bad and reused == len(plan.shards) and (out / completion_marker(plan)).is_file():
+        try:  # every shard checked out: trust their (new) mtimes next time; a read-only disk just re-verifies
+            if _record_mtimes(out, journal):
+                journal.save()
+        except OSError:
+            pass
         return MergeResult(out, plan, reused, True, time.monotonic() - started)
     journal.complete = False
     for stale in (out / "config.json", out / INDEX_NAME, *bad):
@@ -377,6 +433,7 @@ def _write_plan(
     ).run()
     _write_small_files(out, plan)
     _write_index_and_config(out, plan)
+    _record_mtimes(out, journal)
     journal.complete = True
     journal.save()
     return MergeResult(out, plan, reused, False, time.monotonic() - started)

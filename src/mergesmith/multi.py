@@ -265,10 +265,12 @@ def run_multi(
     on_plan: Callable[[Plan], None] | None = None,
     on_progress: Callable[[ProgressEvent], None] | None = None,
     stop: threading.Event | None = None,
+    verify: bool = False,
 ) -> list[StageResult]:
     """Run every stage of a multi-stage file in dependency order; returns one result per stage, in run order.
 
-    `lazy=False` reruns stages even when their output is complete (mergekit-multi's `--no-lazy`).
+    `lazy=False` reruns stages even when their output is complete (mergekit-multi's `--no-lazy`);
+    `verify=True` checksums a complete stage's shards before skipping it (see `api.execute_plan`).
     """
     source = str(config_path)
     stages = load_stages(config_path)
@@ -306,6 +308,7 @@ def run_multi(
                 on_plan=on_plan,
                 on_progress=on_progress,
                 stop=stop,
+                verify=verify,
             )
         results.append(StageResult(stage.name, target, not result.already_complete, result))
     return results

@@ -195,8 +195,10 @@ def run_raw_merge(
     on_plan: Callable[[Plan], None] | None = None,
     on_progress: Callable[[ProgressEvent], None] | None = None,
     stop: threading.Event | None = None,
+    verify: bool = False,
 ) -> MergeResult:
-    """Merge state dicts into `out_dir`; rerunning after an interruption resumes where it stopped."""
+    """Merge state dicts into `out_dir`; rerunning after an interruption resumes where it stopped
+    (`verify`: see `api.execute_plan`)."""
     started = time.monotonic()
     options = options or MergeOptions()
     plan, checkpoints = build_raw_plan(config, options, out_dir, tensor_set)
@@ -211,4 +213,5 @@ def run_raw_merge(
         on_progress=on_progress,
         stop=stop,
         started=started,
+        verify=verify,
     )
