@@ -215,3 +215,29 @@ def test_sliced_output_keeps_a_list_of_eos_token_ids(tmp_path, tiny_models):
     assert out["eos_token_id"] == [2, 3]
     assert out["layer_types"] == [source["layer_types"][i] for i in (0, 1, 1)]
     load_causal_lm(tmp_path / "out")
+
+
+# ----- dtype names ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["dtype", "out_dtype"])
+def test_an_unknown_dtype_fails_before_any_checkpoint_is_opened(tmp_path, capsys, monkeypatch, key):
+    from mergesmith.io.checkpoint import Checkpoint
+
+    def never(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError("a checkpoint was opened before the config was validated")
+
+    monkeypatch.setattr(Checkpoint, "open", never)
+    cfg = write_config(
+        tmp_path / "c.yml", {"merge_method": "linear", "models": [{"model": "a"}, {"model": "b"}], key: "banana"}
+    )
+    code, err = run_cli(capsys, "plan", cfg)
+    line = one_line_error(code, err, str(cfg), f"`{key}`", "unknown dtype 'banana'", "bfloat16")
+    assert "internal error" not in line
+
+
+def test_known_dtype_spellings_are_accepted():
+    from mergesmith.config import parse_config
+
+    for name in ("bfloat16", "bf16", "float16", "fp16", "float32", "torch.float32", "float64"):
+        parse_config({"merge_method": "linear", "models": [{"model": "a"}], "dtype": name, "out_dtype": name})

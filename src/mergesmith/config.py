@@ -93,6 +93,20 @@ class MergeConfiguration(_Strict):
     tokenizer: TokenizerConfig | None = None
     chat_template: str | None = None
 
+    @field_validator("dtype", "out_dtype")
+    @classmethod
+    def _known_dtype(cls, value: str | None) -> str | None:
+        """A dtype name the planner can use, checked here so a typo fails before any model is opened."""
+        if value is None:
+            return value
+        from .dtypes import parse_config_dtype  # imports torch: only for configs that name a dtype
+
+        try:
+            parse_config_dtype(value, "dtype")
+        except ConfigError:
+            raise ValueError(f"unknown dtype {value!r} (use one of bfloat16, float16, float32, float64)") from None
+        return value
+
     @model_validator(mode="after")
     def _models_or_slices(self) -> MergeConfiguration:
         if self.models and self.slices:
