@@ -328,3 +328,32 @@ def test_every_option_of_every_command_has_help_text() -> None:
         for param in command.params:
             if isinstance(param, click.Option) and not param.hidden:
                 assert param.help, f"`mergesmith {name}` option {param.opts[0]} has no help text"
+
+
+# ----- 9. OUT_DIR inside an input model's directory ---------------------------------------------
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_out_dir_inside_an_input_model_directory_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_models: Any, exists: bool
+) -> None:
+    import shutil
+
+    mine = tmp_path / "models" / "tiny-llama-0"
+    shutil.copytree(tiny_models("llama", seed=1), mine)
+    other = tiny_models("llama", seed=2)
+    cfg = write_yaml(
+        tmp_path / "c.yml",
+        {
+            "merge_method": "linear",
+            "models": [{"model": str(mine)}, {"model": str(other)}],
+            "parameters": {"weight": 0.5},
+        },
+    )
+    out = mine / "sub" / "merged"
+    if exists:
+        out.mkdir(parents=True)
+    before = sorted(p.relative_to(mine) for p in mine.rglob("*"))
+    line = one_error_line(*run_cli(capsys, "merge", cfg, out)[::2], str(out), "inside", str(mine))
+    assert "input model" in line
+    assert sorted(p.relative_to(mine) for p in mine.rglob("*")) == before

@@ -135,14 +135,20 @@ def _remove(path: Path) -> None:
 
 def _refuse_input_directory(out_dir: Path, checkpoints: dict[str, Checkpoint]) -> None:
     """Refuse to write into a directory that holds an input model's files: `--overwrite` would delete
-    that model (its config.json and model*.safetensors are exactly the names a merge replaces)."""
-    if not out_dir.is_dir():
-        return
+    that model (its config.json and model*.safetensors are exactly the names a merge replaces); and
+    into a directory inside a model directory (one with a config.json), which would nest the merge
+    in that model."""
     target = out_dir.resolve()
     for ckpt in checkpoints.values():
-        if ckpt.root.resolve() == target or any(f.resolve().parent == target for f in ckpt.files):
+        model_dir = ckpt.root.resolve()
+        if model_dir == target or any(f.resolve().parent == target for f in ckpt.files):
             raise OutputError(
                 f"{out_dir}: is the directory of input model {ckpt.ref!r}; write the merge to another directory"
+            )
+        if getattr(ckpt, "config", None) is not None and model_dir in target.parents:
+            raise OutputError(
+                f"{out_dir}: is inside the directory of input model {ckpt.ref!r}; "
+                "write the merge to a directory outside it"
             )
 
 
