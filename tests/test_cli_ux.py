@@ -357,3 +357,39 @@ def test_out_dir_inside_an_input_model_directory_is_refused(
     line = one_error_line(*run_cli(capsys, "merge", cfg, out)[::2], str(out), "inside", str(mine))
     assert "input model" in line
     assert sorted(p.relative_to(mine) for p in mine.rglob("*")) == before
+
+
+# ----- 10. config validation errors through the CLI ---------------------------------------------
+
+_TWO_SLICES = [{"model": "a", "layer_range": [0, 2]}, {"model": "b", "layer_range": [0, 3]}]
+_INVALID_CONFIGS = {
+    "unknown-method": ({"merge_method": "lineer", "models": [{"model": "a"}]}, ["merge_method", "linear"]),
+    "models-and-slices": (
+        {
+            "merge_method": "linear",
+            "models": [{"model": "a"}],
+            "slices": [{"sources": [{"model": "a", "layer_range": [0, 2]}]}],
+        },
+        ["`models` or `slices`, not both"],
+    ),
+    "missing-base-model": (
+        {"merge_method": "ties", "models": [{"model": "a"}, {"model": "b"}]},
+        ["base_model", "requires a base model"],
+    ),
+    "unequal-layer-ranges": (
+        {"merge_method": "linear", "slices": [{"sources": _TWO_SLICES}]},
+        ["layer_range", "different numbers of layers"],
+    ),
+}
+
+
+@pytest.mark.parametrize("command", ["merge", "plan"])
+@pytest.mark.parametrize("case", sorted(_INVALID_CONFIGS))
+def test_config_validation_errors_exit_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, command: str
+) -> None:
+    config, names = _INVALID_CONFIGS[case]
+    cfg = write_yaml(tmp_path / "c.yml", config)
+    out = tmp_path / "out"
+    one_error_line(*run_cli(capsys, command, cfg, out)[::2], str(cfg), *names)
+    assert not out.exists()
