@@ -198,3 +198,27 @@ def test_cli_merge_raw_and_the_ordinary_merge_still_wants_a_config_json(tmp_path
 
     with pytest.raises(CheckpointError, match="no config.json"):
         run_merge(cfg, tmp_path / "model_out", MergeOptions())
+
+
+def test_cli_merge_raw_of_bin_files(tmp_path, capsys):
+    """`.bin` file names (mergekit-pytorch's other spelling of a pickled state dict) load like `.pt`."""
+    a, b = _save(_net(1), tmp_path / "a.bin"), _save(_net(2), tmp_path / "b.bin")
+    cfg = _config(
+        tmp_path,
+        {
+            "merge_method": "linear",
+            "models": [
+                {"model": str(a), "parameters": {"weight": 0.25}},
+                {"model": str(b), "parameters": {"weight": 0.75}},
+            ],
+        },
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main(["merge-raw", str(cfg), str(tmp_path / "out"), "-q"])
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    merged, sa, sb = load_file(tmp_path / "out" / "model.safetensors"), torch.load(a), torch.load(b)
+    assert merged.keys() == sa.keys()
+    for name, value in merged.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, 0.25 * sa[name] + 0.75 * sb[name])
+    TinyNet().load_state_dict(merged)

@@ -23,7 +23,7 @@ import difflib
 import re
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -284,31 +284,78 @@ def run_multi(
     options = options or MergeOptions()
 
     results: list[StageResult] = []
-    for stage in ordered:
-        target = outputs[stage.name] if stage.name is not None else Path(out_path or "")
-        if on_stage is not None:
-            on_stage(stage, target)
-        with _labelled(stage):
-            where = f"{source} ({stage.label})"
-            config = parse_config(_resolved_document(stage, outputs), where)
-            stage_options = copy.deepcopy(options)  # build_plan may draw a seed: never share it across stages
-            plan, checkpoints = build_plan(config, stage_options, target, source=where)
-            previous = Journal.load(target) if target.is_dir() else None
-            if previous is None:
-                replace = overwrite  # not a mergesmith output: only with the user's say-so
-            else:
-                replace = not lazy or previous.fingerprint != plan.fingerprint()
-            result = execute_plan(
-                plan,
-                checkpoints,
-                target,
-                stage_options,
-                overwrite=replace,
-                force=force,
-                on_plan=on_plan,
-                on_progress=on_progress,
-                stop=stop,
-                verify=verify,
+    with _one_ray_for_all_stages(options):
+        for stage in ordered:
+            results.append(
+                _run_stage(
+                    stage,
+                    source,
+                    outputs,
+                    out_path,
+                    options,
+                    lazy,
+                    overwrite,
+                    force,
+                    verify,
+                    on_stage,
+                    on_plan,
+                    on_progress,
+                    stop,
+                )
             )
-        results.append(StageResult(stage.name, target, not result.already_complete, result))
     return results
+
+
+def _one_ray_for_all_stages(options: MergeOptions) -> AbstractContextManager[None]:
+    """With `--executor ray`, one local Ray for the whole run instead of one per stage."""
+    if options.executor != "ray":
+        return nullcontext()
+    try:
+        from .executors.ray import shared_local_ray
+    except ConfigError:  # Ray is not installed: the first stage that needs it says so
+        return nullcontext()
+    return shared_local_ray()
+
+
+def _run_stage(
+    stage: Stage,
+    source: str,
+    outputs: dict[str, Path],
+    out_path: str | Path | None,
+    options: MergeOptions,
+    lazy: bool,
+    overwrite: bool,
+    force: bool,
+    verify: bool,
+    on_stage: Callable[[Stage, Path], None] | None,
+    on_plan: Callable[[Plan], None] | None,
+    on_progress: Callable[[ProgressEvent], None] | None,
+    stop: threading.Event | None,
+) -> StageResult:
+    """Run (or skip, when complete) one stage into its directory."""
+    target = outputs[stage.name] if stage.name is not None else Path(out_path or "")
+    if on_stage is not None:
+        on_stage(stage, target)
+    with _labelled(stage):
+        where = f"{source} ({stage.label})"
+        config = parse_config(_resolved_document(stage, outputs), where)
+        stage_options = copy.deepcopy(options)  # build_plan may draw a seed: never share it across stages
+        plan, checkpoints = build_plan(config, stage_options, target, source=where)
+        previous = Journal.load(target) if target.is_dir() else None
+        if previous is None:
+            replace = overwrite  # not a mergesmith output: only with the user's say-so
+        else:
+            replace = not lazy or previous.fingerprint != plan.fingerprint()
+        result = execute_plan(
+            plan,
+            checkpoints,
+            target,
+            stage_options,
+            overwrite=replace,
+            force=force,
+            on_plan=on_plan,
+            on_progress=on_progress,
+            stop=stop,
+            verify=verify,
+        )
+    return StageResult(stage.name, target, not result.already_complete, result)

@@ -24,7 +24,8 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,28 @@ DRAIN_TIMEOUT_S = 60.0  # how long stopped tasks get to finish their tensors in 
 # Test hook: a directory. The first shard task to write a tensor claims the marker `killed` there (naming
 # its shard) and SIGKILLs its own worker, leaving a partial file behind, so a test can prove Ray retries it.
 KILL_ONCE_ENV = "MERGESMITH_TEST_RAY_KILL_ONCE"
+
+
+_keep_alive = 0  # nesting depth of `shared_local_ray()` blocks
+_started_here = False  # a Ray this process started inside such a block, to shut down when it ends
+
+
+@contextmanager
+def shared_local_ray() -> Iterator[None]:
+    """Within this block, a Ray that a `RayExecutor` starts stays up for the next one (a multi-stage
+    run: starting a local Ray costs 15-20 s, once per stage otherwise); it is shut down when the
+    block ends. Nothing is started until an executor needs Ray, so a run whose stages are all
+    complete starts none. A Ray the caller initialised is left alone (as `RayExecutor` always does);
+    a cluster joined at an address is only disconnected from, never stopped."""
+    global _keep_alive, _started_here
+    _keep_alive += 1
+    try:
+        yield
+    finally:
+        _keep_alive -= 1
+        if _keep_alive == 0 and _started_here:
+            _started_here = False
+            ray.shutdown()
 
 
 class _TaskJournal(Journal):
@@ -196,7 +219,10 @@ class RayExecutor:
         self._emit()
         if not pending:
             return
+        global _started_here
         started = self._connect()
+        if started and _keep_alive:
+            _started_here, started = True, False  # `shared_local_ray` shuts it down at the end of its block
         try:
             self._run(pending)
         finally:
