@@ -304,6 +304,18 @@ def _merge_progress(quiet: bool) -> Any:
     return _PlainProgress(_progress_interval())
 
 
+def _warn_then(quiet: bool, start: Any, prefix: str = "") -> Any:
+    """An `on_plan` callback that prints the plan's warnings on stderr (none with -q), then calls `start`."""
+
+    def on_plan(plan: Any) -> None:
+        if not quiet:
+            for warning in plan.warnings:
+                click.echo(f"{prefix}warning: {warning}", err=True)
+        start(plan)
+
+    return on_plan
+
+
 @cli.command(short_help="Merge a mergekit config into OUT_DIR (resumable).")
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
@@ -326,7 +338,7 @@ def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet:
             options,
             overwrite=overwrite,
             force=force,
-            on_plan=progress.start,
+            on_plan=_warn_then(quiet, progress.start),
             on_progress=progress.update,
             stop=interrupts.stop,
         )
@@ -425,7 +437,7 @@ def merge_raw(
             tensor_set=tensor_set,
             overwrite=overwrite,
             force=force,
-            on_plan=progress.start,
+            on_plan=_warn_then(quiet, progress.start),
             on_progress=progress.update,
             stop=interrupts.stop,
         )
@@ -548,7 +560,7 @@ def multi_cmd(
                 overwrite=overwrite,
                 force=force,
                 on_stage=on_stage,
-                on_plan=progress.start,
+                on_plan=_warn_then(quiet, progress.start),
                 on_progress=progress.update,
                 stop=interrupts.stop,
             )

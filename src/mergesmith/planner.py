@@ -119,6 +119,8 @@ class Planner:
         self.compute_dtype = parse_config_dtype(config.dtype, "dtype") if config.dtype else "F32"
         self.out_dtype = self._out_dtype()
         self.warnings: list[str] = []
+        # (per-model row counts, output rows) -> embedding/head tensors cut to the smallest vocabulary
+        self._truncated: dict[tuple[tuple[tuple[str, int], ...], int], list[str]] = {}
 
     def _check_architectures(self) -> None:
         """mergekit's rule: models whose config.json names different architectures (LlamaForCausalLM
@@ -279,6 +281,8 @@ class Planner:
                 ]
                 shape = (rows, *shape[1:])
                 self._vocab_rows = rows
+                counts = tuple(dict.fromkeys((r.model, i.shape[0]) for r, i in zip(inputs, infos)))
+                self._truncated.setdefault((counts, rows), []).append(out_name)
             else:
                 # Refused even with --allow-crimes (which only lifts the architecture check): no method can
                 # merge tensors of different shapes, and finding out here beats failing halfway through.
@@ -337,6 +341,7 @@ class Planner:
         pre = [n for n in non_layer if is_embedding(n)]
         post = [n for n in non_layer if not is_embedding(n)]
         self._vocab_rows: int | None = None
+        self._truncated.clear()
 
         recipes: list[TensorRecipe] = []
         first, last = slices[0], slices[-1]
@@ -398,6 +403,34 @@ class Planner:
             files.append((str(gen), "generation_config.json"))
         return files
 
+    def _truncation_warnings(self) -> list[str]:
+        """One warning per distinct vocabulary mismatch the recipes cut to the smallest vocabulary.
+
+        Rows are matched by position, not by token: a model whose tokenizer has more tokens than the output
+        has rows (the base's, which is copied, when it is the larger) would index past the embedding."""
+        out = []
+        tok_ref = self._tokenizer_source()
+        for (counts, rows), names in self._truncated.items():
+            sizes = ", ".join(f"model {m!r} has {n}" for m, n in counts)
+            tok_rows = dict(counts).get(tok_ref)
+            risk = ""
+            if self.needs_model_config and self.options.copy_tokenizer and tok_rows is not None and tok_rows > rows:
+                risk = (
+                    f"; the tokenizer is copied from {tok_ref!r} ({tok_rows} rows), so its token ids from {rows} up "
+                    "would index out of range"
+                )
+            fix = (
+                "; set `tokenizer_source: base` or `tokenizer_source: union` to build the vocabulary and re-index "
+                "the rows by token"
+                if self.needs_model_config  # a raw merge (bare state dicts) has no tokenizer to build
+                else ""
+            )
+            out.append(
+                f"vocabulary sizes differ ({', '.join(names)}: {sizes} rows): the output keeps the first {rows} "
+                f"rows of each, matched by position, not by token{risk}{fix}"
+            )
+        return out
+
     def _tokenizer_source(self) -> str:
         """The model whose tokenizer files are copied when no tokenizer is built (see tokenizer/)."""
         source = self.config.tokenizer_source
@@ -427,6 +460,8 @@ class Planner:
             self.warnings.extend(tokenizer_plan.warnings)
             if tokenizer_plan.vocab_rows is not None:
                 self._vocab_rows = tokenizer_plan.vocab_rows
+        if tokenizer_plan is None or tokenizer_plan.vocab_rows is None:  # nothing re-indexes the rows by token
+            self.warnings.extend(self._truncation_warnings())
         vocab = self._vocab_rows
         base_vocab = (self.base.config or {}).get("vocab_size") or (
             (self.base.config or {}).get("text_config") or {}

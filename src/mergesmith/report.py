@@ -167,6 +167,7 @@ def plan_report(
         "random_seed": plan.random_seed,
         "files_to_copy": [name for _src, name in plan.files_to_copy],
         "output_layers": plan.output_config.get("num_hidden_layers"),
+        "warnings": list(plan.warnings),
     }
 
 
@@ -197,6 +198,8 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
             f"warning: tensor {o['tensor']} alone needs {_h(o['bytes'])}, over the --max-memory budget "
             f"of {_h(o['budget'])}; it will run by itself"
         )
+    for warning in report.get("warnings") or []:
+        lines.append(f"warning: {warning}")
     if report["disk"]:
         d = report["disk"]
         verdict = "not writable" if not d.get("writable", True) else "ok" if d["enough"] else "NOT ENOUGH"
