@@ -112,3 +112,81 @@ def test_same_vocabulary_has_no_truncation_warning(tmp_path, tiny_models, capsys
     code, out, err = run_cli(capsys, "plan", cfg, "--json")
     assert code == 0, err
     assert json.loads(out)["warnings"] == []
+
+
+# ----- 2. device availability: one check for the CLI, the API and extract-lora -------------------------------------
+
+
+@pytest.fixture()
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+
+
+def _linear_cfg(tmp_path: Path, tiny_models: Any) -> Path:
+    models = [{"model": str(tiny_models("llama", seed=s)), "parameters": {"weight": 1}} for s in (1, 3)]
+    return write_config(tmp_path / "c.yml", {"merge_method": "linear", "models": models, "dtype": "float32"})
+
+
+@pytest.mark.parametrize("device", ["cuda", "mps", "cuda:0"])
+def test_run_merge_on_a_missing_device_is_a_user_error_before_anything_is_written(
+    tmp_path, tiny_models, no_gpu, device
+):
+    from mergesmith.api import run_merge
+    from mergesmith.errors import ConfigError
+    from mergesmith.planner import MergeOptions
+
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=f"{device.split(':')[0]} device is available"):
+        run_merge(_linear_cfg(tmp_path, tiny_models), out, MergeOptions(device=device))
+    assert not out.exists()
+
+
+def test_run_merge_device_auto_falls_back_to_cpu(tmp_path, tiny_models, no_gpu):
+    from mergesmith.api import build_plan, run_merge
+    from mergesmith.planner import MergeOptions
+
+    cfg = _linear_cfg(tmp_path, tiny_models)
+    options = MergeOptions(device="auto")
+    build_plan(cfg, options)
+    assert options.device == "cpu"
+    result = run_merge(cfg, tmp_path / "out", MergeOptions(device="auto"))
+    assert (result.out_dir / "config.json").is_file()
+
+
+def test_device_is_not_checked_for_the_ray_executor(tmp_path, tiny_models, no_gpu):
+    from mergesmith.api import build_plan
+    from mergesmith.planner import MergeOptions
+
+    options = MergeOptions(device="cuda", executor="ray")
+    build_plan(_linear_cfg(tmp_path, tiny_models), options)  # the workers hold the GPUs
+    assert options.device == "cuda"
+
+
+@pytest.mark.parametrize("device", ["cuda", "mps"])
+def test_extract_lora_on_a_missing_device_is_one_line_and_writes_nothing(tmp_path, tiny_models, no_gpu, capsys, device):
+    base = tiny_models("llama", seed=1)
+    out = tmp_path / "adapter"
+    code, _out, err = run_cli(
+        capsys,
+        "extract-lora",
+        "--model",
+        tiny_models("llama", seed=3),
+        "--base",
+        base,
+        "--out",
+        out,
+        "--device",
+        device,
+    )
+    one_line_error(code, err, f"--device {device}", "available")
+    assert not out.exists()
+
+    from mergesmith.errors import ConfigError
+    from mergesmith.lora_extract import extract_lora
+
+    with pytest.raises(ConfigError, match="available"):
+        extract_lora(str(tiny_models("llama", seed=3)), str(base), out, 4, device=device)
+    assert not out.exists()

@@ -148,17 +148,11 @@ def _options(kw: dict[str, Any]):
     executor = kw.get("executor") or "local"
     if kw.get("ray_address") and executor != "ray":
         raise ConfigError("`--ray-address` only applies to the Ray executor: add `--executor ray`")
+    from .devices import resolve_device
+
     device = "cuda" if kw.get("cuda") else kw.get("device", "cpu")
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else ("mps" if torch.backends.mps.is_available() else "cpu")
-    elif device in ("cuda", "mps") and executor != "ray":  # Ray workers, not this driver, need the device
-        import torch
-
-        available = torch.cuda.is_available() if device == "cuda" else torch.backends.mps.is_available()
-        if not available:
-            raise ConfigError(f"`--device {device}`: no {device} device is available on this machine")
+    # Ray workers, not this driver, need the device
+    device = resolve_device(device, check=executor != "ray", what="--device")
     if executor == "ray":
         from .executors.ray import RayExecutor  # noqa: F401 - fail before planning when Ray is not installed
     return MergeOptions(
@@ -677,7 +671,10 @@ def extract_lora_cmd(
     verbose: bool,
 ) -> None:
     """Write a PEFT LoRA adapter approximating MODEL - BASE (truncated SVD per linear weight)."""
+    from .devices import resolve_device
     from .lora_extract import extract_lora
+
+    device = resolve_device(device, what="--device")
 
     result = extract_lora(
         model,

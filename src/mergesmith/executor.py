@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .blocks import row_blocks
+from .devices import resolve_device
 from .dtypes import to_torch
 from .errors import MergeInterrupted
 from .io.checkpoint import Checkpoint
@@ -174,7 +175,7 @@ class LocalExecutor:
         self.journal = journal
         self.threads = max(1, threads)
         self.budget = MemoryBudget(max_memory)
-        self.device = torch.device(device)
+        self.device = torch.device(resolve_device(device, check=False))  # `auto` from a caller; checked at plan time
         self.on_progress = on_progress
         self.stop = stop or threading.Event()
         self.compute_dtype = to_torch(plan.compute_dtype)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .architecture import LM_HEAD_NAMES, embedding_for_head, find_layer_stack, ties_embeddings
+from .devices import resolve_device
 from .dtypes import from_torch, is_float
 from .errors import CheckpointError, ConfigError, OutputError
 from .io.checkpoint import Checkpoint
@@ -103,6 +104,7 @@ def extract_lora(
 ) -> ExtractResult:
     """Write a PEFT LoRA adapter for `model` relative to `base` into `out_dir`."""
     started = time.monotonic()
+    device = resolve_device(device)  # before anything is opened or written
     if max_rank < 1:
         raise ConfigError(f"`--max-rank` must be at least 1, got {max_rank}")
     if sv_epsilon < 0:

@@ -22,6 +22,7 @@ from .architecture import (
     ties_embeddings,
 )
 from .config import MergeConfiguration, Parameters, dump_config
+from .devices import resolve_device
 from .dtypes import dtype_size, is_float, parse_config_dtype
 from .errors import CheckpointError, ConfigError
 from .io.checkpoint import Checkpoint
@@ -104,6 +105,8 @@ class Planner:
     ) -> None:
         self.config = config
         self.ckpts = checkpoints
+        # `auto` resolved, cuda/mps checked here, before any output is written (not for Ray: its workers hold the GPUs)
+        options.device = resolve_device(options.device, check=options.executor != "ray")
         self.options = options
         self.source = config_source
         self.spec: MethodSpec = require_method(config.merge_method, config_source)

@@ -29,6 +29,7 @@ from ..architecture import (
     rewrite_config,
     ties_embeddings,
 )
+from ..devices import resolve_device
 from ..dtypes import dtype_size, is_float, parse_config_dtype
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
@@ -52,6 +53,8 @@ class MoEPlanner:
     ) -> None:
         self.config = config
         self.ckpts = checkpoints
+        # the router pass runs on options.device: checked before anything is written (Ray: see Planner)
+        options.device = resolve_device(options.device, check=options.executor != "ray")
         self.options = options
         self.source = source
         self.base = checkpoints[config.base_model]
