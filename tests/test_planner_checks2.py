@@ -190,3 +190,99 @@ def test_extract_lora_on_a_missing_device_is_one_line_and_writes_nothing(tmp_pat
     with pytest.raises(ConfigError, match="available"):
         extract_lora(str(tiny_models("llama", seed=3)), str(base), out, 4, device=device)
     assert not out.exists()
+
+
+# ----- 3. working-memory estimates cover what the methods allocate -------------------------------------------------
+
+
+def _peak_allocated(fn: Any) -> int:
+    """Peak bytes the CPU allocator holds while `fn` runs, above what it held before (torch profiler's
+    memory events carry the allocator's running total, temporaries inside an op included)."""
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("name") == "[memory]"]
+    finally:
+        os.unlink(path)
+    events.sort(key=lambda e: float(e["ts"]))
+    assert events, "the profiler recorded no allocations"
+    start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
+    return max(e["args"]["Total Allocated"] for e in events) - start
+
+
+MEMORY_CASES = {  # method: (per-model parameters of the non-base models, global parameters)
+    "task_arithmetic": ({"weight": 0.7}, {}),
+    "ties": ({"weight": 0.7, "density": 0.5}, {}),
+    "dare_ties": ({"weight": 0.7, "density": 0.5}, {}),
+    "breadcrumbs_ties": ({"weight": 0.7, "density": 0.5}, {}),
+    "della": ({"weight": 0.7, "density": 0.5}, {}),
+    "della_linear": ({"weight": 0.7, "density": 0.5}, {}),
+    "sce": ({}, {"select_topk": 0.5}),
+    "multislerp": ({"weight": 0.3}, {}),
+    "ram": ({}, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def memory_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Four related 192x320 tensors (a base and three fine-tunes), stored as float32 and as bfloat16."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mergesmith.io.checkpoint import Checkpoint
+
+    root = tmp_path_factory.mktemp("memory")
+    base = torch.randn(192, 320, generator=torch.Generator().manual_seed(0))
+    ckpts = {}
+    for store, dtype in (("F32", torch.float32), ("BF16", torch.bfloat16)):
+        for i in range(4):
+            noise = torch.randn(base.shape, generator=torch.Generator().manual_seed(i + 1))
+            path = root / f"m{i}-{store}.safetensors"
+            save_file({"w": (base + 0.01 * noise * (i > 0)).to(dtype).contiguous()}, str(path))
+            ckpts[f"m{i}-{store}"] = Checkpoint.open(str(path))
+    return ckpts
+
+
+@pytest.mark.parametrize("method", sorted(MEMORY_CASES))
+@pytest.mark.parametrize("store,compute", [("F32", "F32"), ("BF16", "BF16"), ("BF16", "F32"), ("F32", "BF16")])
+def test_recipe_memory_covers_the_measured_peak(memory_inputs, method, store, compute):
+    """What a merge holds for one recipe: the allocations of computing it (converted inputs, the method's
+    stacks, sort indices, masks) plus its inputs' pages, counted at the compute width."""
+    import torch
+
+    from mergesmith.dtypes import dtype_size, to_torch
+    from mergesmith.executor import compute as compute_recipe
+    from mergesmith.methods import get_method
+    from mergesmith.plan import InputRef, TensorRecipe
+    from mergesmith.planner import recipe_memory
+
+    spec = get_method(method)
+    model_params, params = MEMORY_CASES[method]
+    n = 4
+    defaults = {p.name: p.default for p in spec.model_params}
+    per_model = tuple(tuple((defaults | (model_params if i else {})).items()) for i in range(n))
+    recipe = TensorRecipe(
+        "model.layers.0.mlp.up_proj.weight",
+        (192, 320),
+        compute,
+        "merge",
+        tuple(InputRef(f"m{i}-{store}", "w") for i in range(n)),
+        method,
+        0,
+        per_model,
+        tuple(({p.name: p.default for p in spec.params} | params).items()),
+        7 if spec.randomized else None,
+    )
+    peak = _peak_allocated(lambda: compute_recipe(recipe, memory_inputs, to_torch(compute), True, torch.device("cpu")))
+    held = peak + n * 192 * 320 * dtype_size(compute)
+    estimate = recipe_memory(recipe, compute)
+    assert estimate >= held, f"{method} {store}->{compute}: estimate {estimate} < measured {held}"
+    assert estimate <= 3 * held, f"{method} {store}->{compute}: estimate {estimate} far above measured {held}"

@@ -553,16 +553,21 @@ def estimate_plan(
 
 
 def recipe_memory(recipe: TensorRecipe, compute_dtype: str) -> int:
-    """Working bytes of one recipe: inputs converted to the compute dtype, a stacked copy, the output.
+    """Working bytes of one recipe: its inputs (read or converted to the compute dtype), the method's
+    copies and temporaries (its spec's measured working memory, see MethodSpec), and the output.
 
-    A deliberately generous bound (methods stack their inputs and keep a few temporaries), counted
-    over the largest row block the recipe holds at once; the memory budget uses it to decide how
-    many recipes may run at once.
+    Counted over the largest row block the recipe holds at once; the memory budget uses it to decide
+    how many recipes may run at once. Inputs stored wider than the compute dtype map more pages than
+    counted here (page cache the kernel may reclaim).
     """
     from .blocks import block_numel
+    from .methods import get_method
 
     numel = block_numel(recipe)
     if recipe.op == "copy":
         return numel * (dtype_size(recipe.dtype) + dtype_size(compute_dtype))
     n = len(recipe.inputs)
-    return numel * dtype_size(compute_dtype) * (2 * n + 3) + numel * dtype_size(recipe.dtype)
+    spec = get_method(recipe.method or "") if recipe.op == "merge" else None
+    if spec is None:  # other ops (tokenizer surgery, MoE gates): the generic bound
+        return numel * dtype_size(compute_dtype) * (2 * n + 3) + numel * dtype_size(recipe.dtype)
+    return spec.working_memory(n, numel, dtype_size(compute_dtype)) + numel * dtype_size(recipe.dtype)

@@ -73,6 +73,9 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
 register(
     MethodSpec(
         name="arcee_fusion",
+        memory_per_input=2,
+        memory_fixed=1,
+        memory_bytes=20,
         merge=_merge,
         requires_base=True,
         min_models=2,

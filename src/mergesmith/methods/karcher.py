@@ -84,6 +84,9 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
 register(
     MethodSpec(
         name="karcher",
+        memory_per_input=3,
+        memory_fixed=1,
+        memory_bytes=12,
         merge=_merge,
         params=(ParamSpec("max_iter", 10), ParamSpec("tol", 1e-5)),
         min_models=1,

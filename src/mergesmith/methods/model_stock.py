@@ -61,6 +61,9 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
 register(
     MethodSpec(
         name="model_stock",
+        memory_per_input=3.5,
+        memory_fixed=1,
+        memory_bytes=4,
         merge=_merge,
         params=(ParamSpec("filter_wise", False),),
         requires_base=True,

@@ -88,6 +88,9 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
 register(
     MethodSpec(
         name="multislerp",
+        memory_per_input=6.5,
+        memory_fixed=1,
+        memory_bytes=0,
         merge=_merge,
         params=(ParamSpec("normalize_weights", True), ParamSpec("eps", 1e-8)),
         model_params=(ParamSpec("weight", required=True, non_base=True),),

@@ -37,6 +37,9 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
 register(
     MethodSpec(
         name="nearswap",
+        memory_per_input=2,
+        memory_fixed=2,
+        memory_bytes=4,
         merge=_merge,
         params=(ParamSpec("t", required=True),),
         requires_base=True,

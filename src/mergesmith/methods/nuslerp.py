@@ -76,6 +76,9 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
 register(
     MethodSpec(
         name="nuslerp",
+        memory_per_input=2,
+        memory_fixed=2,
+        memory_bytes=4,
         merge=_merge,
         params=(ParamSpec("nuslerp_flatten", True), ParamSpec("nuslerp_row_wise", False)),
         model_params=(ParamSpec("weight", required=True, non_base=True),),

@@ -77,6 +77,9 @@ def _merge_ramplus(inputs: MergeInputs) -> torch.Tensor:
 register(
     MethodSpec(
         name="ram",
+        memory_per_input=8.5,
+        memory_fixed=1,
+        memory_bytes=4,
         merge=_merge_ram,
         params=(ParamSpec("epsilon", 1e-5),),
         requires_base=True,
@@ -88,6 +91,9 @@ register(
 register(
     MethodSpec(
         name="ramplus_tl",
+        memory_per_input=10,
+        memory_fixed=1,
+        memory_bytes=32,
         merge=_merge_ramplus,
         params=(ParamSpec("r", 0.1), ParamSpec("alpha", 0.2), ParamSpec("epsilon", 1e-5)),
         requires_base=True,

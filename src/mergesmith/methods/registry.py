@@ -90,7 +90,13 @@ class MethodSpec:
       huge tensors may be merged in row blocks to cap memory;
     - `uses_base_in_models`: whether the base model contributes even when not listed in `models`;
     - `min_non_base`/`max_non_base`: bounds on the models other than the base (None: no bound), for
-      methods whose base is optional, e.g. nuslerp takes exactly two models besides an optional base.
+      methods whose base is optional, e.g. nuslerp takes exactly two models besides an optional base;
+    - `memory_per_input`, `memory_fixed`, `memory_bytes`: the working memory of one call over n inputs of
+      e elements is e * (c * (memory_per_input * n + memory_fixed) + memory_bytes) bytes besides the output,
+      c the compute dtype's size: the inputs (read or converted), the method's stacked copies and
+      temporaries, and dtype-independent ones (int64 sort indices, float32 magnitudes). Measured peaks of
+      the allocations (torch profiler) plus the inputs at the compute width, with a margin; see
+      `planner.recipe_memory` and tests/test_planner_checks2.py.
     """
 
     name: str
@@ -107,6 +113,14 @@ class MethodSpec:
     aliases: tuple[str, ...] = field(default=())
     min_non_base: int | None = None
     max_non_base: int | None = None
+    memory_per_input: float = 2.0
+    memory_fixed: float = 3.0
+    memory_bytes: int = 0
+
+    def working_memory(self, n_inputs: int, numel: int, compute_size: int) -> int:
+        """Bytes one call holds at its peak over `n_inputs` tensors of `numel` elements, the output aside."""
+        per_element = compute_size * (self.memory_per_input * n_inputs + self.memory_fixed) + self.memory_bytes
+        return int(numel * per_element)
 
     def param_names(self) -> set[str]:
         return {p.name for p in self.params} | {p.name for p in self.model_params}

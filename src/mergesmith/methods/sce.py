@@ -78,6 +78,9 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
 register(
     MethodSpec(
         name="sce",
+        memory_per_input=6.5,
+        memory_fixed=1,
+        memory_bytes=0,
         merge=_merge,
         params=(ParamSpec("select_topk", 1.0), ParamSpec("int8_mask", False)),
         requires_base=True,

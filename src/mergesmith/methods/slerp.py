@@ -100,6 +100,9 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
 register(
     MethodSpec(
         name="slerp",
+        memory_per_input=2,
+        memory_fixed=1,
+        memory_bytes=16,
         merge=_merge,
         params=(ParamSpec("t", required=True),),
         requires_base=True,

@@ -129,6 +129,8 @@ class _Family:
     extra_model_params: tuple[ParamSpec, ...] = ()
     randomized: bool = False
     description: str = ""
+    # working memory (see MethodSpec): per input, fixed (in compute-dtype copies), dtype-independent bytes
+    memory: tuple[float, float, int] = (4.5, 1, 0)
 
     def merge(self, inputs: MergeInputs) -> torch.Tensor:
         check_same_shape(inputs, self.name)
@@ -186,23 +188,102 @@ class _Family:
             # same entry of the inputs; sparsifiers rank or rescale over the whole tensor.
             elementwise=self.sparsifier is _no_sparsify,
             description=self.description,
+            memory_per_input=self.memory[0],
+            memory_fixed=self.memory[1],
+            memory_bytes=self.memory[2],
         )
 
 
 _GAMMA = ParamSpec("gamma", 0.01, non_base=True)
 _EPSILON = ParamSpec("epsilon", 0.15, non_base=True)
 
+# Working memory, measured (see MethodSpec): the task vectors and their weighted copies; sign consensus adds
+# a sign tensor and masks; magnitude ranking adds float32 magnitudes and int64 sort indices.
+_SUM = (4.5, 1, 0)
+_CONSENSUS = (6.5, 1, 12)
+_RANKED = (3.0, 1, 32)
+
 FAMILY: tuple[_Family, ...] = (
-    _Family("task_arithmetic", _no_sparsify, False, False, False, description="base + weighted sum of task vectors"),
-    _Family("ties", _magnitude, True, True, False, description="TIES: trim by magnitude, elect sign, disjoint mean"),
-    _Family("dare_linear", _random, False, False, True, randomized=True, description="DARE random drop, linear sum"),
-    _Family("dare_ties", _random, True, False, True, randomized=True, description="DARE random drop, TIES sign"),
     _Family(
-        "breadcrumbs", _outliers, False, False, False, (_GAMMA,), description="drop small and outlier task entries"
+        "task_arithmetic",
+        _no_sparsify,
+        False,
+        False,
+        False,
+        description="base + weighted sum of task vectors",
+        memory=_SUM,
     ),
-    _Family("breadcrumbs_ties", _outliers, True, False, False, (_GAMMA,), description="breadcrumbs with TIES sign"),
-    _Family("della", _della, True, True, True, (_EPSILON,), randomized=True, description="DELLA MagPrune, TIES sign"),
-    _Family("della_linear", _della, False, False, True, (_EPSILON,), randomized=True, description="DELLA, linear sum"),
+    _Family(
+        "ties",
+        _magnitude,
+        True,
+        True,
+        False,
+        description="TIES: trim by magnitude, elect sign, disjoint mean",
+        memory=_CONSENSUS,
+    ),
+    _Family(
+        "dare_linear",
+        _random,
+        False,
+        False,
+        True,
+        randomized=True,
+        description="DARE random drop, linear sum",
+        memory=_SUM,
+    ),
+    _Family(
+        "dare_ties",
+        _random,
+        True,
+        False,
+        True,
+        randomized=True,
+        description="DARE random drop, TIES sign",
+        memory=_CONSENSUS,
+    ),
+    _Family(
+        "breadcrumbs",
+        _outliers,
+        False,
+        False,
+        False,
+        (_GAMMA,),
+        description="drop small and outlier task entries",
+        memory=_RANKED,
+    ),
+    _Family(
+        "breadcrumbs_ties",
+        _outliers,
+        True,
+        False,
+        False,
+        (_GAMMA,),
+        description="breadcrumbs with TIES sign",
+        memory=_CONSENSUS,
+    ),
+    _Family(
+        "della",
+        _della,
+        True,
+        True,
+        True,
+        (_EPSILON,),
+        randomized=True,
+        description="DELLA MagPrune, TIES sign",
+        memory=_CONSENSUS,
+    ),
+    _Family(
+        "della_linear",
+        _della,
+        False,
+        False,
+        True,
+        (_EPSILON,),
+        randomized=True,
+        description="DELLA, linear sum",
+        memory=_RANKED,
+    ),
 )
 
 for _member in FAMILY:
