@@ -286,3 +286,60 @@ def test_recipe_memory_covers_the_measured_peak(memory_inputs, method, store, co
     estimate = recipe_memory(recipe, compute)
     assert estimate >= held, f"{method} {store}->{compute}: estimate {estimate} < measured {held}"
     assert estimate <= 3 * held, f"{method} {store}->{compute}: estimate {estimate} far above measured {held}"
+
+
+# ----- 4. DELLA's density +/- epsilon at plan time; method errors as one line ----------------------------------------
+
+
+def _della_cfg(tmp_path: Path, tiny_models: Any, method: str, **params: Any) -> tuple[Path, Path]:
+    base = tiny_models("llama", seed=1)
+    tuned = tiny_models.derive(base, seed=5)
+    cfg = write_config(
+        tmp_path / "della.yml",
+        {
+            "merge_method": method,
+            "base_model": str(base),
+            "models": [{"model": str(tuned), "parameters": {"weight": 1.0, **params}}],
+            "dtype": "float32",
+        },
+    )
+    return cfg, tuned
+
+
+@pytest.mark.parametrize("method", ["della", "della_linear"])
+@pytest.mark.parametrize("command", ["merge", "plan"])
+def test_della_density_epsilon_out_of_range_is_a_plan_time_error(tmp_path, tiny_models, capsys, method, command):
+    cfg, tuned = _della_cfg(tmp_path, tiny_models, method, density=0.5, epsilon=0.6)
+    out = tmp_path / "out"
+    args = [command, cfg, out, "--random-seed", "1"] + (["-q"] if command == "merge" else [])
+    code, _out, err = run_cli(capsys, *args)
+    one_line_error(code, err, str(tuned), method, "density (0.5)", "epsilon (0.6)")
+    assert not out.exists()
+
+
+def test_della_check_resolves_gradients_per_layer(tmp_path, tiny_models, capsys):
+    """density 0.2 -> 0.9 over the layers: fine for the first, 0.9 + 0.15 is past 1 for the last."""
+    cfg, tuned = _della_cfg(tmp_path, tiny_models, "della", density=[0.2, 0.9])
+    code, _out, err = run_cli(capsys, "plan", cfg, "--random-seed", "1")
+    line = one_line_error(code, err, str(tuned), "density (0.9)", "epsilon (0.15)")
+    assert "layers.3." in line
+    cfg, _ = _della_cfg(tmp_path, tiny_models, "della", density=[0.2, 0.8])
+    code, _out, err = run_cli(capsys, "plan", cfg, "--random-seed", "1")
+    assert code == 0, err
+
+
+def test_a_method_value_error_while_merging_is_one_line_naming_the_tensor(tmp_path, tiny_models, capsys, monkeypatch):
+    import dataclasses
+
+    from mergesmith.methods import registry
+
+    def refuse(inputs: Any) -> Any:
+        if inputs.tensor_name.endswith("layers.2.mlp.up_proj.weight"):
+            raise ValueError("these inputs cannot be merged")
+        return inputs.tensors[0]
+
+    monkeypatch.setitem(registry._REGISTRY, "linear", dataclasses.replace(registry._REGISTRY["linear"], merge=refuse))
+    models = [{"model": str(tiny_models("llama", seed=s)), "parameters": {"weight": 1}} for s in (1, 3)]
+    cfg = write_config(tmp_path / "c.yml", {"merge_method": "linear", "models": models, "dtype": "float32"})
+    code, _out, err = run_cli(capsys, "merge", cfg, tmp_path / "out", "-q", "--threads", "2")
+    one_line_error(code, err, "model.layers.2.mlp.up_proj.weight", "linear", "these inputs cannot be merged")

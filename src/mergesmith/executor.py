@@ -20,7 +20,7 @@ import torch
 from .blocks import row_blocks
 from .devices import resolve_device
 from .dtypes import to_torch
-from .errors import MergeInterrupted
+from .errors import ConfigError, MergeInterrupted
 from .io.checkpoint import Checkpoint
 from .io.journal import Journal, partial_path
 from .io.safetensors_writer import ShardWriter
@@ -77,6 +77,17 @@ def load_input(ckpt: Checkpoint, ref: InputRef) -> torch.Tensor:
     return padded
 
 
+class MethodError(ConfigError):
+    """A merge method raised ValueError for one tensor: one line naming the tensor and method (a plain
+    message, so the exception pickles: Ray hands a worker's error back to the driver)."""
+
+    @classmethod
+    def of(cls, recipe: TensorRecipe, exc: ValueError) -> MethodError:
+        text = " ".join(str(exc).split()) or exc.__class__.__name__
+        where = "" if recipe.name in text else f"tensor {recipe.name!r}: "
+        return cls(f"{where}method {recipe.method!r} failed: {text}")
+
+
 def _check_shape(recipe: TensorRecipe, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != shape:
         raise RuntimeError(
@@ -121,16 +132,21 @@ def compute(
         # not in the plan's fingerprint, so a resume on another device must draw the same masks).
         generator = torch.Generator(device="cpu")
         generator.manual_seed(recipe.seed)
-    merged = spec.merge(
-        MergeInputs(
-            tensors=tensors,
-            base_index=recipe.base_index,
-            model_params=[dict(p) for p in recipe.model_params],
-            params=dict(recipe.params),
-            generator=generator,
-            tensor_name=recipe.name,
+    try:
+        merged = spec.merge(
+            MergeInputs(
+                tensors=tensors,
+                base_index=recipe.base_index,
+                model_params=[dict(p) for p in recipe.model_params],
+                params=dict(recipe.params),
+                generator=generator,
+                tensor_name=recipe.name,
+            )
         )
-    )
+    except ValueError as exc:
+        # A method refuses its inputs or parameters (the plan-time checks catch what they can): the user's
+        # merge, not a bug; one line naming the tensor. Finished shards stay journaled for a rerun.
+        raise MethodError.of(recipe, exc) from exc
     _check_shape(recipe, merged, shape)
     return merged.to(dtype=out_dtype).cpu()
 

@@ -305,6 +305,13 @@ class Planner:
             )
             for i, (ref, src, _l) in enumerate(refs)
         )
+        for (ref, _src, _l), resolved, ref_in in zip(refs, model_params, inputs):
+            problem = self.spec.model_problem(dict(resolved))
+            if problem:
+                raise ConfigError(
+                    f"{self.source}: `parameters` of method {self.spec.name!r} for model {ref!r} "
+                    f"(tensor {ref_in.tensor}): {problem}"
+                )
         params = self._resolve_params(
             self.spec.params, [sl.parameters, self.config.parameters], out_name, t, "the merge"
         )

@@ -91,6 +91,8 @@ class MethodSpec:
     - `uses_base_in_models`: whether the base model contributes even when not listed in `models`;
     - `min_non_base`/`max_non_base`: bounds on the models other than the base (None: no bound), for
       methods whose base is optional, e.g. nuslerp takes exactly two models besides an optional base;
+    - `model_params_problem`: a check of one model's resolved parameters together (e.g. DELLA's density
+      +/- epsilon), run at plan time;
     - `memory_per_input`, `memory_fixed`, `memory_bytes`: the working memory of one call over n inputs of
       e elements is e * (c * (memory_per_input * n + memory_fixed) + memory_bytes) bytes besides the output,
       c the compute dtype's size: the inputs (read or converted), the method's stacked copies and
@@ -116,6 +118,12 @@ class MethodSpec:
     memory_per_input: float = 2.0
     memory_fixed: float = 3.0
     memory_bytes: int = 0
+    model_params_problem: Callable[[dict[str, Any]], str | None] | None = None
+
+    def model_problem(self, params: dict[str, Any]) -> str | None:
+        """Why one model's resolved parameters, taken together, cannot be used (None when they can):
+        checked by the planner per model and tensor, after each parameter's own check."""
+        return self.model_params_problem(params) if self.model_params_problem is not None else None
 
     def working_memory(self, n_inputs: int, numel: int, compute_size: int) -> int:
         """Bytes one call holds at its peak over `n_inputs` tensors of `numel` elements, the output aside."""

@@ -100,6 +100,16 @@ def random_drop(delta: torch.Tensor, density: float, generator: torch.Generator,
     return keep_l1_norm(delta.to(dtype), mask, rescale).to(delta.dtype)
 
 
+def della_problem(density: float, epsilon: float) -> str | None:
+    """Why DELLA cannot draw with this density and epsilon (None when it can): with 0 < density < 1 the keep
+    probabilities density - epsilon and density + epsilon must lie strictly inside (0, 1)."""
+    if not 0 < density < 1:
+        return None  # 0 drops everything, 1 or more keeps everything: nothing is drawn
+    if density + epsilon >= 1 or density - epsilon <= 0:
+        return f"density ({density}) +/- epsilon ({epsilon}) must stay inside (0, 1); choose a smaller epsilon"
+    return None
+
+
 def della_magprune(
     delta: torch.Tensor, density: float, epsilon: float, generator: torch.Generator | None, rescale: bool = True
 ) -> torch.Tensor:
@@ -112,10 +122,9 @@ def della_magprune(
         return delta
     if density <= 0:
         return torch.zeros_like(delta)
-    if density + epsilon >= 1 or density - epsilon <= 0:
-        raise ValueError(
-            f"della: density ({density}) +/- epsilon ({epsilon}) must stay inside (0, 1); choose a smaller epsilon"
-        )
+    problem = della_problem(density, epsilon)
+    if problem:
+        raise ValueError(f"della: {problem}")
     dtype = _float_work(delta)
     shape = delta.shape
     rows = delta.unsqueeze(0) if delta.dim() < 2 else delta

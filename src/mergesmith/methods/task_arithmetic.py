@@ -110,6 +110,17 @@ def _outliers(delta, params, rescale, generator, name):
     return sparsify.magnitude_outliers(delta, float(params["density"]), float(params["gamma"]), rescale)
 
 
+def _della_params_problem(params: dict) -> str | None:
+    """DELLA's density +/- epsilon, checked at plan time (the base model has neither)."""
+    if "density" not in params or "epsilon" not in params:
+        return None
+    try:
+        density, epsilon = float(params["density"]), float(params["epsilon"])
+    except (TypeError, ValueError):
+        return None  # not numbers: each parameter's own check says so
+    return sparsify.della_problem(density, epsilon)
+
+
 def _della(delta, params, rescale, generator, name):
     density = float(params["density"])
     if 0 < density < 1:  # outside (0, 1) nothing is drawn
@@ -131,6 +142,7 @@ class _Family:
     description: str = ""
     # working memory (see MethodSpec): per input, fixed (in compute-dtype copies), dtype-independent bytes
     memory: tuple[float, float, int] = (4.5, 1, 0)
+    model_params_problem: Callable[[dict], str | None] | None = None
 
     def merge(self, inputs: MergeInputs) -> torch.Tensor:
         check_same_shape(inputs, self.name)
@@ -191,6 +203,7 @@ class _Family:
             memory_per_input=self.memory[0],
             memory_fixed=self.memory[1],
             memory_bytes=self.memory[2],
+            model_params_problem=self.model_params_problem,
         )
 
 
@@ -272,6 +285,7 @@ FAMILY: tuple[_Family, ...] = (
         randomized=True,
         description="DELLA MagPrune, TIES sign",
         memory=_CONSENSUS,
+        model_params_problem=_della_params_problem,
     ),
     _Family(
         "della_linear",
@@ -283,6 +297,7 @@ FAMILY: tuple[_Family, ...] = (
         randomized=True,
         description="DELLA, linear sum",
         memory=_RANKED,
+        model_params_problem=_della_params_problem,
     ),
 )
 
