@@ -343,3 +343,39 @@ def test_a_method_value_error_while_merging_is_one_line_naming_the_tensor(tmp_pa
     cfg = write_config(tmp_path / "c.yml", {"merge_method": "linear", "models": models, "dtype": "float32"})
     code, _out, err = run_cli(capsys, "merge", cfg, tmp_path / "out", "-q", "--threads", "2")
     one_line_error(code, err, "model.layers.2.mlp.up_proj.weight", "linear", "these inputs cannot be merged")
+
+
+# ----- 5. MoE configs validate dtype names as merge configs do -------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["moe", "plan"])
+def test_moe_unknown_dtype_fails_before_any_checkpoint_is_opened(tmp_path, capsys, monkeypatch, command):
+    from mergesmith.io.checkpoint import Checkpoint
+
+    def never(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError("a checkpoint was opened before the config was validated")
+
+    monkeypatch.setattr(Checkpoint, "open", never)
+    cfg = write_config(
+        tmp_path / "moe.yml",
+        {
+            "base_model": "a",
+            "gate_mode": "random",
+            "experts": [{"source_model": "b"}, {"source_model": "c"}],
+            "dtype": "banana",
+        },
+    )
+    out = tmp_path / "out"
+    code, _out, err = run_cli(capsys, command, cfg, out)
+    one_line_error(code, err, str(cfg), "`dtype`", "unknown dtype 'banana'", "bfloat16")
+    assert not out.exists()
+
+
+def test_moe_known_dtype_spellings_are_accepted():
+    from mergesmith.moe.config import parse_moe_config
+
+    for name in ("bfloat16", "bf16", "float16", "fp16", "float32", "torch.float32", "float64"):
+        config = parse_moe_config(
+            {"base_model": "a", "gate_mode": "random", "experts": [{"source_model": "b"}] * 2, "dtype": name}
+        )
+        assert config.dtype == name
