@@ -584,3 +584,19 @@ def test_a_shard_changed_since_completion_is_detected(
     assert_same_as_reference(out, linear_case[1], f"after a {change} change")
     calls.clear()
     assert _rerun(linear_case, out).already_complete and calls == []  # the new mtimes are trusted
+
+
+def test_cli_verify_flag_checksums_a_complete_output(
+    tmp_path: Path, linear_case: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mergesmith.cli import main
+
+    out = tmp_path / "out"
+    shards = _complete_copy(linear_case, out)
+    calls = _count_checksums(monkeypatch)
+    for extra, expected in (([], []), (["--verify"], shards)):
+        calls.clear()
+        with pytest.raises(SystemExit) as exit_:
+            main(["merge", str(linear_case[0]), str(out), "-q", "--out-shard-size", SHARD_SIZE, *extra])
+        assert exit_.value.code in (0, None)
+        assert sorted(calls) == expected

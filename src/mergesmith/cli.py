@@ -310,6 +310,13 @@ def _warn_then(quiet: bool, start: Any, prefix: str = "") -> Any:
     return on_plan
 
 
+_verify_option = click.option(
+    "--verify",
+    is_flag=True,
+    help="Checksum every shard of a complete output instead of trusting its unchanged size and mtime.",
+)
+
+
 @cli.command(short_help="Merge a mergekit config into OUT_DIR (resumable).")
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
@@ -317,7 +324,10 @@ def _warn_then(quiet: bool, start: Any, prefix: str = "") -> Any:
 @click.option("--overwrite", is_flag=True, help="Replace a different merge already in OUT_DIR.")
 @click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
-def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, **kw: Any) -> None:
+@_verify_option
+def merge(
+    config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, verify: bool, **kw: Any
+) -> None:
     """Merge the models of CONFIG_FILE into OUT_DIR (rerun to resume an interrupted merge)."""
     from .api import run_merge
     from .moe.config import is_moe_config_file
@@ -332,6 +342,7 @@ def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet:
             options,
             overwrite=overwrite,
             force=force,
+            verify=verify,
             on_plan=_warn_then(quiet, progress.start),
             on_progress=progress.update,
             stop=interrupts.stop,
@@ -401,6 +412,7 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
 @click.option("--overwrite", is_flag=True, help="Replace a different merge already in OUT_DIR.")
 @click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@_verify_option
 def merge_raw(
     config_file: Path,
     out_dir: Path,
@@ -409,6 +421,7 @@ def merge_raw(
     overwrite: bool,
     force: bool,
     quiet: bool,
+    verify: bool,
     **kw: Any,
 ) -> None:
     """Merge bare PyTorch state dicts (.safetensors, .pt, .bin; no config.json) into OUT_DIR.
@@ -431,6 +444,7 @@ def merge_raw(
             tensor_set=tensor_set,
             overwrite=overwrite,
             force=force,
+            verify=verify,
             on_plan=_warn_then(quiet, progress.start),
             on_progress=progress.update,
             stop=interrupts.stop,
@@ -517,6 +531,7 @@ class _StageProgress:
 @click.option("--overwrite", is_flag=True, help="Replace model files in stage directories mergesmith did not write.")
 @click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@_verify_option
 def multi_cmd(
     config_file: Path,
     out_dir: Path,
@@ -525,6 +540,7 @@ def multi_cmd(
     overwrite: bool,
     force: bool,
     quiet: bool,
+    verify: bool,
     **kw: Any,
 ) -> None:
     """Run a multi-stage file (merge documents separated by `---`, each with a `name`) in dependency order.
@@ -553,6 +569,7 @@ def multi_cmd(
                 lazy=lazy,
                 overwrite=overwrite,
                 force=force,
+                verify=verify,
                 on_stage=on_stage,
                 on_plan=_warn_then(quiet, progress.start),
                 on_progress=progress.update,
