@@ -99,3 +99,28 @@ def assert_state_dicts_close(
         assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
         assert a.dtype == e.dtype, f"{name}: dtype {a.dtype} != {e.dtype}"
         torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def run_cli(capsys: Any, *args: str | Path) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the `mergesmith` CLI run in-process (`capsys` is pytest's fixture)."""
+    import pytest
+
+    from mergesmith.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    captured = capsys.readouterr()
+    code = exc.value.code if isinstance(exc.value.code, int) else 1
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code: int, err: str, *names: str, exit_code: int = 2) -> str:
+    """Exit code `exit_code`, stderr exactly one line `error: ...` naming each of `names`, no traceback."""
+    lines = err.strip("\n").splitlines()
+    assert code == exit_code, f"exit {code}, stderr:\n{err}"
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
+    assert lines[0].startswith("error: "), lines[0]
+    assert "Traceback" not in err
+    for name in names:
+        assert name in lines[0], f"{name!r} not named in: {lines[0]}"
+    return lines[0]

@@ -27,6 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mergesmith.cli import main
+from tests.helpers import assert_one_line_error, run_cli
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -34,25 +35,8 @@ INDEX_NAME = "model.safetensors.index.json"
 # ----- helpers --------------------------------------------------------------------------------
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of the CLI run in-process."""
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    captured = capsys.readouterr()
-    code = exc.value.code if isinstance(exc.value.code, int) else 1
-    return code, captured.out, captured.err
 
 
-def assert_one_line_error(code: int, err: str, *names: str, exit_code: int = 2) -> str:
-    """Exit code 2, stderr exactly one line `error: ...` naming each of `names`, no traceback."""
-    lines = err.strip("\n").splitlines()
-    assert code == exit_code, f"exit {code}, stderr:\n{err}"
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
-    assert lines[0].startswith("error: "), lines[0]
-    assert "Traceback" not in err
-    for name in names:
-        assert name in lines[0], f"{name!r} not named in: {lines[0]}"
-    return lines[0]
 
 
 def assert_no_false_complete(out: Path) -> None:

@@ -10,28 +10,7 @@ import click
 import pytest
 import yaml
 
-from mergesmith.cli import main
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of the CLI run in-process."""
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    captured = capsys.readouterr()
-    code = exc.value.code if isinstance(exc.value.code, int) else 1
-    return code, captured.out, captured.err
-
-
-def one_error_line(code: int, err: str, *names: str, exit_code: int = 2) -> str:
-    """stderr is exactly one `error: ...` line naming each of `names`; the exit code is `exit_code`."""
-    lines = err.strip("\n").splitlines()
-    assert code == exit_code, f"exit {code}, stderr:\n{err}"
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
-    assert lines[0].startswith("error: "), lines[0]
-    assert "Traceback" not in err
-    for name in names:
-        assert name in lines[0], f"{name!r} not named in: {lines[0]}"
-    return lines[0]
+from tests.helpers import assert_one_line_error, run_cli
 
 
 def write_yaml(path: Path, config: Any) -> Path:
@@ -53,14 +32,14 @@ def test_no_arguments_prints_the_help_without_an_error_line(capsys: pytest.Captu
 
 def test_unknown_command_is_one_line_with_a_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
     code, _out, err = run_cli(capsys, "mrege")
-    line = one_error_line(code, err, "mrege", "merge")
+    line = assert_one_line_error(code, err, "mrege", "merge")
     assert "mergesmith mergesmith" not in line
     assert "`mergesmith --help`" in line
 
 
 def test_usage_error_in_a_subcommand_points_to_its_help(capsys: pytest.CaptureFixture[str]) -> None:
     code, _out, err = run_cli(capsys, "merge")
-    line = one_error_line(code, err, "CONFIG_FILE")
+    line = assert_one_line_error(code, err, "CONFIG_FILE")
     assert "`mergesmith merge --help`" in line
 
 
@@ -95,8 +74,8 @@ def test_plan_out_dir_that_is_a_file_is_one_line(
 ) -> None:
     out = tmp_path / "taken"
     out.write_text("not a directory")
-    one_error_line(*run_cli(capsys, "plan", linear_cfg, out)[::2], str(out))
-    one_error_line(*run_cli(capsys, "plan", linear_cfg, out / "sub")[::2], str(out))
+    assert_one_line_error(*run_cli(capsys, "plan", linear_cfg, out)[::2], str(out))
+    assert_one_line_error(*run_cli(capsys, "plan", linear_cfg, out / "sub")[::2], str(out))
 
 
 def test_plan_skips_the_write_probe_when_the_disk_is_nearly_full(
@@ -226,7 +205,7 @@ _MOE = {"base_model": "a", "gate_mode": "random", "experts": [{"source_model": "
 def test_multi_document_yaml_points_to_multi(tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
     cfg = tmp_path / "stages.yml"
     cfg.write_text(_TWO_DOCS)
-    one_error_line(*run_cli(capsys, command, cfg, tmp_path / "out")[::2], str(cfg), "mergesmith multi")
+    assert_one_line_error(*run_cli(capsys, command, cfg, tmp_path / "out")[::2], str(cfg), "mergesmith multi")
 
 
 @pytest.mark.parametrize(
@@ -239,14 +218,14 @@ def test_moe_config_given_to_multi_or_merge_raw_points_to_moe(
 ) -> None:
     cfg = write_yaml(tmp_path / "moe.yml", _MOE)
     argv = [a.format(cfg=cfg, out=tmp_path / "out") for a in args]
-    one_error_line(*run_cli(capsys, *argv)[::2], str(cfg), "mergesmith moe")
+    assert_one_line_error(*run_cli(capsys, *argv)[::2], str(cfg), "mergesmith moe")
     assert not (tmp_path / "out").exists()
 
 
 def test_moe_document_in_a_multi_stage_file_points_to_moe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "stages.yml"
     cfg.write_text(_TWO_DOCS.split("---")[0] + "---\n" + yaml.safe_dump(_MOE))
-    line = one_error_line(*run_cli(capsys, "multi", cfg, "--out-dir", tmp_path / "out")[::2], "mergesmith moe")
+    line = assert_one_line_error(*run_cli(capsys, "multi", cfg, "--out-dir", tmp_path / "out")[::2], "mergesmith moe")
     assert "document 2" in line
 
 
@@ -255,12 +234,12 @@ def test_empty_config_file_says_it_is_empty(tmp_path: Path, capsys: pytest.Captu
     cfg = tmp_path / "c.yml"
     cfg.write_text("# nothing yet\n")
     out = ["--out-dir", tmp_path / "out"] if command == "multi" else [tmp_path / "out"]
-    one_error_line(*run_cli(capsys, command, cfg, *out)[::2], f"{cfg}: the config file is empty")
+    assert_one_line_error(*run_cli(capsys, command, cfg, *out)[::2], f"{cfg}: the config file is empty")
 
 
 def test_models_as_plain_strings_says_how_to_write_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = write_yaml(tmp_path / "c.yml", {"merge_method": "linear", "models": ["org/model-a", "org/model-b"]})
-    one_error_line(*run_cli(capsys, "plan", cfg)[::2], "models[0]", "- model: org/model-a")
+    assert_one_line_error(*run_cli(capsys, "plan", cfg)[::2], "models[0]", "- model: org/model-a")
 
 
 @pytest.mark.parametrize("command", ["merge", "plan", "multi", "merge-raw", "moe"])
@@ -268,7 +247,7 @@ def test_config_path_that_is_a_directory(tmp_path: Path, capsys: pytest.CaptureF
     cfg = tmp_path / "configs"
     cfg.mkdir()
     out = ["--out-dir", tmp_path / "out"] if command == "multi" else [tmp_path / "out"]
-    one_error_line(*run_cli(capsys, command, cfg, *out)[::2], str(cfg), "is a directory")
+    assert_one_line_error(*run_cli(capsys, command, cfg, *out)[::2], str(cfg), "is a directory")
 
 
 # ----- 7. --ray-address and --device with the Ray executor ------------------------------------
@@ -279,7 +258,7 @@ def test_ray_address_without_the_ray_executor_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], linear_cfg: Path, command: str
 ) -> None:
     out = tmp_path / "out"
-    one_error_line(*run_cli(capsys, command, linear_cfg, out, "--ray-address", "auto")[::2], "--executor ray")
+    assert_one_line_error(*run_cli(capsys, command, linear_cfg, out, "--ray-address", "auto")[::2], "--executor ray")
     assert not out.exists()
 
 
@@ -291,7 +270,7 @@ def test_device_cuda_with_the_ray_executor_is_not_checked_on_the_driver(
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    one_error_line(*run_cli(capsys, "plan", linear_cfg, "--device", "cuda")[::2], "--device cuda")
+    assert_one_line_error(*run_cli(capsys, "plan", linear_cfg, "--device", "cuda")[::2], "--device cuda")
     code, out, err = run_cli(capsys, "plan", linear_cfg, "--device", "cuda", "--executor", "ray", "--json")
     assert code == 0, err
 
@@ -354,7 +333,7 @@ def test_out_dir_inside_an_input_model_directory_is_refused(
     if exists:
         out.mkdir(parents=True)
     before = sorted(p.relative_to(mine) for p in mine.rglob("*"))
-    line = one_error_line(*run_cli(capsys, "merge", cfg, out)[::2], str(out), "inside", str(mine))
+    line = assert_one_line_error(*run_cli(capsys, "merge", cfg, out)[::2], str(out), "inside", str(mine))
     assert "input model" in line
     assert sorted(p.relative_to(mine) for p in mine.rglob("*")) == before
 
@@ -391,5 +370,5 @@ def test_config_validation_errors_exit_2_with_one_line(
     config, names = _INVALID_CONFIGS[case]
     cfg = write_yaml(tmp_path / "c.yml", config)
     out = tmp_path / "out"
-    one_error_line(*run_cli(capsys, command, cfg, out)[::2], str(cfg), *names)
+    assert_one_line_error(*run_cli(capsys, command, cfg, out)[::2], str(cfg), *names)
     assert not out.exists()

@@ -11,15 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mergesmith.cli import main
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    captured = capsys.readouterr()
-    code = exc.value.code if isinstance(exc.value.code, int) else 1
-    return code, captured.out, captured.err
+from tests.helpers import run_cli
 
 
 def one_line_error(code: int, err: str, *names: str) -> str:

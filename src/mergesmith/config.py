@@ -20,6 +20,20 @@ from .errors import ConfigError
 ScalarOrGradient = Union[bool, int, float, str, list[Union[bool, int, float, str]]]
 
 
+def known_dtype_name(value: str | None) -> str | None:
+    """A config dtype name the planner can use (for pydantic validators of merge and MoE configs), checked while
+    the config is read so that a typo fails before any model is opened."""
+    if value is None:
+        return value
+    from .dtypes import parse_config_dtype  # imports torch: only for configs that name a dtype
+
+    try:
+        parse_config_dtype(value, "dtype")
+    except ConfigError:
+        raise ValueError(f"unknown dtype {value!r} (use one of bfloat16, float16, float32, float64)") from None
+    return value
+
+
 class ConditionalParameter(BaseModel):
     """A value that applies to tensors whose name contains `filter` (or to all, without a filter)."""
 
@@ -96,16 +110,7 @@ class MergeConfiguration(_Strict):
     @field_validator("dtype", "out_dtype")
     @classmethod
     def _known_dtype(cls, value: str | None) -> str | None:
-        """A dtype name the planner can use, checked here so a typo fails before any model is opened."""
-        if value is None:
-            return value
-        from .dtypes import parse_config_dtype  # imports torch: only for configs that name a dtype
-
-        try:
-            parse_config_dtype(value, "dtype")
-        except ConfigError:
-            raise ValueError(f"unknown dtype {value!r} (use one of bfloat16, float16, float32, float64)") from None
-        return value
+        return known_dtype_name(value)
 
     @model_validator(mode="after")
     def _models_or_slices(self) -> MergeConfiguration:

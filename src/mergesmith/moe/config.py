@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..config import read_yaml
+from ..config import known_dtype_name, read_yaml
 from ..errors import ConfigError
 
 GateMode = Literal["hidden", "cheap_embed", "random", "uniform_random", "hidden_avg", "hidden_last"]
@@ -51,16 +51,7 @@ class MoEConfiguration(_Strict):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, value: str | None) -> str | None:
-        """A dtype name the planner can use (as for merge configs): a typo fails before any model is opened."""
-        if value is None:
-            return value
-        from ..dtypes import parse_config_dtype  # imports torch: only for configs that name a dtype
-
-        try:
-            parse_config_dtype(value, "dtype")
-        except ConfigError:
-            raise ValueError(f"unknown dtype {value!r} (use one of bfloat16, float16, float32, float64)") from None
-        return value
+        return known_dtype_name(value)
 
     def referenced_models(self) -> list[str]:
         """Every model the config names, base first, each once."""
