@@ -115,12 +115,23 @@ def run_cli(capsys: Any, *args: str | Path) -> tuple[int, str, str]:
 
 
 def assert_one_line_error(code: int, err: str, *names: str, exit_code: int = 2) -> str:
-    """Exit code `exit_code`, stderr exactly one line `error: ...` naming each of `names`, no traceback."""
+    """Exit code `exit_code`, stderr exactly one line `error: ...` naming each of `names`, no traceback; a user error
+    (exit 2) is never reported as an internal error."""
     lines = err.strip("\n").splitlines()
     assert code == exit_code, f"exit {code}, stderr:\n{err}"
     assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
     assert lines[0].startswith("error: "), lines[0]
     assert "Traceback" not in err
+    if exit_code == 2:
+        assert "internal error" not in lines[0], lines[0]
     for name in names:
         assert name in lines[0], f"{name!r} not named in: {lines[0]}"
     return lines[0]
+
+
+def write_config(path: Path, data: dict[str, Any]) -> Path:
+    """Write a YAML config (keys in the order given, as a user writes them) and return its path."""
+    import yaml
+
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

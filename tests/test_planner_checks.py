@@ -11,27 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mergesmith.cli import main
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    code = exc.value.code if isinstance(exc.value.code, int) else 1
-    return code, capsys.readouterr().err
-
-
-def one_line_error(code: int, err: str, *names: str) -> str:
-    lines = err.strip("\n").splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
-    for name in names:
-        assert name in lines[0], f"{name!r} not named in: {lines[0]}"
-    return lines[0]
-
-
-def write_config(path: Path, data: dict[str, Any]) -> Path:
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+from tests.helpers import assert_one_line_error, run_cli, write_config
 
 
 def linear(tmp_path: Path, *models: Path, **top: Any) -> Path:
@@ -45,19 +25,19 @@ def linear(tmp_path: Path, *models: Path, **top: Any) -> Path:
 def test_different_architectures_need_allow_crimes(tmp_path, tiny_models, capsys):
     llama, mistral = tiny_models("llama", seed=1), tiny_models("mistral", seed=2)
     cfg = linear(tmp_path, llama, mistral)
-    code, err = run_cli(capsys, "merge", cfg, tmp_path / "out", "-q")
-    line = one_line_error(code, err, str(llama), str(mistral), "LlamaForCausalLM", "MistralForCausalLM")
+    code, _out, err = run_cli(capsys, "merge", cfg, tmp_path / "out", "-q")
+    line = assert_one_line_error(code, err, str(llama), str(mistral), "LlamaForCausalLM", "MistralForCausalLM")
     assert "--allow-crimes" in line
     assert not (tmp_path / "out").exists()
 
-    code, err = run_cli(capsys, "merge", cfg, tmp_path / "out", "-q", "--allow-crimes")
+    code, _out, err = run_cli(capsys, "merge", cfg, tmp_path / "out", "-q", "--allow-crimes")
     assert code == 0, err
     assert (tmp_path / "out" / "config.json").is_file()
 
 
 def test_same_architecture_needs_no_allow_crimes(tmp_path, tiny_models, capsys):
     cfg = linear(tmp_path, tiny_models("llama", seed=1), tiny_models("llama", seed=2))
-    code, err = run_cli(capsys, "plan", cfg)
+    code, _out, err = run_cli(capsys, "plan", cfg)
     assert code == 0, err
 
 
@@ -66,8 +46,8 @@ def test_shape_mismatch_is_a_plan_time_error_even_with_allow_crimes(tmp_path, ti
     llama, wider = tiny_models("llama", seed=1), tiny_models("llama", seed=3, intermediate_size=96)
     out = tmp_path / "out"
     args = ["merge", linear(tmp_path, llama, wider), out, "-q"] + (["--allow-crimes"] if crimes else [])
-    code, err = run_cli(capsys, *args)
-    line = one_line_error(code, err, "mlp.", "shapes differ", str(llama), str(wider))
+    code, _out, err = run_cli(capsys, *args)
+    line = assert_one_line_error(code, err, "mlp.", "shapes differ", str(llama), str(wider))
     assert "internal error" not in line
     assert not out.exists()  # refused before the output directory (or its .mergesmith/) was made
 
@@ -131,8 +111,8 @@ REPO = Path(__file__).resolve().parent.parent
 def test_unknown_parameter_names_fail_before_any_checkpoint_is_opened(tmp_path, capsys, config, key, hint):
     # the models do not exist: the error must be about the parameter, found before anything is opened
     cfg = write_config(tmp_path / "c.yml", config)
-    code, err = run_cli(capsys, "plan", cfg)
-    one_line_error(code, err, str(cfg), f"`{key}`", f"{config['merge_method']!r}", hint)
+    code, _out, err = run_cli(capsys, "plan", cfg)
+    assert_one_line_error(code, err, str(cfg), f"`{key}`", f"{config['merge_method']!r}", hint)
 
 
 def test_declared_parameters_at_every_level_are_accepted():
@@ -231,8 +211,8 @@ def test_an_unknown_dtype_fails_before_any_checkpoint_is_opened(tmp_path, capsys
     cfg = write_config(
         tmp_path / "c.yml", {"merge_method": "linear", "models": [{"model": "a"}, {"model": "b"}], key: "banana"}
     )
-    code, err = run_cli(capsys, "plan", cfg)
-    line = one_line_error(code, err, str(cfg), f"`{key}`", "unknown dtype 'banana'", "bfloat16")
+    code, _out, err = run_cli(capsys, "plan", cfg)
+    line = assert_one_line_error(code, err, str(cfg), f"`{key}`", "unknown dtype 'banana'", "bfloat16")
     assert "internal error" not in line
 
 

@@ -11,22 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helpers import run_cli
-
-
-def one_line_error(code: int, err: str, *names: str) -> str:
-    lines = err.strip("\n").splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
-    assert "internal error" not in lines[0]
-    for name in names:
-        assert name in lines[0], f"{name!r} not named in: {lines[0]}"
-    return lines[0]
-
-
-def write_config(path: Path, data: dict[str, Any]) -> Path:
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
+from tests.helpers import assert_one_line_error, run_cli, write_config
 
 # ----- 1. vocabulary sizes differ without a tokenizer section ----------------------------------------------------
 
@@ -173,7 +158,7 @@ def test_extract_lora_on_a_missing_device_is_one_line_and_writes_nothing(tmp_pat
         "--device",
         device,
     )
-    one_line_error(code, err, f"--device {device}", "available")
+    assert_one_line_error(code, err, f"--device {device}", "available")
     assert not out.exists()
 
     from mergesmith.errors import ConfigError
@@ -305,7 +290,7 @@ def test_della_density_epsilon_out_of_range_is_a_plan_time_error(tmp_path, tiny_
     out = tmp_path / "out"
     args = [command, cfg, out, "--random-seed", "1"] + (["-q"] if command == "merge" else [])
     code, _out, err = run_cli(capsys, *args)
-    one_line_error(code, err, str(tuned), method, "density (0.5)", "epsilon (0.6)")
+    assert_one_line_error(code, err, str(tuned), method, "density (0.5)", "epsilon (0.6)")
     assert not out.exists()
 
 
@@ -313,7 +298,7 @@ def test_della_check_resolves_gradients_per_layer(tmp_path, tiny_models, capsys)
     """density 0.2 -> 0.9 over the layers: fine for the first, 0.9 + 0.15 is past 1 for the last."""
     cfg, tuned = _della_cfg(tmp_path, tiny_models, "della", density=[0.2, 0.9])
     code, _out, err = run_cli(capsys, "plan", cfg, "--random-seed", "1")
-    line = one_line_error(code, err, str(tuned), "density (0.9)", "epsilon (0.15)")
+    line = assert_one_line_error(code, err, str(tuned), "density (0.9)", "epsilon (0.15)")
     assert "layers.3." in line
     cfg, _ = _della_cfg(tmp_path, tiny_models, "della", density=[0.2, 0.8])
     code, _out, err = run_cli(capsys, "plan", cfg, "--random-seed", "1")
@@ -334,7 +319,7 @@ def test_a_method_value_error_while_merging_is_one_line_naming_the_tensor(tmp_pa
     models = [{"model": str(tiny_models("llama", seed=s)), "parameters": {"weight": 1}} for s in (1, 3)]
     cfg = write_config(tmp_path / "c.yml", {"merge_method": "linear", "models": models, "dtype": "float32"})
     code, _out, err = run_cli(capsys, "merge", cfg, tmp_path / "out", "-q", "--threads", "2")
-    one_line_error(code, err, "model.layers.2.mlp.up_proj.weight", "linear", "these inputs cannot be merged")
+    assert_one_line_error(code, err, "model.layers.2.mlp.up_proj.weight", "linear", "these inputs cannot be merged")
 
 
 # ----- 5. MoE configs validate dtype names as merge configs do -------------------------------------------------------
@@ -359,7 +344,7 @@ def test_moe_unknown_dtype_fails_before_any_checkpoint_is_opened(tmp_path, capsy
     )
     out = tmp_path / "out"
     code, _out, err = run_cli(capsys, command, cfg, out)
-    one_line_error(code, err, str(cfg), "`dtype`", "unknown dtype 'banana'", "bfloat16")
+    assert_one_line_error(code, err, str(cfg), "`dtype`", "unknown dtype 'banana'", "bfloat16")
     assert not out.exists()
 
 
