@@ -20,7 +20,8 @@ fraction concentrates at p). A density of 1 or more returns the task vector unto
 Random rules draw only from the generator they are given, in a fixed order, so results are identical
 for a given seed whatever the thread count. The generator is a CPU one and the draws are made on the
 CPU (then moved to the tensor's device), so a seed gives the same mask on any device. Magnitude
-ranks use torch's sort, the same call as mergekit, so equal magnitudes are broken the same way.
+ranks are those of torch's sort of the float32 magnitudes, mergekit's call, so equal magnitudes are broken
+the same way; on the CPU sort_select finds that sort's window without paying for the whole sort.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .reductions import total
+from .sort_select import sorted_window_mask
 
 L1_EPS = 1e-7
 """Below this L1 norm (before or after masking) a task vector is not rescaled."""
@@ -65,11 +67,7 @@ def magnitude(delta: torch.Tensor, density: float, rescale: bool = False) -> tor
     if density <= 0 or delta.numel() == 0:
         return torch.zeros_like(delta)
     k = max(1, int(density * delta.numel()))
-    magnitudes = delta.abs().reshape(-1)
-    if magnitudes.device.type == "cpu":
-        magnitudes = magnitudes.float()
-    mask = torch.zeros(delta.numel(), dtype=delta.dtype, device=delta.device)
-    mask[torch.argsort(magnitudes, descending=True)[:k]] = 1
+    mask = sorted_window_mask(delta.abs().reshape(-1), 0, k, descending=True)
     return keep_l1_norm(delta, mask.reshape_as(delta), rescale)
 
 
@@ -81,12 +79,7 @@ def magnitude_outliers(delta: torch.Tensor, density: float, gamma: float = 0.01,
     keep = int(density * n)
     top = int(gamma * n)
     bottom = max(0, n - keep - top)
-    magnitudes = delta.abs().reshape(-1)
-    if magnitudes.device.type == "cpu":
-        magnitudes = magnitudes.float()
-    ascending = torch.sort(magnitudes, descending=False).indices
-    mask = torch.zeros(n, dtype=delta.dtype, device=delta.device)
-    mask[ascending[bottom : bottom + keep]] = 1
+    mask = sorted_window_mask(delta.abs().reshape(-1), bottom, bottom + keep, descending=False)
     return keep_l1_norm(delta, mask.reshape_as(delta), rescale)
 
 

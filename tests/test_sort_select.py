@@ -1,0 +1,127 @@
+"""sort_select must pick exactly the entries torch's CPU sort puts in a window, ties included: TIES and
+Breadcrumbs stay bit-equal to mergekit only if equal magnitudes are broken as `torch.sort` breaks them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mergesmith.methods import sort_select
+from mergesmith.methods.sparsify import magnitude, magnitude_outliers
+
+
+def sorted_window_reference(values: torch.Tensor, lo: int, hi: int, descending: bool) -> torch.Tensor:
+    mask = torch.zeros(values.numel(), dtype=torch.bool)
+    mask[torch.sort(values.float(), descending=descending).indices[lo:hi]] = True
+    return mask
+
+
+def magnitudes(kind: str, n: int, generator: torch.Generator) -> torch.Tensor:
+    """Inputs with few, many or no repeated values, in orders that stress the partition."""
+    if kind == "bf16_deltas":  # a bf16 task vector's magnitudes: many ties at every value
+        a = (torch.randn(n, generator=generator) * 0.01).bfloat16()
+        b = (torch.randn(n, generator=generator) * 0.01).bfloat16()
+        return (a - b).abs()
+    if kind == "few_values":
+        return torch.randint(0, 5, (n,), generator=generator).float()
+    if kind == "distinct":
+        return torch.randn(n, generator=generator).abs()
+    if kind == "ascending":
+        return torch.randint(0, 50, (n,), generator=generator).float().sort().values
+    if kind == "descending_fp16":
+        return torch.randint(0, 50, (n,), generator=generator).float().sort(descending=True).values.half()
+    if kind == "all_equal":
+        return torch.zeros(n)
+    if kind == "organ_pipe":
+        half = torch.arange(n // 2, dtype=torch.float32)
+        return torch.cat([half, half.flip(0), torch.zeros(n - 2 * (n // 2))])
+    raise AssertionError(kind)
+
+
+KINDS = ["bf16_deltas", "few_values", "distinct", "ascending", "descending_fp16", "all_equal", "organ_pipe"]
+
+
+@pytest.fixture
+def replay_everything(monkeypatch):
+    """Replay even tiny inputs, with tiny blocks and exchange chunks, so every bookkeeping branch runs."""
+    monkeypatch.setattr(sort_select, "REPLAY_MIN_ENTRIES", 0)
+    monkeypatch.setattr(sort_select, "_BLOCK", 61)
+    monkeypatch.setattr(sort_select, "_SWAP_CHUNK", 17)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_small_windows_match_torch_sort(replay_everything, kind):
+    generator = torch.Generator().manual_seed(KINDS.index(kind))
+    replayed = 0
+    for _ in range(60):
+        n = int(torch.randint(1, 3000, (1,), generator=generator))
+        values = magnitudes(kind, n, generator)
+        lo = int(torch.randint(0, n + 1, (1,), generator=generator))
+        hi = int(torch.randint(lo, n + 1, (1,), generator=generator))
+        for window in ((lo, hi), (0, hi), (lo, n)):
+            for descending in (True, False):
+                expected = sorted_window_reference(values, *window, descending)
+                assert torch.equal(sort_select.sorted_window_mask(values, *window, descending), expected), (
+                    kind, n, window, descending)
+        packed = sort_select._packed_keys(values)
+        replayed += packed is not None and sort_select._replay(packed, lo, hi, True)
+    if kind != "organ_pipe":  # median-of-3 degrades on it: some draws spend the depth budget (checked above)
+        assert replayed == 60
+
+
+@pytest.mark.parametrize("n, density", [(1 << 17, 0.5), (300_001, 0.1), (2_500_000, 0.73)])
+def test_large_bf16_windows_match_torch_sort(n, density):
+    """Sizes above the replay threshold and the block size, with the default settings."""
+    values = magnitudes("bf16_deltas", n, torch.Generator().manual_seed(n))
+    k = int(density * n)
+    assert torch.equal(sort_select.sorted_window_mask(values, 0, k, True), sorted_window_reference(values, 0, k, True))
+    lo, hi = n // 100, n // 100 + k // 2
+    assert torch.equal(sort_select.sorted_window_mask(values, lo, hi, False),
+                       sorted_window_reference(values, lo, hi, False))
+
+
+@pytest.mark.parametrize("values", [
+    torch.tensor([1.0, float("nan"), 0.5] * 50),
+    torch.tensor([1.0, -0.0, 0.0, 2.0] * 50),
+    torch.tensor([1.0, -3.0, 2.0, 0.5] * 50),
+    torch.arange(200, dtype=torch.float64),
+], ids=["nan", "negative_zero", "negative", "float64"])
+def test_inputs_the_replay_cannot_order_use_the_full_sort(replay_everything, values):
+    assert sort_select._packed_keys(values) is None
+    for descending in (True, False):
+        assert torch.equal(sort_select.sorted_window_mask(values, 10, 90, descending),
+                           sorted_window_reference(values, 10, 90, descending))
+
+
+def test_a_spent_depth_budget_falls_back_to_the_full_sort(replay_everything, monkeypatch):
+    """libstdc++ heap-sorts a range whose depth budget is spent; that is not replayed, so the full sort decides."""
+    values = magnitudes("bf16_deltas", 5000, torch.Generator().manual_seed(3))
+    monkeypatch.setattr(sort_select, "depth_budget", lambda n: 1)
+    assert sort_select._replay(sort_select._packed_keys(values), 0, 2500, True) is False
+    assert torch.equal(sort_select.sorted_window_mask(values, 0, 2500, True),
+                       sorted_window_reference(values, 0, 2500, True))
+
+
+def test_full_and_empty_windows():
+    values = torch.rand(100)
+    assert sort_select.sorted_window_mask(values, 0, 100, True).all()
+    assert not sort_select.sorted_window_mask(values, 40, 40, True).any()
+
+
+def test_ties_trim_and_breadcrumbs_equal_mergekits_formulas():
+    """magnitude and magnitude_outliers on a tensor big enough to be replayed, against mergekit 0.1.5's
+    argsort formulas written out (rows of 512 x 640 = 327,680 bf16 entries)."""
+    generator = torch.Generator().manual_seed(7)
+    delta = ((torch.randn(512, 640, generator=generator) * 0.01).bfloat16()
+             - (torch.randn(512, 640, generator=generator) * 0.01).bfloat16())
+    n = delta.numel()
+    for density in (0.2, 0.5, 0.9):
+        k = int(density * n)
+        mask = torch.zeros(n, dtype=delta.dtype)
+        mask[torch.argsort(delta.abs().reshape(-1).float(), descending=True)[:k]] = 1
+        assert torch.equal(magnitude(delta, density), delta * mask.reshape_as(delta))
+        keep, top = k, int(0.01 * n)
+        bottom = n - keep - top
+        mask = torch.zeros(n, dtype=delta.dtype)
+        mask[torch.sort(delta.abs().reshape(-1).float()).indices[bottom : bottom + keep]] = 1
+        assert torch.equal(magnitude_outliers(delta, density, 0.01), delta * mask.reshape_as(delta))
