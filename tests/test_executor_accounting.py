@@ -87,10 +87,10 @@ def _record_budgets(monkeypatch: Any) -> list[Any]:
             self.items = self.most_items = 0
             budgets.append(self)
 
-        def acquire(self, cost: int, stop: Any) -> bool:
-            admitted = super().acquire(cost, stop)
+        def acquire_first(self, costs: list[int], stop: Any) -> int | None:
+            admitted = super().acquire_first(costs, stop)
             with self._cond:
-                self.items += admitted
+                self.items += admitted is not None
                 self.most_items = max(self.most_items, self.items)
             return admitted
 
@@ -111,16 +111,19 @@ def _record_budgets(monkeypatch: Any) -> list[Any]:
 
 
 def test_the_memory_budget_bounds_the_bytes_in_flight(tmp_path: Path, tiny_models: Any, monkeypatch: Any) -> None:
-    from mergesmith.planner import recipe_memory
+    from mergesmith.planner import automatic_budget, recipe_memory
 
     cfg = _linear_config(tmp_path, tiny_models)
     budgets = _record_budgets(monkeypatch)
 
-    # Without a budget, four threads hold several recipes at once: more than the largest one alone
-    # (so this test would notice a budget that admitted everything).
+    # Without --max-memory, the automatic budget (the largest recipe plus a typical one per other thread)
+    # still lets four threads hold several recipes at once: more than the largest one alone (so this test
+    # would notice a budget that admitted everything).
     plan = run_merge(cfg, tmp_path / "free", MergeOptions(threads=4)).plan
-    largest = max(recipe_memory(r, plan.compute_dtype) for r in plan.recipes)
-    assert budgets[-1].limit is None and budgets[-1].most_items >= 3 and budgets[-1].peak > largest
+    costs = [recipe_memory(r, plan.compute_dtype) for r in plan.recipes]
+    largest = max(costs)
+    assert budgets[-1].limit == automatic_budget(costs, 4)
+    assert budgets[-1].most_items >= 3 and largest < budgets[-1].peak <= budgets[-1].limit
 
     # A budget of the largest working set: small recipes still run side by side, never over the budget.
     budget = largest
@@ -132,3 +135,47 @@ def test_the_memory_budget_bounds_the_bytes_in_flight(tmp_path: Path, tiny_model
     # A budget below the largest working set still completes, an oversized recipe running alone.
     run_merge(cfg, tmp_path / "tiny", MergeOptions(threads=4, max_memory=1))
     assert budgets[-1].peak <= largest and budgets[-1].most_items == 1
+
+
+def test_automatic_budget_lets_the_giants_take_turns_but_not_alike_tensors() -> None:
+    from mergesmith.planner import automatic_budget
+
+    assert automatic_budget([10] * 8, 4) == 40  # tensors all alike: four at a time
+    # llama-like: embedding and head of 100, MLP matrices of 18, attention of 6 (size-weighted median: 18)
+    costs = [100, 100] + [18] * 66 + [6] * 88
+    assert automatic_budget(costs, 2) == 118 < 200
+    assert automatic_budget(costs, 1) == 100
+    assert automatic_budget([], 4) == 0
+
+
+def test_the_largest_recipes_take_turns_while_smaller_ones_fill_the_other_thread(
+    tmp_path: Path, tiny_models: Any, monkeypatch: Any
+) -> None:
+    """Without --max-memory, embed_tokens and lm_head (4x any layer tensor here) never run at once, and the
+    executor looks past the one that waits, so the other thread keeps merging layer tensors meanwhile."""
+    import time
+
+    from mergesmith import executor
+
+    lock = threading.Lock()
+    active: set[str] = set()
+    seen: list[frozenset[str]] = []
+    real_compute = executor.compute
+
+    def tracking_compute(recipe: Any, *args: Any, **kwargs: Any) -> Any:
+        with lock:
+            active.add(recipe.name)
+            seen.append(frozenset(active))
+        try:
+            time.sleep(0.05)
+            return real_compute(recipe, *args, **kwargs)
+        finally:
+            with lock:
+                active.discard(recipe.name)
+
+    monkeypatch.setattr(executor, "compute", tracking_compute)
+    plan = run_merge(_linear_config(tmp_path, tiny_models), tmp_path / "out", MergeOptions(threads=2)).plan
+    giants = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert giants <= {r.name for r in plan.recipes}
+    assert not any(giants <= running for running in seen)
+    assert any(len(running) == 2 and running & giants for running in seen)

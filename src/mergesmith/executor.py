@@ -26,10 +26,14 @@ from .io.journal import Journal, partial_path
 from .io.safetensors_writer import ShardWriter
 from .methods import MergeInputs, require_method
 from .plan import InputRef, Plan, ShardPlan, TensorRecipe
-from .planner import recipe_memory
+from .planner import automatic_budget, recipe_memory
 
 JOURNAL_INTERVAL_S = 1.0
 PREFETCH_BYTES = 512 << 20
+ADMISSION_WINDOW = 16
+"""How far past a recipe that does not fit the budget the executor looks for one that does (so a thread
+is not idle while, say, lm_head waits for embed_tokens to finish); after this many recipes have gone past
+it, the waiting one is admitted next, as soon as it fits."""
 
 
 @dataclass
@@ -49,15 +53,21 @@ class MemoryBudget:
         self.peak = 0  # the most bytes ever admitted at once: a statistic for tests and reports
         self._cond = threading.Condition()
 
-    def acquire(self, cost: int, stop: threading.Event) -> bool:
+    def fits(self, cost: int) -> bool:
+        return self.limit is None or self.in_flight == 0 or self.in_flight + cost <= self.limit
+
+    def acquire_first(self, costs: list[int], stop: threading.Event) -> int | None:
+        """Admit the first of `costs` that fits, waiting until one does; its position, or None when stopped."""
         with self._cond:
-            while self.limit is not None and self.in_flight > 0 and self.in_flight + cost > self.limit:
+            while True:
+                for position, cost in enumerate(costs):
+                    if self.fits(cost):
+                        self.in_flight += cost
+                        self.peak = max(self.peak, self.in_flight)
+                        return position
                 if stop.is_set():
-                    return False
+                    return None
                 self._cond.wait(0.2)
-            self.in_flight += cost
-            self.peak = max(self.peak, self.in_flight)
-            return True
 
     def release(self, cost: int) -> None:
         with self._cond:
@@ -234,28 +244,33 @@ class LocalExecutor:
             work.extend((shard, r) for r in todo)
         self._emit(None)
 
+        if self.budget.limit is None:
+            self.budget.limit = automatic_budget(
+                [recipe_memory(r, self.plan.compute_dtype) for r in self.plan.recipes], self.threads
+            )
+        costs = [recipe_memory(recipe, self.plan.compute_dtype) for _, recipe in work]
         slots = threading.Semaphore(self.threads)
         flusher_done = threading.Event()
         flusher = threading.Thread(target=self._flush_loop, args=(flusher_done,), name="merge-flush", daemon=True)
         flusher.start()
         prefetched = 0
+        waiting = list(range(len(work)))  # indices into work, in plan order, not yet admitted
+        head_passed = 0  # recipes admitted ahead of waiting[0] since it first waited
         with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="merge") as pool:
             futures: list[Future[None]] = []
-            for index, (shard, recipe) in enumerate(work):
-                if self.stop.is_set() or self._error is not None:
-                    break
-                prefetched = self._prefetch(work, index, prefetched)
-                cost = recipe_memory(recipe, self.plan.compute_dtype)
-                while not slots.acquire(timeout=0.2):
-                    if self.stop.is_set() or self._error is not None:
-                        break
-                else:
-                    if not self.budget.acquire(cost, self.stop):
-                        slots.release()
-                        break
-                    futures.append(pool.submit(self._run_one, shard, recipe, cost, slots))
+            while waiting and not self._stopping():
+                if not slots.acquire(timeout=0.2):
                     continue
-                break
+                window = waiting[: ADMISSION_WINDOW if head_passed < ADMISSION_WINDOW else 1]
+                position = self.budget.acquire_first([costs[i] for i in window], self.stop)
+                if position is None:
+                    slots.release()
+                    break
+                head_passed = head_passed + 1 if position else 0
+                index = waiting.pop(position)
+                shard, recipe = work[index]
+                prefetched = self._prefetch(work, index, prefetched)
+                futures.append(pool.submit(self._run_one, shard, recipe, costs[index], slots))
             for f in futures:
                 f.exception()  # wait for everything in flight
         flusher_done.set()
@@ -269,6 +284,9 @@ class LocalExecutor:
                 f"interrupted: {finished} of {len(self.plan.shards)} shards and {self._done} of {total} tensors "
                 "are saved; run the same command again to resume"
             )
+
+    def _stopping(self) -> bool:
+        return self.stop.is_set() or self._error is not None
 
     def _run_one(self, shard: ShardPlan, recipe: TensorRecipe, cost: int, slots: threading.Semaphore) -> None:
         try:

@@ -551,12 +551,34 @@ def estimate_plan(
     costs.sort(key=lambda c: c[0], reverse=True)
     threads = max(1, threads)
     peak = sum(c for c, _ in costs[:threads])
-    if max_memory:
-        peak = max(min(peak, max_memory), costs[0][0])
+    budget = max_memory or automatic_budget([c for c, _ in costs], threads)
+    peak = max(min(peak, budget), costs[0][0])
     largest = costs[0][1]
     return Estimate(
         bytes_read, sum(r.nbytes for r in recipes), peak, largest.name if largest else "", costs[0][0], threads
     )
+
+
+def automatic_budget(costs: Sequence[int], threads: int) -> int:
+    """The memory budget of a merge run without --max-memory: the largest recipe plus, for every other
+    thread, a typical one (the size-weighted median: half of all working bytes are in recipes no larger).
+
+    Why not unlimited: then the peak is the `threads` largest recipes at once, in a language model the
+    embedding and the output head (the largest tensors by far), while hundreds of layer tensors could
+    keep the other threads just as busy. With this budget the giants take turns and layer tensors fill the
+    other threads (the executor looks past a recipe that does not fit, see ADMISSION_WINDOW); a model whose
+    tensors are all alike still runs `threads` of them at once.
+    """
+    ordered = sorted(c for c in costs if c > 0)
+    if not ordered:
+        return 0
+    half, running, typical = sum(ordered) / 2, 0, ordered[-1]
+    for cost in ordered:
+        running += cost
+        if running >= half:
+            typical = cost
+            break
+    return ordered[-1] + (max(1, threads) - 1) * typical
 
 
 def recipe_memory(recipe: TensorRecipe, compute_dtype: str) -> int:

@@ -69,14 +69,124 @@ def sorted_window_mask(values: torch.Tensor, lo: int, hi: int, descending: bool)
         return torch.zeros(n, dtype=torch.bool, device=values.device)
     if lo == 0 and hi == n:
         return torch.ones(n, dtype=torch.bool, device=values.device)
+    if n >= REPLAY_MIN_ENTRIES:
+        mask = _keys_only_window(values, lo, hi, descending)
+        if mask is not None:
+            return torch.from_numpy(mask)
     packed = _packed_keys(values) if n >= REPLAY_MIN_ENTRIES else None
-    if packed is not None and _replay(packed, lo, hi, descending):
-        mask = np.zeros(n, dtype=np.bool_)
-        mask[packed[lo:hi] & _INDEX_MASK] = True
-        return torch.from_numpy(mask)
+    if packed is not None:
+        dtype = values.dtype
+        del values  # the packed keys hold everything; a caller's temporary magnitudes can go now
+        if _replay(packed, lo, hi, descending):
+            mask = np.zeros(n, dtype=np.bool_)
+            for start in range(lo, hi, _BLOCK):  # in blocks: no window-sized index temporary
+                mask[packed[start : min(hi, start + _BLOCK)] & _INDEX_MASK] = True
+            return torch.from_numpy(mask)
+        values = _unpacked_values(packed, dtype)
     order = torch.sort(values.float() if values.device.type == "cpu" else values, descending=descending).indices
     mask = torch.zeros(n, dtype=torch.bool, device=values.device)
     mask[order[lo:hi]] = True
+    return mask
+
+
+KEYS_ONLY_MAX_TRACKED = 1 / 16
+"""The keys-only replay tracks the entries whose key the window splits; above this fraction of all entries
+(say, a window ending inside a sea of exact zeros) the packed replay is used instead."""
+
+
+class _Tracker:
+    """Where the tracked entries are while the keys-only replay moves them: one sorted int64 per entry,
+    (current position << 32) | original index, so a position is found by binary search and a range's entries
+    form one slice."""
+
+    def __init__(self, original: np.ndarray, keys: list[int]) -> None:
+        self.entries = (original.astype(np.int64) << _INDEX_BITS) | original
+        self.keys = keys
+        self._later: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def tracked(self, keys: np.ndarray) -> np.ndarray:
+        found = keys == self.keys[0]
+        for key in self.keys[1:]:
+            found |= keys == key
+        return found
+
+    def move(self, old: np.ndarray, new: np.ndarray) -> None:
+        """Entries at positions `old` (those tracked; the rest are ignored) are now at `new`."""
+        if not self.entries.size or not old.size:
+            return
+        slots = np.searchsorted(self.entries, old.astype(np.int64) << _INDEX_BITS)
+        slots = np.minimum(slots, self.entries.size - 1)
+        hit = (self.entries[slots] >> _INDEX_BITS) == old
+        slots, new = slots[hit], new[hit]
+        self.entries[slots] = (new.astype(np.int64) << _INDEX_BITS) | (self.entries[slots] & _INDEX_MASK)
+
+    def move_where_tracked(self, keys: np.ndarray, old: np.ndarray, new: np.ndarray, later: bool = False) -> None:
+        """Entries with these keys moved from `old` to `new`; `later` defers the lookup of their old positions
+        (the tracker must stay sorted while a partition's exchanges are collected)."""
+        found = self.tracked(keys)
+        if not found.any():
+            return
+        if later:
+            self._later.append((old[found], new[found]))
+        else:
+            self.move(old[found], new[found])
+
+    def apply_later(self) -> None:
+        if self._later:
+            self.move(np.concatenate([o for o, _ in self._later]), np.concatenate([n for _, n in self._later]))
+            self._later.clear()
+
+    def resort(self, first: int, last: int) -> None:
+        """Restore the order after moves inside [first, last) (moves never leave the range they are in)."""
+        a, b = np.searchsorted(self.entries, [first << _INDEX_BITS, last << _INDEX_BITS])
+        self.entries[a:b] = np.sort(self.entries[a:b], kind="stable")
+
+    def originals_in(self, first: int, last: int) -> np.ndarray:
+        a, b = np.searchsorted(self.entries, [first << _INDEX_BITS, last << _INDEX_BITS])
+        return self.entries[a:b] & _INDEX_MASK
+
+
+def _keys_only_window(values: torch.Tensor, lo: int, hi: int, descending: bool) -> np.ndarray | None:
+    """The window mask by replaying on the 16-bit keys alone (2 bytes an entry instead of 8), or None.
+
+    A key's entries hold a run of consecutive ranks, which a histogram gives, so every key whose run lies
+    inside [lo, hi) is in, every key whose run misses it is out, and only the entries of the (at most two)
+    keys whose runs the window's ends cut need the replay to say which are in: only they are tracked.
+    """
+    if values.device.type != "cpu" or values.dim() != 1 or _KEY_VIEW.get(values.dtype) is not torch.int16:
+        return None
+    n = values.numel()
+    keys = values.contiguous().view(torch.int16).numpy().copy()
+    if keys.min() < 0 or keys.max() > _INFINITY_BITS[values.dtype]:
+        return None
+    counts = np.zeros(1 << 15, dtype=np.int64)
+    for start in range(0, n, _BLOCK):
+        counts += np.bincount(keys[start : start + _BLOCK], minlength=1 << 15)
+    in_order = counts[::-1] if descending else counts
+    first_rank = np.concatenate(([0], np.cumsum(in_order)[:-1]))
+    last_rank = first_rank + in_order
+    present = in_order > 0
+    inside = present & (first_rank >= lo) & (last_rank <= hi)
+    split = present & ~inside & (first_rank < hi) & (last_rank > lo)
+    if descending:
+        inside, split = inside[::-1], split[::-1]
+    split_keys = [int(k) for k in np.flatnonzero(split)]
+    if int(counts[split_keys].sum()) > n * KEYS_ONLY_MAX_TRACKED:
+        return None
+    mask = np.empty(n, dtype=np.bool_)
+    is_split = np.zeros(n, dtype=np.bool_) if split_keys else None
+    for start in range(0, n, _BLOCK):
+        part = keys[start : start + _BLOCK]
+        mask[start : start + part.size] = inside[part]
+        if is_split is not None:
+            is_split[start : start + part.size] = split[part]
+    if not split_keys:
+        return mask
+    tracker = _Tracker(np.flatnonzero(is_split), split_keys)
+    del is_split
+    if not _replay(keys, lo, hi, descending, shift=0, tracker=tracker):
+        return None
+    mask[tracker.originals_in(lo, hi)] = True
     return mask
 
 
@@ -94,28 +204,42 @@ def _packed_keys(values: torch.Tensor) -> np.ndarray | None:
     return packed
 
 
+def _unpacked_values(packed: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The values `_packed_keys` was given, back in their original order (whatever the replay did to packed)."""
+    bits = np.empty(packed.size, dtype=np.dtype(f"i{_KEY_VIEW[dtype].itemsize}"))
+    bits[packed & _INDEX_MASK] = packed >> _INDEX_BITS
+    return torch.from_numpy(bits).view(dtype)
+
+
 def depth_budget(n: int) -> int:
     """`std::sort`'s partition depth limit for n entries: 2 floor(log2 n)."""
     return 2 * (n.bit_length() - 1)
 
 
-def _replay(packed: np.ndarray, lo: int, hi: int, descending: bool) -> bool:
-    """Replay the introsort on `packed` in place, along the ranges straddling lo or hi, so that positions
-    [lo, hi) end up holding the entries the full sort puts there. False where the replay cannot be used."""
-    n = packed.size
+def _replay(
+    entries: np.ndarray, lo: int, hi: int, descending: bool, shift: int = _INDEX_BITS, tracker: _Tracker | None = None
+) -> bool:
+    """Replay the introsort on `entries` (keys in the bits above `shift`) in place, along the ranges straddling
+    lo or hi, so that positions [lo, hi) end up holding the entries the full sort puts there; the `tracker`,
+    if any, follows the entries it tracks. False where the replay cannot be used."""
+    n = entries.size
     pending = [(0, n, depth_budget(n))]  # (first, last, depth budget)
     while pending:
         first, last, depth = pending.pop()
         if not (first < lo < last or first < hi < last):
             continue  # its set of entries is final
         if last - first <= INSERTION_THRESHOLD:
-            leaf = packed[first:last]
-            keys = leaf >> _INDEX_BITS
-            packed[first:last] = leaf[np.argsort(-keys if descending else keys, kind="stable")]
+            leaf = entries[first:last]
+            keys = leaf >> shift
+            order = np.argsort(-keys if descending else keys, kind="stable")
+            entries[first:last] = leaf[order]
+            if tracker is not None:
+                tracker.move(first + order, first + np.arange(order.size))
+                tracker.resort(first, last)
             continue
         if depth == 0:
             return False  # libstdc++ would heap-sort this range
-        cut = first + _partition(packed[first:last], descending)
+        cut = first + _partition(entries[first:last], descending, shift, tracker, first)
         pending.append((first, cut, depth - 1))
         pending.append((cut, last, depth - 1))
     return True
@@ -169,7 +293,7 @@ class _Stops:
         return self.kth(self.total - 1 - k)
 
 
-def _partition(entries: np.ndarray, descending: bool) -> int:
+def _partition(entries: np.ndarray, descending: bool, shift: int, tracker: _Tracker | None, offset: int) -> int:
     """One `__unguarded_partition_pivot` step on `entries`, in place; returns the cut.
 
     The Hoare scans, vectorised: with the pivot p at position 0, the forward scan stops at the entries that p
@@ -179,11 +303,14 @@ def _partition(entries: np.ndarray, descending: bool) -> int:
     last exchange: min(Lm, R(m-1)), or L0 when m = 0) follow from the entries as they were.
     """
     n = entries.size
-    picked = (1, n // 2, n - 1)[_median_of_three([int(entries[i]) >> _INDEX_BITS for i in (1, n // 2, n - 1)],
-                                                  descending)]
+    picked = (1, n // 2, n - 1)[_median_of_three([int(entries[i]) >> shift for i in (1, n // 2, n - 1)], descending)]
+    if tracker is not None:
+        tracker.move_where_tracked(entries[[0, picked]] >> shift, np.array([0, picked]) + offset,
+                                   np.array([picked, 0]) + offset)
+        tracker.resort(offset, offset + n)
     entries[[0, picked]] = entries[[picked, 0]]
-    pivot = int(entries[0]) >> _INDEX_BITS
-    at_or_above, above = pivot << _INDEX_BITS, (pivot + 1) << _INDEX_BITS
+    pivot = int(entries[0]) >> shift
+    at_or_above, above = pivot << shift, (pivot + 1) << shift
     rest = entries[1:]
     # descending: forward stops at values <= pivot, backward at values >= pivot; ascending the other way round
     lowest, highest = 0, None
@@ -200,9 +327,15 @@ def _partition(entries: np.ndarray, descending: bool) -> int:
     for left_first, left_last, right_first, right_last in chunks:
         left = forward.positions(left_first, left_last + 1)
         right = backward.positions(right_first, right_last + 1)[::-1]
-        moved = rest[left]
-        rest[left] = rest[right]
+        moved, incoming = rest[left], rest[right]
+        rest[left] = incoming
         rest[right] = moved
+        if tracker is not None:  # positions in rest are one past those in entries
+            tracker.move_where_tracked(moved >> shift, left + offset + 1, right + offset + 1, later=True)
+            tracker.move_where_tracked(incoming >> shift, right + offset + 1, left + offset + 1, later=True)
+    if tracker is not None:
+        tracker.apply_later()
+        tracker.resort(offset, offset + n)
     return 1 + cut
 
 

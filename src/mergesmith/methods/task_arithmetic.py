@@ -59,6 +59,11 @@ def sign_consensus_mask(deltas: torch.Tensor, method: str = "sum", int8: bool = 
     return sign == majority
 
 
+MIX_CHUNK = 1 << 22
+"""Entries mixed at a time: the mix is elementwise across models, so large tensors are mixed in chunks and its
+half-dozen temporaries (weighted copies, signs, votes, masks) stay a few chunks big instead of tensor-sized."""
+
+
 def merge_task_vectors(
     base: torch.Tensor,
     deltas: torch.Tensor,
@@ -70,6 +75,29 @@ def merge_task_vectors(
     int8_mask: bool = False,
 ) -> torch.Tensor:
     """base + lambda * mix of the stacked, already sparsified task vectors `deltas` (shape [n, *base.shape])."""
+    options = dict(consensus=consensus, normalize=normalize, lam=lam, int8_mask=int8_mask)
+    n = base.numel()
+    if n <= MIX_CHUNK:
+        return _mix(base, deltas, weights, **options)
+    out = torch.empty(base.shape, dtype=base.dtype, device=base.device)
+    flat_out, flat_base, flat_deltas = out.view(-1), base.reshape(-1), deltas.reshape(deltas.shape[0], -1)
+    for start in range(0, n, MIX_CHUNK):
+        end = min(n, start + MIX_CHUNK)
+        flat_out[start:end] = _mix(flat_base[start:end], flat_deltas[:, start:end], weights, **options)
+    return out
+
+
+def _mix(
+    base: torch.Tensor,
+    deltas: torch.Tensor,
+    weights: Sequence[float],
+    *,
+    consensus: str | None,
+    normalize: bool,
+    lam: float,
+    int8_mask: bool,
+) -> torch.Tensor:
+    """merge_task_vectors on one chunk (or a whole small tensor)."""
     w = torch.tensor(list(weights), dtype=deltas.dtype, device=deltas.device)
     w = w.view(-1, *([1] * base.dim()))
     weighted = deltas * w
