@@ -125,3 +125,20 @@ def test_ties_trim_and_breadcrumbs_equal_mergekits_formulas():
         mask = torch.zeros(n, dtype=delta.dtype)
         mask[torch.sort(delta.abs().reshape(-1).float()).indices[bottom : bottom + keep]] = 1
         assert torch.equal(magnitude_outliers(delta, density, 0.01), delta * mask.reshape_as(delta))
+
+
+def test_consumed_magnitudes_are_made_afresh_when_the_replay_gives_up(replay_everything, monkeypatch):
+    """With `remake`, the keys-only replay reorders the caller's temporary in place; if it then meets a spent
+    depth budget, the full sort must run on fresh values, not on the reordered ones."""
+    values = magnitudes("bf16_deltas", 5000, torch.Generator().manual_seed(4))
+    expected = sorted_window_reference(values, 0, 2500, True)
+    monkeypatch.setattr(sort_select, "depth_budget", lambda n: 1)
+    scratch = values.clone()
+    remade: list[int] = []
+
+    def remake() -> torch.Tensor:
+        remade.append(1)
+        return values.clone()
+
+    assert torch.equal(sort_select.sorted_window_mask(scratch, 0, 2500, True, remake=remake), expected)
+    assert remade and not torch.equal(scratch, values)  # the replay did reorder the consumed copy

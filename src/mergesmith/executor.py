@@ -24,12 +24,16 @@ from .errors import ConfigError, MergeInterrupted
 from .io.checkpoint import Checkpoint
 from .io.journal import Journal, partial_path
 from .io.safetensors_writer import ShardWriter
+from .memory_release import release_free_heap
 from .methods import MergeInputs, require_method
 from .plan import InputRef, Plan, ShardPlan, TensorRecipe
 from .planner import automatic_budget, recipe_memory
 
 JOURNAL_INTERVAL_S = 1.0
 PREFETCH_BYTES = 512 << 20
+TRIM_AFTER_BYTES = 64 << 20
+"""After a recipe with at least this working memory, freed heap memory goes back to the OS (see
+memory_release): peak RSS then follows what is in use, not what fragmented heaps keep."""
 ADMISSION_WINDOW = 16
 """How far past a recipe that does not fit the budget the executor looks for one that does (so a thread
 is not idle while, say, lm_head waits for embed_tokens to finish); after this many recipes have gone past
@@ -307,6 +311,8 @@ class LocalExecutor:
                 if self._error is None:
                     self._error = exc
         finally:
+            if cost >= TRIM_AFTER_BYTES:
+                release_free_heap()
             self.budget.release(cost)
             slots.release()
 

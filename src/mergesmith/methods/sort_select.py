@@ -35,6 +35,8 @@ compare against `torch.sort` on many inputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -56,9 +58,14 @@ _KEY_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.floa
 _INFINITY_BITS = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 
-def sorted_window_mask(values: torch.Tensor, lo: int, hi: int, descending: bool) -> torch.Tensor:
+def sorted_window_mask(
+    values: torch.Tensor, lo: int, hi: int, descending: bool, remake: Callable[[], torch.Tensor] | None = None
+) -> torch.Tensor:
     """Boolean mask over the 1-D tensor `values`: True for the entries that
     `torch.sort(values.float(), descending=descending)` puts at positions [lo, hi).
+
+    With `remake` (which makes `values` afresh), `values`, a temporary of the caller's, may be reordered in
+    place, saving a tensor-sized copy; `remake` is called if the full sort is needed after all.
 
     On the CPU the sort's own choice among equal values is reproduced without the full sort (see the module
     docstring); on another device the full sort on that device is used, as mergekit would.
@@ -70,9 +77,12 @@ def sorted_window_mask(values: torch.Tensor, lo: int, hi: int, descending: bool)
     if lo == 0 and hi == n:
         return torch.ones(n, dtype=torch.bool, device=values.device)
     if n >= REPLAY_MIN_ENTRIES:
-        mask = _keys_only_window(values, lo, hi, descending)
+        consume = remake is not None and values.is_contiguous()
+        mask = _keys_only_window(values, lo, hi, descending, consume)
         if mask is not None:
             return torch.from_numpy(mask)
+        if consume:
+            values = remake()  # the replay may have reordered them before giving up
     packed = _packed_keys(values) if n >= REPLAY_MIN_ENTRIES else None
     if packed is not None:
         dtype = values.dtype
@@ -89,7 +99,7 @@ def sorted_window_mask(values: torch.Tensor, lo: int, hi: int, descending: bool)
     return mask
 
 
-KEYS_ONLY_MAX_TRACKED = 1 / 16
+KEYS_ONLY_MAX_TRACKED = 1 / 2
 """The keys-only replay tracks the entries whose key the window splits; above this fraction of all entries
 (say, a window ending inside a sea of exact zeros) the packed replay is used instead."""
 
@@ -146,7 +156,9 @@ class _Tracker:
         return self.entries[a:b] & _INDEX_MASK
 
 
-def _keys_only_window(values: torch.Tensor, lo: int, hi: int, descending: bool) -> np.ndarray | None:
+def _keys_only_window(
+    values: torch.Tensor, lo: int, hi: int, descending: bool, consume: bool = False
+) -> np.ndarray | None:
     """The window mask by replaying on the 16-bit keys alone (2 bytes an entry instead of 8), or None.
 
     A key's entries hold a run of consecutive ranks, which a histogram gives, so every key whose run lies
@@ -156,7 +168,7 @@ def _keys_only_window(values: torch.Tensor, lo: int, hi: int, descending: bool) 
     if values.device.type != "cpu" or values.dim() != 1 or _KEY_VIEW.get(values.dtype) is not torch.int16:
         return None
     n = values.numel()
-    keys = values.contiguous().view(torch.int16).numpy().copy()
+    keys = values.contiguous().view(torch.int16).numpy()
     if keys.min() < 0 or keys.max() > _INFINITY_BITS[values.dtype]:
         return None
     counts = np.zeros(1 << 15, dtype=np.int64)
@@ -184,6 +196,8 @@ def _keys_only_window(values: torch.Tensor, lo: int, hi: int, descending: bool) 
         return mask
     tracker = _Tracker(np.flatnonzero(is_split), split_keys)
     del is_split
+    if not consume:
+        keys = keys.copy()  # the replay reorders them
     if not _replay(keys, lo, hi, descending, shift=0, tracker=tracker):
         return None
     mask[tracker.originals_in(lo, hi)] = True

@@ -60,6 +60,11 @@ def _cpu_bernoulli(probs: torch.Tensor, generator: torch.Generator | None) -> to
     return torch.bernoulli(probs.cpu(), generator=generator).to(probs.device)
 
 
+def magnitudes_of(delta: torch.Tensor) -> torch.Tensor:
+    """|delta| as a fresh 1-D tensor (sort_select may reorder it in place)."""
+    return delta.abs().reshape(-1)
+
+
 def magnitude(delta: torch.Tensor, density: float, rescale: bool = False) -> torch.Tensor:
     """TIES trim: keep the max(1, floor(density * n)) largest-magnitude entries."""
     if density >= 1:
@@ -67,7 +72,7 @@ def magnitude(delta: torch.Tensor, density: float, rescale: bool = False) -> tor
     if density <= 0 or delta.numel() == 0:
         return torch.zeros_like(delta)
     k = max(1, int(density * delta.numel()))
-    mask = sorted_window_mask(delta.abs().reshape(-1), 0, k, descending=True)
+    mask = sorted_window_mask(magnitudes_of(delta), 0, k, descending=True, remake=lambda: magnitudes_of(delta))
     return keep_l1_norm(delta, mask.reshape_as(delta), rescale)
 
 
@@ -79,7 +84,9 @@ def magnitude_outliers(delta: torch.Tensor, density: float, gamma: float = 0.01,
     keep = int(density * n)
     top = int(gamma * n)
     bottom = max(0, n - keep - top)
-    mask = sorted_window_mask(delta.abs().reshape(-1), bottom, bottom + keep, descending=False)
+    mask = sorted_window_mask(
+        magnitudes_of(delta), bottom, bottom + keep, descending=False, remake=lambda: magnitudes_of(delta)
+    )
     return keep_l1_norm(delta, mask.reshape_as(delta), rescale)
 
 

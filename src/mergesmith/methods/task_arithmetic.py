@@ -183,8 +183,9 @@ class _Family:
         rescale = as_bool(params["rescale"], "rescale")
         deltas = base.new_empty((len(others), *base.shape))
         for row, i in enumerate(others):
+            torch.sub(inputs.tensors[i], base, out=deltas[row])  # no tensor-sized temporary for the difference
             deltas[row] = self.sparsifier(
-                inputs.tensors[i] - base, inputs.model_params[i], rescale, inputs.generator, inputs.tensor_name
+                deltas[row], inputs.model_params[i], rescale, inputs.generator, inputs.tensor_name
             )
         consensus = None
         if self.consensus:
