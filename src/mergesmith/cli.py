@@ -329,6 +329,9 @@ def merge(
     config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, verify: bool, **kw: Any
 ) -> None:
     """Merge the models of CONFIG_FILE into OUT_DIR (rerun to resume an interrupted merge)."""
+    from .warm_start import read_ahead_inputs
+
+    read_ahead_inputs(config_file, out_dir)  # before the heavy imports below
     from .api import run_merge
     from .moe.config import is_moe_config_file
 

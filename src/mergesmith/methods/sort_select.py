@@ -122,29 +122,36 @@ class _Tracker:
 
     def move(self, old: np.ndarray, new: np.ndarray) -> None:
         """Entries at positions `old` (those tracked; the rest are ignored) are now at `new`."""
-        if not self.entries.size or not old.size:
-            return
-        slots = np.searchsorted(self.entries, old.astype(np.int64) << _INDEX_BITS)
-        slots = np.minimum(slots, self.entries.size - 1)
-        hit = (self.entries[slots] >> _INDEX_BITS) == old
-        slots, new = slots[hit], new[hit]
-        self.entries[slots] = (new.astype(np.int64) << _INDEX_BITS) | (self.entries[slots] & _INDEX_MASK)
+        slots, hit = self._slots(old)
+        self._write(slots, new[hit])
 
     def move_where_tracked(self, keys: np.ndarray, old: np.ndarray, new: np.ndarray, later: bool = False) -> None:
-        """Entries with these keys moved from `old` to `new`; `later` defers the lookup of their old positions
-        (the tracker must stay sorted while a partition's exchanges are collected)."""
+        """Entries with these keys moved from `old` to `new`. With `later` the new positions are only written
+        by `apply_later`: the tracker must stay sorted while a partition's exchanges are looked up."""
         found = self.tracked(keys)
         if not found.any():
             return
+        slots, hit = self._slots(old[found])
         if later:
-            self._later.append((old[found], new[found]))
+            self._later.append((slots, new[found][hit]))
         else:
-            self.move(old[found], new[found])
+            self._write(slots, new[found][hit])
 
     def apply_later(self) -> None:
-        if self._later:
-            self.move(np.concatenate([o for o, _ in self._later]), np.concatenate([n for _, n in self._later]))
-            self._later.clear()
+        for slots, new in self._later:
+            self._write(slots, new)
+        self._later.clear()
+
+    def _slots(self, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where the tracked entries at positions `old` are in `entries`, and which of `old` are tracked."""
+        if not self.entries.size or not old.size:
+            return np.empty(0, dtype=np.int64), np.zeros(old.size, dtype=np.bool_)
+        slots = np.minimum(np.searchsorted(self.entries, old.astype(np.int64) << _INDEX_BITS), self.entries.size - 1)
+        hit = (self.entries[slots] >> _INDEX_BITS) == old
+        return slots[hit], hit
+
+    def _write(self, slots: np.ndarray, new: np.ndarray) -> None:
+        self.entries[slots] = (new.astype(np.int64) << _INDEX_BITS) | (self.entries[slots] & _INDEX_MASK)
 
     def resort(self, first: int, last: int) -> None:
         """Restore the order after moves inside [first, last) (moves never leave the range they are in)."""
