@@ -192,15 +192,17 @@ def _keys_only_window(
     split_keys = [int(k) for k in np.flatnonzero(split)]
     if int(counts[split_keys].sum()) > n * KEYS_ONLY_MAX_TRACKED:
         return None
-    mask = np.empty(n, dtype=np.bool_)
-    is_split = np.zeros(n, dtype=np.bool_) if split_keys else None
-    for start in range(0, n, _BLOCK):
-        part = keys[start : start + _BLOCK]
-        mask[start : start + part.size] = inside[part]
-        if is_split is not None:
-            is_split[start : start + part.size] = split[part]
+    # the keys wholly inside form one interval of key values (ranks follow key order): two comparisons
+    inside_keys = np.flatnonzero(inside)
+    if inside_keys.size:
+        mask = (keys >= inside_keys[0]) & (keys <= inside_keys[-1])
+    else:
+        mask = np.zeros(n, dtype=np.bool_)
     if not split_keys:
         return mask
+    is_split = keys == split_keys[0]
+    for key in split_keys[1:]:
+        is_split |= keys == key
     tracker = _Tracker(np.flatnonzero(is_split), split_keys)
     del is_split
     if not consume:
