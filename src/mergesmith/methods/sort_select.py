@@ -26,11 +26,14 @@ A heap-sorted range (a spent depth budget, which takes adversarial input) is not
 gets the full sort, as it does for NaN, negative zero or negative values (whose bit patterns do not order
 like their values) and for small tensors (where the full sort is cheaper than the bookkeeping).
 
-Each entry is one int64: its value's bit pattern in the high 32 bits (non-negative floats order like their
-bit patterns, so value comparisons become integer comparisons) and its original index in the low 32 bits,
-so a swap moves both at once. The Hoare scans are vectorised with numpy (see `_partition`), whose
-comparisons, nonzero and fancy indexing are several times faster than torch's on one thread. Tests
-compare against `torch.sort` on many inputs.
+Two ways to keep track of which entry is which while the replay moves them. For bf16/fp16 magnitudes (the
+usual case) the replay moves the 16-bit bit patterns alone (non-negative floats order like their bit
+patterns), 2 bytes an entry: a histogram of the keys tells which keys lie wholly inside or outside the window,
+so only the entries of the (at most two) keys the window's ends cut are followed, by a sorted tracker. Otherwise
+(float32, or when those entries are more than half of all) each entry is one int64, its key in the high 32
+bits and its original index in the low 32, so a swap moves both. The Hoare scans are vectorised with numpy
+(see `_partition`), whose comparisons, nonzero and fancy indexing are several times faster than torch's on
+one thread. Tests compare against `torch.sort` on many inputs.
 """
 
 from __future__ import annotations
@@ -76,14 +79,18 @@ def sorted_window_mask(
         return torch.zeros(n, dtype=torch.bool, device=values.device)
     if lo == 0 and hi == n:
         return torch.ones(n, dtype=torch.bool, device=values.device)
-    if n >= REPLAY_MIN_ENTRIES:
+    replayable = n >= REPLAY_MIN_ENTRIES
+    if replayable:
         consume = remake is not None and values.is_contiguous()
-        mask = _keys_only_window(values, lo, hi, descending, consume)
+        try:
+            mask = _keys_only_window(values, lo, hi, descending, consume)
+        except _ReplayGaveUp:
+            mask, replayable = None, False  # the packed replay would make the same moves and give up too
         if mask is not None:
             return torch.from_numpy(mask)
         if consume:
-            values = remake()  # the replay may have reordered them before giving up
-    packed = _packed_keys(values) if n >= REPLAY_MIN_ENTRIES else None
+            values = remake()  # the replay may have reordered them
+    packed = _packed_keys(values) if replayable else None
     if packed is not None:
         dtype = values.dtype
         del values  # the packed keys hold everything; a caller's temporary magnitudes can go now
@@ -97,6 +104,10 @@ def sorted_window_mask(
     mask = torch.zeros(n, dtype=torch.bool, device=values.device)
     mask[order[lo:hi]] = True
     return mask
+
+
+class _ReplayGaveUp(Exception):
+    """The sort would heap-sort a range here (a spent depth budget): only the full sort can say."""
 
 
 KEYS_ONLY_MAX_TRACKED = 1 / 2
@@ -166,7 +177,8 @@ class _Tracker:
 def _keys_only_window(
     values: torch.Tensor, lo: int, hi: int, descending: bool, consume: bool = False
 ) -> np.ndarray | None:
-    """The window mask by replaying on the 16-bit keys alone (2 bytes an entry instead of 8), or None.
+    """The window mask by replaying on the 16-bit keys alone (2 bytes an entry instead of 8); None where
+    this way does not apply, _ReplayGaveUp where the replay does not.
 
     A key's entries hold a run of consecutive ranks, which a histogram gives, so every key whose run lies
     inside [lo, hi) is in, every key whose run misses it is out, and only the entries of the (at most two)
@@ -208,7 +220,7 @@ def _keys_only_window(
     if not consume:
         keys = keys.copy()  # the replay reorders them
     if not _replay(keys, lo, hi, descending, shift=0, tracker=tracker):
-        return None
+        raise _ReplayGaveUp
     mask[tracker.originals_in(lo, hi)] = True
     return mask
 
