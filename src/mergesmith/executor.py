@@ -248,11 +248,10 @@ class LocalExecutor:
             work.extend((shard, r) for r in todo)
         self._emit(None)
 
+        cost_of = {r.name: recipe_memory(r, self.plan.compute_dtype) for r in self.plan.recipes}
         if self.budget.limit is None:
-            self.budget.limit = automatic_budget(
-                [recipe_memory(r, self.plan.compute_dtype) for r in self.plan.recipes], self.threads
-            )
-        costs = [recipe_memory(recipe, self.plan.compute_dtype) for _, recipe in work]
+            self.budget.limit = automatic_budget(list(cost_of.values()), self.threads)
+        costs = [cost_of[recipe.name] for _, recipe in work]
         slots = threading.Semaphore(self.threads)
         flusher_done = threading.Event()
         flusher = threading.Thread(target=self._flush_loop, args=(flusher_done,), name="merge-flush", daemon=True)
@@ -294,7 +293,7 @@ class LocalExecutor:
 
     def _run_one(self, shard: ShardPlan, recipe: TensorRecipe, cost: int, slots: threading.Semaphore) -> None:
         try:
-            if self.stop.is_set() or self._error is not None:
+            if self._stopping():
                 return
             if not self._write_recipe(self._writers[shard.filename], recipe):
                 return

@@ -183,10 +183,11 @@ class _Family:
         rescale = as_bool(params["rescale"], "rescale")
         deltas = base.new_empty((len(others), *base.shape))
         for row, i in enumerate(others):
-            torch.sub(inputs.tensors[i], base, out=deltas[row])  # no tensor-sized temporary for the difference
-            deltas[row] = self.sparsifier(
-                deltas[row], inputs.model_params[i], rescale, inputs.generator, inputs.tensor_name
-            )
+            delta = deltas[row]
+            torch.sub(inputs.tensors[i], base, out=delta)  # no tensor-sized temporary for the difference
+            kept = self.sparsifier(delta, inputs.model_params[i], rescale, inputs.generator, inputs.tensor_name)
+            if kept is not delta:  # without sparsification the difference is already in place
+                delta.copy_(kept)
         consensus = None
         if self.consensus:
             consensus = str(params.get("consensus_method", "sum"))
