@@ -20,6 +20,7 @@ from typing import Any
 import click
 
 from .errors import ConfigError, MergesmithError
+from .process_tuning import freeze_long_lived_objects, prefer_huge_pages, thaw_objects
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?)([bB]?)\s*$")
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -302,6 +303,7 @@ def _warn_then(quiet: bool, start: Any, prefix: str = "") -> Any:
     """An `on_plan` callback that prints the plan's warnings on stderr (none with -q), then calls `start`."""
 
     def on_plan(plan: Any) -> None:
+        freeze_long_lived_objects()  # the plan is built: what is alive now lives until the end
         if not quiet:
             for warning in plan.warnings:
                 click.echo(f"{prefix}warning: {warning}", err=True)
@@ -722,9 +724,13 @@ _NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", None)  # click >=
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning errors into one line and an exit code."""
     args = sys.argv[1:] if argv is None else argv
+    prefer_huge_pages()  # before any command imports torch
     verbose = "-v" in args or "--verbose" in args
     try:
-        cli.main(args=args, prog_name="mergesmith", standalone_mode=False)
+        try:
+            cli.main(args=args, prog_name="mergesmith", standalone_mode=False)
+        finally:
+            thaw_objects()
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

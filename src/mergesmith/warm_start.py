@@ -82,8 +82,11 @@ def _local_model_dirs(node: Any, base: Path) -> Iterator[Path]:
 
 
 def _advise_willneed(path: Path, length: int) -> None:
+    from .io.readahead import advise_in_pieces, piece_size
+
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, min(length, os.fstat(fd).st_size), os.POSIX_FADV_WILLNEED)
+        end = min(length, os.fstat(fd).st_size)
+        advise_in_pieces(lambda at, n: os.posix_fadvise(fd, at, n, os.POSIX_FADV_WILLNEED), 0, end, piece_size(fd))
     finally:
         os.close(fd)

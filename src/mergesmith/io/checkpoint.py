@@ -27,6 +27,7 @@ import torch
 
 from ..dtypes import SAFETENSORS_TO_TORCH, dtype_size, from_torch
 from ..errors import CheckpointError
+from .readahead import advise_in_pieces, piece_size
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -290,11 +291,15 @@ class Checkpoint:
             hi = hi // page * page
         else:
             lo = lo // page * page
-        if hi > lo:
-            try:
+        if hi <= lo:
+            return
+        try:
+            if advice == "willneed":  # one call reads a few MB at most: advise the range piece by piece
+                advise_in_pieces(lambda at, n: buf.madvise(option, at, n), lo, hi, piece_size(info.file))
+            else:
                 buf.madvise(option, lo, hi - lo)
-            except (OSError, ValueError):
-                pass
+        except (OSError, ValueError):
+            pass
 
     def identity(self) -> list[tuple[str, int, int, str]]:
         """(file name, size, mtime in ns, header hash) per weight file: what the resume fingerprint trusts."""

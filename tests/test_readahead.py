@@ -1,0 +1,93 @@
+"""Read-ahead must cover the whole range it is asked for: Linux reads at most one device read-ahead size
+(a few MB) per WILLNEED call, so every caller splits its range into pieces no larger than that."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mergesmith import warm_start
+from mergesmith.io import readahead
+from mergesmith.io.checkpoint import Checkpoint
+
+
+def _covered(calls: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge (offset, length) calls into disjoint [start, end) intervals."""
+    merged: list[tuple[int, int]] = []
+    for start, length in sorted(calls):
+        end = start + length
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+@pytest.mark.parametrize(("start", "end", "piece"), [(0, 10, 4), (3, 3, 4), (5, 6, 4), (4096, 1 << 20, 65536)])
+def test_pieces_tile_the_range_exactly(start: int, end: int, piece: int) -> None:
+    calls: list[tuple[int, int]] = []
+    readahead.advise_in_pieces(lambda at, n: calls.append((at, n)), start, end, piece)
+    assert all(0 < n <= piece for _, n in calls)
+    assert sum(n for _, n in calls) == end - start  # no overlap, nothing twice
+    assert _covered(calls) == ([(start, end)] if end > start else [])
+
+
+def test_piece_size_is_bounded_and_safe_for_unknown_files(tmp_path: Path) -> None:
+    f = tmp_path / "x"
+    f.write_bytes(b"x")
+    size = readahead.piece_size(f)
+    assert readahead.DEFAULT_PIECE <= size <= readahead.MAX_PIECE
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        assert readahead.piece_size(fd) == size
+    finally:
+        os.close(fd)
+    assert readahead.piece_size(tmp_path / "missing") == readahead.DEFAULT_PIECE
+
+
+class _RecordingMap:
+    """Stands in for a checkpoint's mmap: records madvise calls, serves nothing else."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+
+    def madvise(self, option: int, start: int, length: int) -> None:
+        self.calls.append((option, start, length))
+
+
+def test_checkpoint_willneed_advises_the_whole_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.zeros(3000), "big": torch.ones(100_000), "z": torch.zeros(10)}, str(path))
+    ckpt = Checkpoint.open(str(path))
+    info = ckpt.info("big")
+    fake = _RecordingMap()
+    ckpt._maps[info.file] = fake  # type: ignore[assignment]
+    monkeypatch.setattr("mergesmith.io.checkpoint.piece_size", lambda _file: 8192)
+
+    ckpt.advise("big", "willneed")
+    assert len(fake.calls) > 1 and all(n <= 8192 for _, _, n in fake.calls)
+    page = 4096
+    start = info.data_offset // page * page
+    assert _covered([(s, n) for _, s, n in fake.calls]) == [(start, info.data_offset + info.nbytes)]
+
+    fake.calls.clear()
+    ckpt.advise("big", "dontneed")  # releasing is one call: the kernel honours it whole
+    assert len(fake.calls) == 1
+
+
+def test_warm_start_reads_ahead_its_whole_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shard = tmp_path / "model.safetensors"
+    shard.write_bytes(b"\0" * 100_000)
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(readahead, "piece_size", lambda _fd: 4096)
+    monkeypatch.setattr(os, "posix_fadvise", lambda _fd, at, n, _advice: calls.append((at, n)))
+    warm_start._advise_willneed(shard, 50_000)
+    assert all(n <= 4096 for _, n in calls)
+    assert _covered(calls) == [(0, 50_000)]
+    calls.clear()
+    warm_start._advise_willneed(shard, 1 << 30)  # never past the end of the file
+    assert _covered(calls) == [(0, 100_000)]
