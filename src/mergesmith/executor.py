@@ -138,7 +138,21 @@ def compute(
         _check_shape(recipe, out, shape)
         return out
     spec = require_method(recipe.method or "")
-    tensors = [load(ref).to(device=device, dtype=compute_dtype) for ref in recipe.inputs]
+    tensors: list[torch.Tensor] = []
+    mapped_refs: dict[int, InputRef] = {}  # inputs the method reads straight from the file's mapping
+    for index, ref in enumerate(recipe.inputs):
+        mapped = load(ref)
+        tensor = mapped.to(device=device, dtype=compute_dtype)
+        if tensor.data_ptr() == mapped.data_ptr():
+            mapped_refs[index] = ref
+        else:  # converted or moved: the mapped pages are spent already
+            advise_inputs(recipe, checkpoints, "dontneed", rows, only=ref)
+        tensors.append(tensor)
+
+    def release(index: int) -> None:
+        if index in mapped_refs:
+            advise_inputs(recipe, checkpoints, "dontneed", rows, only=mapped_refs[index])
+
     generator = None
     if recipe.seed is not None:
         # Always a CPU generator, whatever the compute device: methods draw their random masks on the
@@ -155,6 +169,7 @@ def compute(
                 params=dict(recipe.params),
                 generator=generator,
                 tensor_name=recipe.name,
+                release=release,
             )
         )
     except ValueError as exc:
@@ -166,10 +181,15 @@ def compute(
 
 
 def advise_inputs(
-    recipe: TensorRecipe, checkpoints: dict[str, Checkpoint], advice: str, rows: tuple[int, int] | None = None
+    recipe: TensorRecipe,
+    checkpoints: dict[str, Checkpoint],
+    advice: str,
+    rows: tuple[int, int] | None = None,
+    only: InputRef | None = None,
 ) -> None:
-    """Read-ahead ("willneed") or release ("dontneed") the input bytes a recipe (or row block) uses."""
-    for ref in recipe.inputs:
+    """Read-ahead ("willneed") or release ("dontneed") the input bytes a recipe (or row block) uses
+    (`only`: those of one of its inputs)."""
+    for ref in recipe.inputs if only is None else (only,):
         ckpt = checkpoints[ref.model]
         info = ckpt.tensors.get(ref.tensor)
         if info is None:

@@ -185,6 +185,7 @@ class _Family:
         for row, i in enumerate(others):
             delta = deltas[row]
             torch.sub(inputs.tensors[i], base, out=delta)  # no tensor-sized temporary for the difference
+            inputs.done_with(i)
             kept = self.sparsifier(delta, inputs.model_params[i], rescale, inputs.generator, inputs.tensor_name)
             if kept is not delta:  # without sparsification the difference is already in place
                 delta.copy_(kept)
