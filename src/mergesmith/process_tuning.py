@@ -11,9 +11,10 @@ owns its process and sets them:
   (warm cache): minor faults 2.1-2.4 M -> 0.3-0.4 M, system time 9-11 s -> 5.4-5.9 s. torch reads the
   variable once, at its first allocation, so it must be set before torch allocates anything; a user's
   own setting (`THP_MEM_ALLOC_ENABLE=0`) wins.
-- A quiet garbage collector. Once the plan is built, the process holds hundreds of thousands of
-  long-lived objects (torch's modules, the plan, headers) that every full collection walks again while
-  the merge allocates small objects per tensor; `gc.freeze()` moves them out of the collector's sight.
+- A quiet garbage collector. Once the plan is built, the process holds many long-lived objects
+  (torch's modules, the plan, headers) that every full collection walks again while the merge
+  allocates small objects per tensor; `gc.freeze()` moves them out of the collector's sight (in a
+  profile of the slerp bench merge the collector's share of CPU fell from 1.7% to 1.1%).
   Objects made later are collected as usual, and the command thaws everything when it ends (an
   in-process caller, such as a test suite, gets its collector back as it was).
 """

@@ -11,7 +11,7 @@ the calls only queue I/O, so they return long before the data arrives.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import lru_cache
 
 DEFAULT_PIECE = 128 << 10
@@ -45,13 +45,7 @@ def piece_size(fd_or_path: int | str | os.PathLike[str]) -> int:
     return _piece_for_device(device)
 
 
-def pieces(start: int, end: int, piece: int) -> Iterator[tuple[int, int]]:
-    """(offset, length) pieces covering [start, end), each at most `piece` bytes."""
-    for offset in range(start, end, piece):
-        yield offset, min(piece, end - offset)
-
-
 def advise_in_pieces(advise: Callable[[int, int], None], start: int, end: int, piece: int) -> None:
-    """Call `advise(offset, length)` over [start, end) in pieces the kernel does not truncate."""
-    for offset, length in pieces(start, end, piece):
-        advise(offset, length)
+    """Call `advise(offset, length)` over [start, end) in consecutive pieces of at most `piece` bytes."""
+    for offset in range(start, end, piece):
+        advise(offset, min(piece, end - offset))
