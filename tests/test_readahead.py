@@ -80,14 +80,49 @@ def test_checkpoint_willneed_advises_the_whole_tensor(tmp_path: Path, monkeypatc
 
 
 def test_warm_start_reads_ahead_its_whole_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second = tmp_path / "model-1.safetensors", tmp_path / "model-2.safetensors"
+    first.write_bytes(b"\0" * 100_000)
+    second.write_bytes(b"\0" * 30_000)
+    monkeypatch.setattr(readahead, "piece_size", lambda _path: 4096)
+    pieces = warm_start._model_pieces([first, second], 120_000)
+    assert all(n <= 4096 for _, _, n in pieces)
+    assert _covered([(at, n) for p, at, n in pieces if p == first]) == [(0, 100_000)]
+    assert _covered([(at, n) for p, at, n in pieces if p == second]) == [(0, 20_000)]  # the budget's rest
+    assert _covered([(at, n) for _, at, n in warm_start._model_pieces([second], 1 << 30)]) == [(0, 30_000)]
+
+
+def test_warm_start_takes_one_piece_of_each_model_in_turn() -> None:
+    a = [(Path("a"), i, 1) for i in range(3)]
+    b = [(Path("b"), i, 1) for i in range(1)]
+    c = [(Path("c"), i, 1) for i in range(2)]
+    order = [(p.name, at) for p, at, _ in warm_start._interleaved([a, b, c])]
+    assert order == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("c", 1), ("a", 2)]
+
+
+def test_warm_start_keeps_few_pieces_queued(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each advice beyond IN_FLIGHT waits for the oldest queued piece to arrive, so the queue stays short."""
     shard = tmp_path / "model.safetensors"
     shard.write_bytes(b"\0" * 100_000)
-    calls: list[tuple[int, int]] = []
-    monkeypatch.setattr(readahead, "piece_size", lambda _fd: 4096)
-    monkeypatch.setattr(os, "posix_fadvise", lambda _fd, at, n, _advice: calls.append((at, n)))
-    warm_start._advise_willneed(shard, 50_000)
-    assert all(n <= 4096 for _, n in calls)
-    assert _covered(calls) == [(0, 50_000)]
-    calls.clear()
-    warm_start._advise_willneed(shard, 1 << 30)  # never past the end of the file
-    assert _covered(calls) == [(0, 100_000)]
+    events: list[tuple[str, int]] = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda _fd, at, n, _advice: events.append(("advise", at + n - 1)))
+    monkeypatch.setattr(os, "pread", lambda _fd, n, at: events.append(("wait", at)) or b"\0" * n)
+    pieces = [(shard, at, 1000) for at in range(0, 100_000, 1000)]
+    warm_start._advise_paced(pieces)
+    advised = [last for kind, last in events if kind == "advise"]
+    assert advised == [at + 999 for _, at, _ in pieces]
+    queued: list[int] = []
+    for kind, last in events:
+        if kind == "advise":
+            queued.append(last)
+        else:
+            assert last == queued.pop(0)  # the oldest piece, in order
+        assert len(queued) <= warm_start.IN_FLIGHT + 1
+
+
+def test_warm_start_reads_torch_libraries_largest_first() -> None:
+    pieces = warm_start._torch_library_pieces()
+    files = list(dict.fromkeys(path for path, _, _ in pieces))
+    assert files and all(path.parent.name == "lib" for path in files)
+    sizes = [path.stat().st_size for path in files]
+    assert sizes == sorted(sizes, reverse=True)
+    assert _covered([(at, n) for path, at, n in pieces if path == files[0]]) == [(0, sizes[0])]

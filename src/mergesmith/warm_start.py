@@ -1,25 +1,34 @@
 """Start reading a fresh merge's inputs while Python is still importing torch.
 
-Why: a merge process spends its first seconds importing torch and planning (about 3 s here, a fifth of a
-1 B-parameter linear merge that is bound by the disk), with the disk idle. The first tensors a merge needs
-lie near the start of each input model's first shard (safetensors keeps tensors in name order, and the
-plan starts with the embeddings and layer 0), so asking the kernel to read ahead those bytes from a
-background thread, before the heavy imports, overlaps that startup with reading. Bounded (READ_AHEAD_BYTES
-per model), read-only, best-effort: anything unexpected (a hub id, a missing path, an unreadable config) is
-skipped silently, since the merge itself reports real problems; the executor's own read-ahead takes over
-once it starts.
+Why: a merge process spends its first seconds importing torch and planning (2.5-4 s here with a cold
+cache, a fifth of a 1 B-parameter linear merge that is bound by the disk). Reading the inputs meanwhile
+overlaps that startup with I/O. A background thread, started before the heavy imports:
+- first reads torch's own shared libraries in big pieces, so the import does not fault them in 128 KB at
+  a time behind the inputs' reads;
+- then reads each local input model from its start (its shards in order), one piece of each model in turn,
+  since the merge needs the same tensors of every model at once;
+- keeps only IN_FLIGHT pieces queued at the disk, so the imports' many small reads are not stuck behind
+  gigabytes of read-ahead.
+Bounded (READ_AHEAD_BYTES per model, and half the available memory in all), read-only, best-effort:
+anything unexpected (a hub id, a missing path, an unreadable config) is skipped silently, since the merge
+itself reports real problems. The executor's own read-ahead takes over once it starts.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-READ_AHEAD_BYTES = 1 << 30
-"""Bytes read ahead from the start of each local input model's first shard (at most: see _budget)."""
+READ_AHEAD_BYTES = 4 << 30
+"""Bytes read ahead from the start of each local input model (at most: see _budget)."""
+
+IN_FLIGHT = 6
+"""Read-ahead pieces queued at once: 4 MB requests at depth 4 or more reach this disk's full rate
+(about 2.3 GB/s, against 0.65 GB/s at depth 1), and a short queue lets the imports' reads through."""
 
 
 def read_ahead_inputs(config_file: Path, out_dir: Path) -> threading.Thread | None:
@@ -47,21 +56,91 @@ def _read_ahead(config_file: Path) -> None:
 
         config = yaml.safe_load(config_file.read_text())
         directories = list(dict.fromkeys(_local_model_dirs(config, config_file.parent)))
-        each = _budget(len(directories))
-        for directory in directories:
-            shards = sorted(directory.glob("*.safetensors"))
-            if shards:
-                _advise_willneed(shards[0], each)
+        models = [sorted(directory.glob("*.safetensors")) for directory in directories]
+        pieces = _torch_library_pieces() + _interleaved(
+            [_model_pieces(shards, _budget(len(directories))) for shards in models]
+        )
+        _advise_paced(pieces)
     except Exception:  # noqa: BLE001 - best-effort warm-up; the merge reports real errors itself
         return
 
 
+Piece = tuple[Path, int, int]
+"""(file, offset, length): one WILLNEED call, at most the device's read-ahead cap."""
+
+
+def _file_pieces(path: Path, length: int) -> list[Piece]:
+    from .io.readahead import piece_size
+
+    end = min(length, path.stat().st_size)
+    step = piece_size(path)
+    return [(path, offset, min(step, end - offset)) for offset in range(0, end, step)]
+
+
+def _model_pieces(shards: list[Path], budget: int) -> list[Piece]:
+    """A model's first `budget` bytes, its shards in name order (the order its tensors are planned)."""
+    pieces: list[Piece] = []
+    for shard in shards:
+        if budget <= 0:
+            break
+        own = _file_pieces(shard, budget)
+        pieces += own
+        budget -= sum(n for _, _, n in own)
+    return pieces
+
+
+def _interleaved(models: list[list[Piece]]) -> list[Piece]:
+    """One piece of each model in turn: the merge needs the same tensors of every model at once, so
+    model 0 must not be read whole before model 2 begins."""
+    out: list[Piece] = []
+    for step in range(max((len(m) for m in models), default=0)):
+        out += [m[step] for m in models if step < len(m)]
+    return out
+
+
+def _torch_library_pieces() -> list[Piece]:
+    """torch's shared libraries, largest first: read in big sequential pieces now, the import that
+    follows finds them cached instead of faulting them in 128 KB at a time behind the inputs' reads."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")  # locates the package without importing it
+    if spec is None or spec.origin is None:
+        return []
+    libraries = sorted((Path(spec.origin).parent / "lib").glob("*.so*"), key=lambda p: -p.stat().st_size)
+    return [piece for lib in libraries for piece in _file_pieces(lib, lib.stat().st_size)]
+
+
+def _advise_paced(pieces: list[Piece]) -> None:
+    """Advise WILLNEED piece by piece, keeping at most IN_FLIGHT pieces queued at the disk.
+
+    The calls only queue reads. Queuing gigabytes at once would make every small read of the imports
+    running meanwhile (thousands of .py and .so files) wait behind all of it, and delay the merge's
+    start by seconds. Waiting for the oldest queued piece to arrive (a 1-byte read of its last byte)
+    before queuing another keeps the disk busy and its queue short."""
+    fds: dict[Path, int] = {}
+    queued: deque[tuple[int, int]] = deque()
+    try:
+        for path, offset, length in pieces:
+            fd = fds.get(path)
+            if fd is None:
+                fd = fds[path] = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            queued.append((fd, offset + length - 1))
+            if len(queued) > IN_FLIGHT:
+                oldest, last_byte = queued.popleft()
+                os.pread(oldest, 1, last_byte)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 def _budget(models: int) -> int:
-    """Bytes to read ahead per model: READ_AHEAD_BYTES, or less so that all of it stays within a quarter of
-    the available memory (read-ahead evicted before use would be read twice)."""
+    """Bytes to read ahead per model: READ_AHEAD_BYTES, or less so that all of it stays within half of the
+    available memory (read-ahead evicted before use would be read twice; the merge releases each input's
+    pages once it is merged, so what is read ahead does not pile up)."""
     import psutil
 
-    return min(READ_AHEAD_BYTES, psutil.virtual_memory().available // (4 * max(1, models)))
+    return min(READ_AHEAD_BYTES, psutil.virtual_memory().available // (2 * max(1, models)))
 
 
 def _local_model_dirs(node: Any, base: Path) -> Iterator[Path]:
@@ -79,14 +158,3 @@ def _local_model_dirs(node: Any, base: Path) -> Iterator[Path]:
     elif isinstance(node, list):
         for item in node:
             yield from _local_model_dirs(item, base)
-
-
-def _advise_willneed(path: Path, length: int) -> None:
-    from .io.readahead import advise_in_pieces, piece_size
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        end = min(length, os.fstat(fd).st_size)
-        advise_in_pieces(lambda at, n: os.posix_fadvise(fd, at, n, os.POSIX_FADV_WILLNEED), 0, end, piece_size(fd))
-    finally:
-        os.close(fd)

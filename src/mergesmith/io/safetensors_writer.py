@@ -9,7 +9,8 @@ Memory is bounded by the tensors in flight, never by the shard.
 Every tensor is just bytes here: views, transposes, non-contiguous, zero-size and 0-dim tensors, and
 tensors sharing storage with others (tied embeddings, a layer used twice) all save with no flag and
 no warning. The file is written under a temporary name and only renamed into place once complete
-and fsync'ed, so a file with the final name is always whole.
+and fsync'ed, so a file with the final name is always whole. Bulk bytes bypass the page cache where
+the filesystem allows it (`direct_write.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from ..dtypes import dtype_size, from_torch
 from ._test_hooks import kill_point
+from .direct_write import DirectWriter
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian by definition
     raise ImportError("mergesmith's safetensors writer needs a little-endian machine")
@@ -110,13 +112,16 @@ class ShardWriter:
         self._lock = threading.Lock()
         self._fd_lock = threading.Lock()
         self._fd = -1
+        self._direct: DirectWriter | None = None
         temp_path.parent.mkdir(parents=True, exist_ok=True)
         if resume and self._reopen(header, resume):
+            self._direct = DirectWriter.open(temp_path, self._fd)
             return
         self._fd = os.open(temp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _reserve(self._fd, self.size)
             _pwrite_all(self._fd, memoryview(header), 0)
+            self._direct = DirectWriter.open(temp_path, self._fd)
         except BaseException:
             self.abort()
             raise
@@ -151,10 +156,18 @@ class ShardWriter:
         the descriptor under it, without ever blocking tensor writes."""
         with self._lock:
             snapshot = dict(self._crcs)
+        if self._direct is not None:
+            self._direct.drain()  # every tensor in the snapshot has its bytes queued by now
         with self._fd_lock:
             if self._fd >= 0:
                 os.fdatasync(self._fd)
         return snapshot
+
+    def _put(self, data: memoryview, offset: int) -> None:
+        if self._direct is not None:
+            self._direct.write(data, offset)
+        else:
+            _pwrite_all(self._fd, data, offset)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Place `tensor`'s bytes in its slot. Thread-safe; each name is written once."""
@@ -166,7 +179,7 @@ class ShardWriter:
             )
         data = tensor_bytes(tensor)
         crc = zlib.crc32(data)
-        _pwrite_all(self._fd, data, slot.start)
+        self._put(data, slot.start)
         kill_point("tensor", name)
         with self._lock:
             if name in self._crcs:
@@ -197,7 +210,10 @@ class ShardWriter:
         if missing:
             raise ValueError(f"shard {self.final_path.name}: {len(missing)} tensors never written, e.g. {missing[0]!r}")
         digest = self.checksum()
+        if self._direct is not None:
+            self._direct.drain()
         with self._fd_lock:
+            self._close_direct()
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
@@ -209,9 +225,15 @@ class ShardWriter:
     def close(self) -> None:
         """Close the file but keep the partial file, whose journaled tensors a resume will reuse."""
         with self._fd_lock:
+            self._close_direct()
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+    def _close_direct(self) -> None:
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            direct.close()
 
     def __del__(self) -> None:
         # An interrupted or failed merge drops its unfinished writers without finishing them; without
@@ -244,7 +266,7 @@ class TensorSink:
         if self.pos + len(data) > self.slot.end:
             raise ValueError(f"tensor {self.slot.name!r}: more bytes than its planned shape {list(self.slot.shape)}")
         self.crc = zlib.crc32(data, self.crc)
-        _pwrite_all(self.writer._fd, data, self.pos)
+        self.writer._put(data, self.pos)
         self.pos += len(data)
 
     def close(self) -> None:

@@ -1,0 +1,206 @@
+"""Writes a shard's bulk bytes around the page cache (O_DIRECT), from a background thread.
+
+Why: a buffered write copies every output byte into freshly allocated page-cache pages, and the kernel
+then writes them back. On the 1 B linear merge that copy alone was 17% of all CPU cycles with a warm
+cache, at about 0.7 GB/s, because fresh pages are slow to touch on a VM. The fsync at the end then
+waited for the writeback. `dd` here: 2.2 GB buffered + fsync takes 7.1 s and 4.3 s of system time;
+with O_DIRECT it takes 3.9 s and 0.4 s.
+
+With O_DIRECT the disk reads the bytes from a few reused, aligned buffers. A worker copies its tensor
+into one buffer (a user-space memcpy at several GB/s, with the GIL released) and goes back to merging
+while this module's thread hands the buffer to the disk. Memory stays bounded: `BUFFERS` buffers
+of `CHUNK_BYTES`, and a worker waits for a free buffer when the disk falls behind.
+
+Only that one thread touches the file. ext4 holds the inode's lock for the whole of a direct write
+into fallocated (unwritten) blocks, so a worker's own small write would wait for the disk behind it.
+
+O_DIRECT needs the file offset, the length and the buffer address aligned to the device's block. A
+tensor's bytes start wherever the previous tensor ended, so only the aligned interior of a write goes
+direct. Its unaligned head and tail (under one block each) and small writes go through the page cache
+as before. Direct and buffered bytes always land in disjoint blocks, so they never race, and one
+fdatasync makes both durable.
+
+Where O_DIRECT is missing (macOS, Windows) or refused (tmpfs, some network and FUSE filesystems),
+every write is a plain buffered write. `MERGESMITH_DIRECT_IO=0` turns direct writes off.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import queue
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+ENV = "MERGESMITH_DIRECT_IO"
+ALIGN = max(4096, mmap.PAGESIZE)  # a multiple of every logical block size in use; mmap buffers are page-aligned
+CHUNK_BYTES = 8 << 20  # per direct write; 4-16 MB all reach the disk's rate here, smaller ones did not for reads
+BUFFERS = 4  # two per worker on a 2-core machine: one being copied into while one is on its way to disk
+MIN_DIRECT_BYTES = 256 << 10  # below this a write goes through the page cache (still from the thread)
+MAX_QUEUED_SMALL = 64 << 20  # bytes of small (buffered) writes that may wait for the thread
+
+
+def direct_io_wanted() -> bool:
+    """O_DIRECT exists on this platform and the user has not turned it off."""
+    value = os.environ.get(ENV, "1").strip().lower()
+    return hasattr(os, "O_DIRECT") and value not in ("0", "false", "no", "off")
+
+
+class _Job(NamedTuple):
+    payload: mmap.mmap | bytes  # a pooled aligned buffer (direct) or a private copy (buffered)
+    length: int
+    offset: int
+    direct: bool
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data = data[written:]
+        offset += written
+
+
+class DirectWriter:
+    """Writes byte ranges into one file: aligned interiors with O_DIRECT, the rest buffered.
+
+    `write` returns once the bytes are copied out of the caller's memory; `drain` waits until every
+    queued byte has reached the file (then an fdatasync makes it durable) and re-raises the first
+    error the background thread met."""
+
+    def __init__(self, direct_fd: int, buffered_fd: int) -> None:
+        self._direct_fd = direct_fd
+        self._buffered_fd = buffered_fd
+        self._cond = threading.Condition()
+        self._free: list[mmap.mmap] = []
+        self._made = 0
+        self._pending = 0
+        self._queued_small = 0
+        self._error: BaseException | None = None
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._refused = False  # the filesystem opened O_DIRECT but rejected a write: fall back for good
+
+    @classmethod
+    def open(cls, path: os.PathLike[str] | str, buffered_fd: int) -> DirectWriter | None:
+        """A direct writer for `path`, or None where O_DIRECT is unavailable, refused or turned off."""
+        if not direct_io_wanted():
+            return None
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        except OSError:
+            return None
+        return cls(fd, buffered_fd)
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """Place `data` at `offset`. The caller may reuse its memory as soon as this returns."""
+        end = offset + len(data)
+        first = -(-offset // ALIGN) * ALIGN
+        last = end // ALIGN * ALIGN
+        if last - first < MIN_DIRECT_BYTES:
+            self._queue_small(data, offset)
+            return
+        self._queue_small(data[: first - offset], offset)
+        source = np.frombuffer(data, dtype=np.uint8)
+        for start in range(first, last, CHUNK_BYTES):
+            length = min(CHUNK_BYTES, last - start)
+            buffer = self._take_buffer()
+            # numpy copies with the GIL released, so the other workers keep merging meanwhile.
+            np.frombuffer(buffer, dtype=np.uint8, count=length)[:] = source[start - offset : start - offset + length]
+            self._jobs.put(_Job(buffer, length, start, direct=True))
+        self._queue_small(data[last - offset :], last)
+
+    def _queue_small(self, data: memoryview, offset: int) -> None:
+        if not len(data):
+            return
+        with self._cond:
+            while self._queued_small and self._queued_small + len(data) > MAX_QUEUED_SMALL:
+                self._raise_error()
+                self._cond.wait()
+            self._raise_error()
+            self._queued_small += len(data)
+            self._pending += 1
+            self._start_thread()
+        self._jobs.put(_Job(bytes(data), len(data), offset, direct=False))
+
+    def drain(self) -> None:
+        """Wait until every queued write is in the file; re-raise the first error of one."""
+        with self._cond:
+            while self._pending:
+                self._cond.wait()
+        self._raise_error()
+
+    def close(self) -> None:
+        """Finish queued writes (errors are kept for `drain`), stop the thread, close the O_DIRECT fd."""
+        with self._cond:
+            while self._pending:
+                self._cond.wait()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join(timeout=60)
+        if self._direct_fd >= 0:
+            os.close(self._direct_fd)
+            self._direct_fd = -1
+        self._free.clear()  # unmapped once unreferenced (an error's traceback may still hold a view of one)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _take_buffer(self) -> mmap.mmap:
+        with self._cond:
+            while True:
+                self._raise_error()
+                if self._free:
+                    buffer = self._free.pop()
+                    break
+                if self._made < BUFFERS:
+                    self._made += 1
+                    buffer = mmap.mmap(-1, CHUNK_BYTES)
+                    break
+                self._cond.wait()
+            self._pending += 1
+            self._start_thread()
+            return buffer
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="merge-direct-write", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if self._error is None:
+                    self._write_out(memoryview(job.payload)[: job.length], job.offset, job.direct)
+            except BaseException as exc:  # noqa: BLE001 - handed to the writing threads via drain/write
+                self._error = exc
+            finally:
+                with self._cond:
+                    if job.direct:
+                        self._free.append(job.payload)  # type: ignore[arg-type]
+                    else:
+                        self._queued_small -= job.length
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    def _write_out(self, data: memoryview, offset: int, direct: bool) -> None:
+        while len(data):
+            if self._refused or not direct:
+                _pwrite_all(self._buffered_fd, data, offset)
+                return
+            try:
+                written = os.pwrite(self._direct_fd, data, offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._refused = True  # opened with O_DIRECT, but this filesystem will not do it
+                continue
+            data = data[written:]
+            offset += written
