@@ -265,6 +265,67 @@ def test_recipe_memory_covers_the_measured_peak(memory_inputs, method, store, co
     assert estimate <= 3 * held, f"{method} {store}->{compute}: estimate {estimate} far above measured {held}"
 
 
+@pytest.fixture(scope="module")
+def large_memory_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Four related bfloat16 tensors larger than one mix chunk of the task-vector family."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mergesmith.io.checkpoint import Checkpoint
+    from mergesmith.methods.task_arithmetic import MIX_CHUNK
+
+    root = tmp_path_factory.mktemp("large-memory")
+    shape = (2048, MIX_CHUNK // 2048 + 512)  # one full chunk and part of another
+    base = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    ckpts = {}
+    for i in range(4):
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(i + 1))
+        path = root / f"m{i}.safetensors"
+        save_file({"w": (base + 0.01 * noise * (i > 0)).to(torch.bfloat16).contiguous()}, str(path))
+        ckpts[f"m{i}-BF16"] = Checkpoint.open(str(path))
+    return ckpts
+
+
+@pytest.mark.parametrize("method", ["ties", "della"])
+@pytest.mark.parametrize("compute", ["BF16", "F32"])
+def test_recipe_memory_of_tensors_larger_than_a_mix_chunk(large_memory_inputs, method, compute):
+    """Past one chunk the task-vector mix's temporaries stop growing: the estimate must still cover the peak,
+    and not overshoot it by the 2.5x a tensor-wide charge gave (the 1 B TIES merge planned 4.2 GB, used 1.4)."""
+    import torch
+
+    from mergesmith.dtypes import dtype_size, to_torch
+    from mergesmith.executor import compute as compute_recipe
+    from mergesmith.methods import get_method
+    from mergesmith.plan import InputRef, TensorRecipe
+    from mergesmith.planner import recipe_memory
+
+    spec = get_method(method)
+    model_params, params = MEMORY_CASES[method]
+    n = 4
+    shape = tuple(large_memory_inputs["m0-BF16"].info("w").shape)
+    numel = shape[0] * shape[1]
+    defaults = {p.name: p.default for p in spec.model_params}
+    per_model = tuple(tuple((defaults | (model_params if i else {})).items()) for i in range(n))
+    recipe = TensorRecipe(
+        "model.embed_tokens.weight",
+        shape,
+        compute,
+        "merge",
+        tuple(InputRef(f"m{i}-BF16", "w") for i in range(n)),
+        method,
+        0,
+        per_model,
+        tuple(({p.name: p.default for p in spec.params} | params).items()),
+        7 if spec.randomized else None,
+    )
+    peak = _peak_allocated(
+        lambda: compute_recipe(recipe, large_memory_inputs, to_torch(compute), True, torch.device("cpu"))
+    )
+    held = peak + n * numel * dtype_size(compute)
+    estimate = recipe_memory(recipe, compute)
+    assert held <= estimate <= 2 * held, f"{method} BF16->{compute}: estimate {estimate}, measured {held}"
+
+
 # ----- 4. DELLA's density +/- epsilon at plan time; method errors as one line ----------------------------------------
 
 

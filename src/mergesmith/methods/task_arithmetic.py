@@ -168,8 +168,8 @@ class _Family:
     extra_model_params: tuple[ParamSpec, ...] = ()
     randomized: bool = False
     description: str = ""
-    # working memory (see MethodSpec): per input, fixed (in compute-dtype copies), dtype-independent bytes
-    memory: tuple[float, float, int] = (4.5, 1, 0)
+    # working memory (see MethodSpec): whole tensor (per input, fixed, dtype-independent bytes) and one mix chunk
+    memory: tuple[tuple[float, float, int], tuple[float, float]] = ((4.5, 1, 0), (0.0, 0.0))
     model_params_problem: Callable[[dict], str | None] | None = None
 
     def merge(self, inputs: MergeInputs) -> torch.Tensor:
@@ -231,9 +231,11 @@ class _Family:
             # same entry of the inputs; sparsifiers rank or rescale over the whole tensor.
             elementwise=self.sparsifier is _no_sparsify,
             description=self.description,
-            memory_per_input=self.memory[0],
-            memory_fixed=self.memory[1],
-            memory_bytes=self.memory[2],
+            memory_per_input=self.memory[0][0],
+            memory_fixed=self.memory[0][1],
+            memory_bytes=self.memory[0][2],
+            memory_chunked=self.memory[1],
+            memory_chunk_elements=MIX_CHUNK,
             model_params_problem=self.model_params_problem,
         )
 
@@ -241,11 +243,14 @@ class _Family:
 _GAMMA = ParamSpec("gamma", 0.01, non_base=True)
 _EPSILON = ParamSpec("epsilon", 0.15, non_base=True)
 
-# Working memory, measured (see MethodSpec): the task vectors and their weighted copies; sign consensus adds
-# a sign tensor and masks; magnitude ranking adds float32 magnitudes and int64 sort indices.
-_SUM = (4.5, 1, 0)
-_CONSENSUS = (6.5, 1, 12)
-_RANKED = (3.0, 1, 32)
+# Working memory, measured (see MethodSpec; tests/test_planner_checks2.py) as (per input, fixed, bytes) over
+# the whole tensor and (per input, fixed) over one mix chunk: the task vectors and their weighted copies; sign
+# consensus adds a sign tensor and masks, chunk-sized since the mix is chunked (MIX_CHUNK); magnitude ranking
+# adds float32 magnitudes and int64 sort indices; DELLA's rank-dependent draw holds those for the whole tensor.
+_SUM = ((4.5, 1, 0), (0.0, 0.0))
+_CONSENSUS = ((4.75, 0.5, 0), (1.0, 2.0))
+_DELLA = ((4.0, 0.5, 24), (0.0, 0.0))
+_RANKED = ((3.0, 1, 32), (0.0, 0.0))
 
 FAMILY: tuple[_Family, ...] = (
     _Family(
@@ -315,7 +320,7 @@ FAMILY: tuple[_Family, ...] = (
         (_EPSILON,),
         randomized=True,
         description="DELLA MagPrune, TIES sign",
-        memory=_CONSENSUS,
+        memory=_DELLA,
         model_params_problem=_della_params_problem,
     ),
     _Family(
