@@ -221,3 +221,27 @@ def test_memory_stays_bounded_by_the_buffer_pool(tmp_path: Path, monkeypatch: py
     assert done.is_set()
     writer.finish()
     assert torch.equal(_read(tmp_path / "m.safetensors")["big"], tensors["big"])
+
+
+def test_network_and_unknown_filesystems_are_written_buffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On NFS every direct write would wait for the server: such filesystems get the page cache."""
+    assert direct_write.filesystem_type("/") is not None
+    for kind in ("nfs4", "cifs", "fuse.sshfs", "zfs", "tmpfs", None):
+        monkeypatch.setattr(direct_write, "filesystem_type", lambda _path, kind=kind: kind)
+        writer = ShardWriter(tmp_path / "m.safetensors", tmp_path / "m.partial", _entries(_tensors()))
+        assert writer._direct is None, kind
+        writer.abort()
+
+
+def test_filesystem_type_takes_the_longest_matching_mount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda / ext4 rw 0 0\nserver:/x /data nfs4 rw 0 0\nfs /data2 xfs rw 0 0\n")
+    real_open = open
+
+    def fake_open(file, *args, **kwargs):
+        return real_open(mounts if file == "/proc/self/mounts" else file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    assert direct_write.filesystem_type("/data/models/x") == "nfs4"
+    assert direct_write.filesystem_type("/data2/x") == "xfs"
+    assert direct_write.filesystem_type("/datax/y") == "ext4"

@@ -20,8 +20,10 @@ direct. Its unaligned head and tail (under one block each) and small writes go t
 as before. Direct and buffered bytes always land in disjoint blocks, so they never race, and one
 fdatasync makes both durable.
 
-Where O_DIRECT is missing (macOS, Windows) or refused (tmpfs, some network and FUSE filesystems),
-every write is a plain buffered write. `MERGESMITH_DIRECT_IO=0` turns direct writes off.
+Only on local filesystems known to do O_DIRECT well (DIRECT_FILESYSTEMS): on NFS or SMB every direct
+write would be a synchronous round trip to the server, and FUSE, ZFS and tmpfs refuse or emulate it.
+Elsewhere, where O_DIRECT is missing (macOS, Windows) or refused, every write is a plain buffered write.
+`MERGESMITH_DIRECT_IO=0` turns direct writes off.
 """
 
 from __future__ import annotations
@@ -41,6 +43,28 @@ CHUNK_BYTES = 8 << 20  # per direct write; 4-16 MB all reach the disk's rate her
 BUFFERS = 4  # two per worker on a 2-core machine: one being copied into while one is on its way to disk
 MIN_DIRECT_BYTES = 256 << 10  # below this a write goes through the page cache (still from the thread)
 MAX_QUEUED_SMALL = 64 << 20  # bytes of small (buffered) writes that may wait for the thread
+
+
+DIRECT_FILESYSTEMS = frozenset({"ext4", "ext3", "xfs", "btrfs", "f2fs"})
+
+
+def filesystem_type(path: os.PathLike[str] | str) -> str | None:
+    """The type of the filesystem holding `path` (Linux: the longest matching mount in /proc/self/mounts)."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as mounts:
+            entries = [line.split() for line in mounts]
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, kind = "", None
+    for fields in entries:
+        if len(fields) < 3:
+            continue
+        mount = fields[1].replace("\\040", " ")
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, fields[2]
+    return kind
 
 
 def direct_io_wanted() -> bool:
@@ -86,7 +110,7 @@ class DirectWriter:
     @classmethod
     def open(cls, path: os.PathLike[str] | str, buffered_fd: int) -> DirectWriter | None:
         """A direct writer for `path`, or None where O_DIRECT is unavailable, refused or turned off."""
-        if not direct_io_wanted():
+        if not direct_io_wanted() or filesystem_type(path) not in DIRECT_FILESYSTEMS:
             return None
         try:
             fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
