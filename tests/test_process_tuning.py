@@ -59,3 +59,57 @@ class _FreezingCommand:
     def main(self, **_kw: object) -> None:
         process_tuning.freeze_long_lived_objects()
         assert gc.get_freeze_count() > 0
+
+
+class _Exited(Exception):
+    pass
+
+
+@pytest.mark.parametrize("raised,code", [(SystemExit(0), 0), (SystemExit(2), 2), (SystemExit(None), 0), (None, 0)])
+def test_the_console_script_leaves_with_mains_exit_code(monkeypatch: pytest.MonkeyPatch, raised, code) -> None:
+    def fake_main() -> None:
+        if raised is not None:
+            raise raised
+
+    def fake_exit(status: int) -> None:
+        raise _Exited(status)
+
+    monkeypatch.setattr(cli, "main", fake_main)
+    monkeypatch.setattr(process_tuning.os, "_exit", fake_exit)
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    monkeypatch.setattr(process_tuning.atexit, "_run_exitfuncs", lambda: None)
+    with pytest.raises(_Exited) as exited:
+        cli.run()
+    assert exited.value.args == (code,)
+
+
+def test_with_ray_loaded_the_exit_is_a_normal_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", object())
+    monkeypatch.setattr(cli, "main", lambda: None)
+    with pytest.raises(SystemExit) as exited:
+        cli.run()
+    assert exited.value.code == 0
+
+
+def test_the_quick_exit_runs_atexit_handlers_and_flushes(tmp_path) -> None:
+    """Real process: output written just before the exit arrives, atexit handlers run, the status is kept."""
+    code = (
+        "import atexit, sys; from mergesmith.cli import run; "
+        "atexit.register(lambda: print('atexit ran', flush=False)); "
+        "sys.argv = ['mergesmith', 'merge', sys.argv[1], sys.argv[2]]; run()"
+    )
+    bad = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "missing.yml"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2
+    assert "missing.yml" in bad.stderr and bad.stderr.count("\n") == 1
+    assert bad.stdout == "atexit ran\n"
+    show_version = "import sys; from mergesmith.cli import run; sys.argv = ['mergesmith', '--version']; run()"
+    version = subprocess.run(
+        [sys.executable, "-c", show_version],
+        capture_output=True,
+        text=True,
+    )
+    assert version.returncode == 0 and "mergesmith" in version.stdout

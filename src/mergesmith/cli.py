@@ -15,12 +15,18 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
 from .errors import ConfigError, MergesmithError
-from .process_tuning import freeze_long_lived_objects, prefer_huge_pages, thaw_objects
+from .process_tuning import (
+    exit_code_of,
+    exit_now,
+    freeze_long_lived_objects,
+    prefer_huge_pages,
+    thaw_objects,
+)
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?)([bB]?)\s*$")
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -764,5 +770,15 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(0)
 
 
+def run() -> NoReturn:
+    """The console script: `main`, then a quick exit (process_tuning.exit_now), since the command owns
+    its process. In-process callers (tests, notebooks) use `main`, which raises SystemExit as usual."""
+    try:
+        main()
+    except SystemExit as exc:
+        exit_now(exit_code_of(exc))
+    exit_now(0)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    run()

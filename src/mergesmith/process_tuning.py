@@ -17,12 +17,21 @@ owns its process and sets them:
   profile of the slerp bench merge the collector's share of CPU fell from 1.7% to 1.1%).
   Objects made later are collected as usual, and the command thaws everything when it ends (an
   in-process caller, such as a test suite, gets its collector back as it was).
+- A quick exit. Tearing down an interpreter that has loaded torch (module teardown, collecting every
+  object, C++ static destructors) takes about 0.5 s here, 3-5% of a 1 B-parameter merge, and buys the
+  command nothing: its files are closed and fsync'ed by then. The console script runs the registered
+  atexit handlers, flushes its streams and logging, and leaves with `os._exit`. With Ray loaded it
+  exits normally, so that Ray's own shutdown stops its workers.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
+import logging
 import os
+import sys
+from typing import NoReturn
 
 HUGE_PAGES_VARIABLE = "THP_MEM_ALLOC_ENABLE"
 
@@ -41,3 +50,27 @@ def freeze_long_lived_objects() -> None:
 def thaw_objects() -> None:
     """Undo `freeze_long_lived_objects` (the command is over)."""
     gc.unfreeze()
+
+
+def exit_code_of(exc: SystemExit) -> int:
+    """The process exit status `sys.exit(value)` would give: None is 0, an int itself, anything else 1."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with `code` without tearing the interpreter down (see the module docstring)."""
+    if "ray" in sys.modules:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to say
+            pass
+    os._exit(code)
