@@ -208,6 +208,29 @@ MEMORY_CASES = {  # method: (per-model parameters of the non-base models, global
 }
 
 
+def _memory_case_recipe(method: str, name: str, shape: tuple[int, ...], compute: str, store: str, n: int) -> Any:
+    """A merge recipe of MEMORY_CASES[method] over n inputs `m{i}-{store}` (model 0 the base)."""
+    from mergesmith.methods import get_method
+    from mergesmith.plan import InputRef, TensorRecipe
+
+    spec = get_method(method)
+    model_params, params = MEMORY_CASES[method]
+    defaults = {p.name: p.default for p in spec.model_params}
+    per_model = tuple(tuple((defaults | (model_params if i else {})).items()) for i in range(n))
+    return TensorRecipe(
+        name,
+        shape,
+        compute,
+        "merge",
+        tuple(InputRef(f"m{i}-{store}", "w") for i in range(n)),
+        method,
+        0,
+        per_model,
+        tuple(({p.name: p.default for p in spec.params} | params).items()),
+        7 if spec.randomized else None,
+    )
+
+
 @pytest.fixture(scope="module")
 def memory_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Four related 192x320 tensors (a base and three fine-tunes), stored as float32 and as bfloat16."""
@@ -237,27 +260,10 @@ def test_recipe_memory_covers_the_measured_peak(memory_inputs, method, store, co
 
     from mergesmith.dtypes import dtype_size, to_torch
     from mergesmith.executor import compute as compute_recipe
-    from mergesmith.methods import get_method
-    from mergesmith.plan import InputRef, TensorRecipe
     from mergesmith.planner import recipe_memory
 
-    spec = get_method(method)
-    model_params, params = MEMORY_CASES[method]
     n = 4
-    defaults = {p.name: p.default for p in spec.model_params}
-    per_model = tuple(tuple((defaults | (model_params if i else {})).items()) for i in range(n))
-    recipe = TensorRecipe(
-        "model.layers.0.mlp.up_proj.weight",
-        (192, 320),
-        compute,
-        "merge",
-        tuple(InputRef(f"m{i}-{store}", "w") for i in range(n)),
-        method,
-        0,
-        per_model,
-        tuple(({p.name: p.default for p in spec.params} | params).items()),
-        7 if spec.randomized else None,
-    )
+    recipe = _memory_case_recipe(method, "model.layers.0.mlp.up_proj.weight", (192, 320), compute, store, n)
     peak = _peak_allocated(lambda: compute_recipe(recipe, memory_inputs, to_torch(compute), True, torch.device("cpu")))
     held = peak + n * 192 * 320 * dtype_size(compute)
     estimate = recipe_memory(recipe, compute)
@@ -295,29 +301,12 @@ def test_recipe_memory_of_tensors_larger_than_a_mix_chunk(large_memory_inputs, m
 
     from mergesmith.dtypes import dtype_size, to_torch
     from mergesmith.executor import compute as compute_recipe
-    from mergesmith.methods import get_method
-    from mergesmith.plan import InputRef, TensorRecipe
     from mergesmith.planner import recipe_memory
 
-    spec = get_method(method)
-    model_params, params = MEMORY_CASES[method]
     n = 4
     shape = tuple(large_memory_inputs["m0-BF16"].info("w").shape)
     numel = shape[0] * shape[1]
-    defaults = {p.name: p.default for p in spec.model_params}
-    per_model = tuple(tuple((defaults | (model_params if i else {})).items()) for i in range(n))
-    recipe = TensorRecipe(
-        "model.embed_tokens.weight",
-        shape,
-        compute,
-        "merge",
-        tuple(InputRef(f"m{i}-BF16", "w") for i in range(n)),
-        method,
-        0,
-        per_model,
-        tuple(({p.name: p.default for p in spec.params} | params).items()),
-        7 if spec.randomized else None,
-    )
+    recipe = _memory_case_recipe(method, "model.embed_tokens.weight", shape, compute, "BF16", n)
     peak = _peak_allocated(
         lambda: compute_recipe(recipe, large_memory_inputs, to_torch(compute), True, torch.device("cpu"))
     )

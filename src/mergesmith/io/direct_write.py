@@ -80,7 +80,8 @@ class _Job(NamedTuple):
     direct: bool
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """pwrite until every byte is written (a write may be short)."""
     while len(data):
         written = os.pwrite(fd, data, offset)
         data = data[written:]
@@ -217,7 +218,7 @@ class DirectWriter:
     def _write_out(self, data: memoryview, offset: int, direct: bool) -> None:
         while len(data):
             if self._refused or not direct:
-                _pwrite_all(self._buffered_fd, data, offset)
+                pwrite_all(self._buffered_fd, data, offset)
                 return
             try:
                 written = os.pwrite(self._direct_fd, data, offset)

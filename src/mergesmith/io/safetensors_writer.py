@@ -30,7 +30,7 @@ import torch
 
 from ..dtypes import dtype_size, from_torch
 from ._test_hooks import kill_point
-from .direct_write import DirectWriter
+from .direct_write import DirectWriter, pwrite_all
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian by definition
     raise ImportError("mergesmith's safetensors writer needs a little-endian machine")
@@ -82,13 +82,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        written = os.pwrite(fd, data, offset)
-        data = data[written:]
-        offset += written
-
-
 class ShardWriter:
     """Writes one shard file: header at creation, tensors at their offsets, rename on `finish`."""
 
@@ -120,7 +113,7 @@ class ShardWriter:
         self._fd = os.open(temp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _reserve(self._fd, self.size)
-            _pwrite_all(self._fd, memoryview(header), 0)
+            pwrite_all(self._fd, memoryview(header), 0)
             self._direct = DirectWriter.open(temp_path, self._fd)
         except BaseException:
             self.abort()
@@ -167,7 +160,7 @@ class ShardWriter:
         if self._direct is not None:
             self._direct.write(data, offset)
         else:
-            _pwrite_all(self._fd, data, offset)
+            pwrite_all(self._fd, data, offset)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Place `tensor`'s bytes in its slot. Thread-safe; each name is written once."""
