@@ -245,3 +245,39 @@ def test_filesystem_type_takes_the_longest_matching_mount(tmp_path: Path, monkey
     assert direct_write.filesystem_type("/data/models/x") == "nfs4"
     assert direct_write.filesystem_type("/data2/x") == "xfs"
     assert direct_write.filesystem_type("/datax/y") == "ext4"
+
+
+def test_a_sync_waits_only_for_writes_queued_before_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers that keep writing must not starve the journal's periodic sync (it would never return)."""
+    if not _direct_supported(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    gates = {0: threading.Event(), 4 * ALIGN: threading.Event()}
+    original = DirectWriter._write_out
+
+    def gated(self: DirectWriter, data: memoryview, offset: int, direct: bool) -> None:
+        gates[offset].wait(10)
+        original(self, data, offset, direct)
+
+    monkeypatch.setattr(DirectWriter, "_write_out", gated)
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    os.ftruncate(fd, 8 * ALIGN)
+    writer = DirectWriter.open(path, fd)
+    assert writer is not None
+    try:
+        writer.write(memoryview(b"a" * (4 * ALIGN)), 0)  # queued before the sync
+        drained = threading.Event()
+        syncer = threading.Thread(target=lambda: (writer.drain(), drained.set()))
+        syncer.start()
+        writer.write(memoryview(b"b" * (4 * ALIGN)), 4 * ALIGN)  # queued after it, and stuck
+        assert not drained.wait(0.3)
+        gates[0].set()
+        assert drained.wait(5)  # the later write is still waiting at its gate
+        gates[4 * ALIGN].set()
+        writer.drain()
+        assert os.pread(fd, 8 * ALIGN, 0) == b"a" * (4 * ALIGN) + b"b" * (4 * ALIGN)
+    finally:
+        for gate in gates.values():
+            gate.set()
+        writer.close()
+        os.close(fd)

@@ -78,6 +78,7 @@ class _Job(NamedTuple):
     length: int
     offset: int
     direct: bool
+    ticket: int
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -101,7 +102,8 @@ class DirectWriter:
         self._cond = threading.Condition()
         self._free: list[mmap.mmap] = []
         self._made = 0
-        self._pending = 0
+        self._outstanding: set[int] = set()  # tickets of jobs queued (or being queued) and not yet written
+        self._tickets = 0
         self._queued_small = 0
         self._error: BaseException | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -131,10 +133,10 @@ class DirectWriter:
         source = np.frombuffer(data, dtype=np.uint8)
         for start in range(first, last, CHUNK_BYTES):
             length = min(CHUNK_BYTES, last - start)
-            buffer = self._take_buffer()
+            buffer, ticket = self._take_buffer()
             # numpy copies with the GIL released, so the other workers keep merging meanwhile.
             np.frombuffer(buffer, dtype=np.uint8, count=length)[:] = source[start - offset : start - offset + length]
-            self._jobs.put(_Job(buffer, length, start, direct=True))
+            self._jobs.put(_Job(buffer, length, start, True, ticket))
         self._queue_small(data[last - offset :], last)
 
     def _queue_small(self, data: memoryview, offset: int) -> None:
@@ -146,21 +148,24 @@ class DirectWriter:
                 self._cond.wait()
             self._raise_error()
             self._queued_small += len(data)
-            self._pending += 1
-            self._start_thread()
-        self._jobs.put(_Job(bytes(data), len(data), offset, direct=False))
+            ticket = self._new_ticket()
+        self._jobs.put(_Job(bytes(data), len(data), offset, False, ticket))
 
     def drain(self) -> None:
-        """Wait until every queued write is in the file; re-raise the first error of one."""
+        """Wait until every write queued so far is in the file; re-raise the first error of one.
+
+        Writes queued meanwhile are not waited for: workers that never pause must not starve the
+        journal's periodic sync."""
         with self._cond:
-            while self._pending:
+            earlier = set(self._outstanding)
+            while earlier & self._outstanding:
                 self._cond.wait()
         self._raise_error()
 
     def close(self) -> None:
         """Finish queued writes (errors are kept for `drain`), stop the thread, close the O_DIRECT fd."""
         with self._cond:
-            while self._pending:
+            while self._outstanding:
                 self._cond.wait()
         thread, self._thread = self._thread, None
         if thread is not None:
@@ -175,7 +180,14 @@ class DirectWriter:
         if self._error is not None:
             raise self._error
 
-    def _take_buffer(self) -> mmap.mmap:
+    def _new_ticket(self) -> int:
+        """Register a job about to be queued (call holding the lock)."""
+        self._tickets += 1
+        self._outstanding.add(self._tickets)
+        self._start_thread()
+        return self._tickets
+
+    def _take_buffer(self) -> tuple[mmap.mmap, int]:
         with self._cond:
             while True:
                 self._raise_error()
@@ -187,9 +199,7 @@ class DirectWriter:
                     buffer = mmap.mmap(-1, CHUNK_BYTES)
                     break
                 self._cond.wait()
-            self._pending += 1
-            self._start_thread()
-            return buffer
+            return buffer, self._new_ticket()
 
     def _start_thread(self) -> None:
         if self._thread is None:
@@ -212,7 +222,7 @@ class DirectWriter:
                         self._free.append(job.payload)  # type: ignore[arg-type]
                     else:
                         self._queued_small -= job.length
-                    self._pending -= 1
+                    self._outstanding.discard(job.ticket)
                     self._cond.notify_all()
 
     def _write_out(self, data: memoryview, offset: int, direct: bool) -> None:
