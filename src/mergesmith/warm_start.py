@@ -56,10 +56,9 @@ def _read_ahead(config_file: Path) -> None:
 
         config = yaml.safe_load(config_file.read_text())
         directories = list(dict.fromkeys(_local_model_dirs(config, config_file.parent)))
+        each = _budget(len(directories))
         models = [sorted(directory.glob("*.safetensors")) for directory in directories]
-        pieces = _torch_library_pieces() + _interleaved(
-            [_model_pieces(shards, _budget(len(directories))) for shards in models]
-        )
+        pieces = _torch_library_pieces() + _interleaved([_model_pieces(shards, each) for shards in models])
         _advise_paced(pieces)
     except Exception:  # noqa: BLE001 - best-effort warm-up; the merge reports real errors itself
         return
@@ -70,11 +69,10 @@ Piece = tuple[Path, int, int]
 
 
 def _file_pieces(path: Path, length: int) -> list[Piece]:
-    from .io.readahead import piece_size
+    from .io.readahead import piece_ranges, piece_size
 
     end = min(length, path.stat().st_size)
-    step = piece_size(path)
-    return [(path, offset, min(step, end - offset)) for offset in range(0, end, step)]
+    return [(path, offset, n) for offset, n in piece_ranges(0, end, piece_size(path))]
 
 
 def _model_pieces(shards: list[Path], budget: int) -> list[Piece]:

@@ -11,7 +11,7 @@ the calls only queue I/O, so they return long before the data arrives.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 
 DEFAULT_PIECE = 128 << 10
@@ -45,7 +45,13 @@ def piece_size(fd_or_path: int | str | os.PathLike[str]) -> int:
     return _piece_for_device(device)
 
 
+def piece_ranges(start: int, end: int, piece: int) -> Iterator[tuple[int, int]]:
+    """(offset, length) of consecutive pieces of at most `piece` bytes covering [start, end)."""
+    for offset in range(start, end, piece):
+        yield offset, min(piece, end - offset)
+
+
 def advise_in_pieces(advise: Callable[[int, int], None], start: int, end: int, piece: int) -> None:
     """Call `advise(offset, length)` over [start, end) in consecutive pieces of at most `piece` bytes."""
-    for offset in range(start, end, piece):
-        advise(offset, min(piece, end - offset))
+    for offset, length in piece_ranges(start, end, piece):
+        advise(offset, length)
