@@ -10,7 +10,7 @@ last tensor lands; progress inside a shard is journaled every second, so a kill 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +21,7 @@ from .blocks import row_blocks
 from .devices import resolve_device
 from .dtypes import to_torch
 from .errors import ConfigError, MergeInterrupted
+from .input_stream import InputFeed, open_feed
 from .io.checkpoint import Checkpoint
 from .io.journal import Journal, partial_path
 from .io.safetensors_writer import ShardWriter
@@ -31,6 +32,10 @@ from .planner import automatic_budget, recipe_memory
 
 JOURNAL_INTERVAL_S = 1.0
 PREFETCH_BYTES = 512 << 20
+FEED_BYTES = 128 << 20
+"""Read-ahead buffers of the input feed (see input_stream): a fixed size, whatever the model. With a
+memory budget (--max-memory) at most a quarter of it, never under MIN_FEED_BYTES."""
+MIN_FEED_BYTES = 16 << 20
 TRIM_AFTER_BYTES = 64 << 20
 """After a recipe with at least this working memory, freed heap memory goes back to the OS (see
 memory_release): peak RSS then follows what is in use, not what fragmented heaps keep."""
@@ -38,6 +43,13 @@ ADMISSION_WINDOW = 16
 """How far past a recipe that does not fit the budget the executor looks for one that does (so a thread
 is not idle while, say, lm_head waits for embed_tokens to finish); after this many recipes have gone past
 it, the waiting one is admitted next, as soon as it fits."""
+
+
+def feed_pool_bytes(max_memory: int | None) -> int:
+    """Bytes of the input feed's read-ahead buffers under a user's memory budget (None: none given)."""
+    if max_memory is None:
+        return FEED_BYTES
+    return max(MIN_FEED_BYTES, min(FEED_BYTES, max_memory // 4))
 
 
 @dataclass
@@ -117,17 +129,26 @@ def compute(
     explicit_dtype: bool,
     device: torch.device,
     rows: tuple[int, int] | None = None,
+    loaded: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """The output tensor of one recipe (or of its rows [start, end)), in its output dtype, on the CPU."""
+    """The output tensor of one recipe (or of its rows [start, end)), in its output dtype, on the CPU.
+
+    `loaded`: inputs of these rows already read (by the executor's input feed), per input in recipe order;
+    the others (None) are read from their checkpoint's memory map."""
     out_dtype = to_torch(recipe.dtype)
     shape = recipe.shape if rows is None else (rows[1] - rows[0], *recipe.shape[1:])
 
-    def load(ref: InputRef) -> torch.Tensor:
+    def streamed(index: int) -> bool:
+        return loaded is not None and loaded[index] is not None
+
+    def load(ref: InputRef, index: int | None = None) -> torch.Tensor:
+        if index is not None and loaded is not None and loaded[index] is not None:
+            return loaded[index]
         tensor = load_input(checkpoints[ref.model], ref)
         return tensor if rows is None else tensor[rows[0] : rows[1]]
 
     if recipe.op == "copy":
-        tensor = load(recipe.inputs[0])
+        tensor = load(recipe.inputs[0], 0)
         if explicit_dtype and tensor.is_floating_point():
             tensor = tensor.to(compute_dtype)  # mergekit loads in `dtype` first; the rounding must match
         return tensor.to(out_dtype)
@@ -141,9 +162,11 @@ def compute(
     tensors: list[torch.Tensor] = []
     mapped_refs: dict[int, InputRef] = {}  # inputs the method reads straight from the file's mapping
     for index, ref in enumerate(recipe.inputs):
-        mapped = load(ref)
+        mapped = load(ref, index)
         tensor = mapped.to(device=device, dtype=compute_dtype)
-        if tensor.data_ptr() == mapped.data_ptr():
+        if streamed(index):
+            pass  # its buffer goes back to the feed once the block is written
+        elif tensor.data_ptr() == mapped.data_ptr():
             mapped_refs[index] = ref
         else:  # converted or moved: the mapped pages are spent already
             advise_inputs(recipe, checkpoints, "dontneed", rows, only=ref)
@@ -186,10 +209,14 @@ def advise_inputs(
     advice: str,
     rows: tuple[int, int] | None = None,
     only: InputRef | None = None,
+    skip: frozenset[int] = frozenset(),
 ) -> None:
     """Read-ahead ("willneed") or release ("dontneed") the input bytes a recipe (or row block) uses
-    (`only`: those of one of its inputs)."""
-    for ref in recipe.inputs if only is None else (only,):
+    (`only`: those of one of its inputs; `skip`: not those of these input indices, which are read
+    around the memory map)."""
+    for index, ref in enumerate(recipe.inputs if only is None else (only,)):
+        if only is None and index in skip:
+            continue
         ckpt = checkpoints[ref.model]
         info = ckpt.tensors.get(ref.tensor)
         if info is None:
@@ -236,6 +263,7 @@ class LocalExecutor:
         self._done = 0
         self._bytes = 0
         self._error: BaseException | None = None
+        self._feed: InputFeed | None = None
 
     def _open_writer(self, shard: ShardPlan) -> ShardWriter:
         writer = ShardWriter(
@@ -269,9 +297,29 @@ class LocalExecutor:
         self._emit(None)
 
         cost_of = {r.name: recipe_memory(r, self.plan.compute_dtype) for r in self.plan.recipes}
+        feed_bytes = feed_pool_bytes(self.budget.limit)
         if self.budget.limit is None:
             self.budget.limit = automatic_budget(list(cost_of.values()), self.threads)
         costs = [cost_of[recipe.name] for _, recipe in work]
+        self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes)
+        try:
+            self._run_work(work, costs)
+        finally:
+            if self._feed is not None:
+                self._feed.close()
+                self._feed = None
+        self._journal_progress()
+        if self._error is not None:
+            raise self._error
+        if self.stop.is_set():
+            finished = len(self.journal.finished)
+            raise MergeInterrupted(
+                f"interrupted: {finished} of {len(self.plan.shards)} shards and {self._done} of {total} tensors "
+                "are saved; run the same command again to resume"
+            )
+
+    def _run_work(self, work: list[tuple[ShardPlan, TensorRecipe]], costs: list[int]) -> None:
+        """Admit the work to the thread pool under the memory budget and wait for all of it."""
         slots = threading.Semaphore(self.threads)
         flusher_done = threading.Event()
         flusher = threading.Thread(target=self._flush_loop, args=(flusher_done,), name="merge-flush", daemon=True)
@@ -298,15 +346,6 @@ class LocalExecutor:
                 f.exception()  # wait for everything in flight
         flusher_done.set()
         flusher.join()
-        self._journal_progress()
-        if self._error is not None:
-            raise self._error
-        if self.stop.is_set():
-            finished = len(self.journal.finished)
-            raise MergeInterrupted(
-                f"interrupted: {finished} of {len(self.plan.shards)} shards and {self._done} of {total} tensors "
-                "are saved; run the same command again to resume"
-            )
 
     def _stopping(self) -> bool:
         return self.stop.is_set() or self._error is not None
@@ -339,20 +378,38 @@ class LocalExecutor:
         """Compute one recipe and write it, in row blocks when it is large and elementwise.
 
         Returns False when a stop request left the tensor unwritten."""
-        args = (self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
         blocks = row_blocks(recipe)
         if len(blocks) == 1:
-            writer.write(recipe.name, compute(recipe, *args))
+            self._compute_block(recipe, blocks[0], lambda out: writer.write(recipe.name, out), whole=True)
         else:
             sink = writer.open_tensor(recipe.name)
             for rows in blocks:
                 if self.stop.is_set():
                     return False  # the tensor is not committed; a resume computes it again
-                sink.write(compute(recipe, *args, rows=rows))
-                advise_inputs(recipe, self.ckpts, "dontneed", rows)
+                self._compute_block(recipe, rows, sink.write)
+                advise_inputs(recipe, self.ckpts, "dontneed", rows, skip=self._streamed(recipe))
             sink.close()
-        advise_inputs(recipe, self.ckpts, "dontneed")
+        advise_inputs(recipe, self.ckpts, "dontneed", skip=self._streamed(recipe))
         return True
+
+    def _compute_block(
+        self, recipe: TensorRecipe, rows: tuple[int, int], put: Callable[[torch.Tensor], None], whole: bool = False
+    ) -> None:
+        """Compute rows [start, end) of a recipe (`whole`: all of it, one block) and `put` the result, from
+        the inputs the feed read for them where it did. The feed's buffers go back only after `put`: the
+        output of a copy may be a view of them."""
+        feed = self._feed
+        loaded = feed.take(recipe, rows) if feed is not None else None
+        try:
+            args = (self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
+            put(compute(recipe, *args, rows=None if whole else rows, loaded=loaded))
+        finally:
+            if loaded is not None and feed is not None:
+                feed.done(recipe, rows)
+
+    def _streamed(self, recipe: TensorRecipe) -> frozenset[int]:
+        """Indices of the recipe's inputs the feed reads (nothing of theirs is mapped to release)."""
+        return self._feed.streamed(recipe) if self._feed is not None else frozenset()
 
     def _finish_shard(self, filename: str) -> None:
         with self._lock:
@@ -396,7 +453,7 @@ class LocalExecutor:
         while position < len(work) and ahead < PREFETCH_BYTES:
             recipe = work[position][1]
             if position >= prefetched:
-                advise_inputs(recipe, self.ckpts, "willneed")
+                advise_inputs(recipe, self.ckpts, "willneed", skip=self._streamed(recipe))
             ahead += sum(
                 self.ckpts[ref.model].info(ref.tensor).nbytes
                 for ref in recipe.inputs

@@ -258,6 +258,14 @@ class Checkpoint:
             return torch.frombuffer(data, dtype=dtype, count=numel).reshape(info.shape)
         return torch.frombuffer(buf, dtype=dtype, count=numel, offset=info.data_offset).reshape(info.shape)
 
+    def byte_range(self, name: str) -> tuple[Path, int, TensorInfo] | None:
+        """(file, absolute offset, info) of a tensor's bytes as stored, for readers that go around the
+        memory map; None when its value is not simply those bytes (`.bin` pickles, adapted tensors)."""
+        info = self.info(name)
+        if info.file in self._bin_state:
+            return None
+        return info.file, info.data_offset, info
+
     def _map(self, file: Path) -> mmap.mmap:
         with self._lock:
             existing = self._maps.get(file)

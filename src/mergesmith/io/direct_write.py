@@ -73,6 +73,12 @@ def direct_io_wanted() -> bool:
     return hasattr(os, "O_DIRECT") and value not in ("0", "false", "no", "off")
 
 
+def direct_io_supported(path: os.PathLike[str] | str) -> bool:
+    """Whether bytes of `path` should go around the page cache: O_DIRECT wanted and the file on a local
+    filesystem that does it well (the writer may still find it refused, and then writes buffered)."""
+    return direct_io_wanted() and filesystem_type(path) in DIRECT_FILESYSTEMS
+
+
 class _Job(NamedTuple):
     payload: mmap.mmap | bytes  # a pooled aligned buffer (direct) or a private copy (buffered)
     length: int
@@ -113,7 +119,7 @@ class DirectWriter:
     @classmethod
     def open(cls, path: os.PathLike[str] | str, buffered_fd: int) -> DirectWriter | None:
         """A direct writer for `path`, or None where O_DIRECT is unavailable, refused or turned off."""
-        if not direct_io_wanted() or filesystem_type(path) not in DIRECT_FILESYSTEMS:
+        if not direct_io_supported(path):
             return None
         try:
             fd = os.open(path, os.O_WRONLY | os.O_DIRECT)

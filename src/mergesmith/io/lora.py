@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from .checkpoint import Checkpoint, resolve_model_path
+from .checkpoint import Checkpoint, TensorInfo, resolve_model_path
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -202,6 +202,12 @@ class LoraCheckpoint(Checkpoint):
             if delta.transpose:
                 update = update.T
         return (tensor.to(torch.float32) + update).to(tensor.dtype)
+
+    def byte_range(self, name: str) -> tuple[Path, int, TensorInfo] | None:
+        """None for the tensors the adapter changes or replaces (their value is computed, not stored)."""
+        if name in self._deltas or name in self._replaced:
+            return None
+        return super().byte_range(name)
 
     @property
     def adapted_tensors(self) -> list[str]:

@@ -1,0 +1,225 @@
+"""Reads the inputs of the tensors (or row blocks) a merge will compute, ahead of the workers, in plan order.
+
+Why: a merge reads each input byte once, in an order the plan fixes before anything runs (copies and
+elementwise methods by row blocks, other methods whole tensors). Reading in that order ahead of the workers, with
+a few I/O threads (`io.direct_read`), keeps the disk busy while earlier blocks are merged; with O_DIRECT
+into reused buffers the reads cost neither page-cache pages nor page faults. Memory is the reader's pool,
+a fixed size: the feed waits while it is full and goes on as workers hand blocks back.
+
+Workers usually take blocks in the order they were fed. A worker that takes a block the feed has not
+reached (the executor admitted a later recipe first, under its memory budget) reads that block itself
+at once, into buffers of its own, and the feed skips it. The feed reserves a block's buffers all at
+once before claiming it, so a worker never waits on buffers the feed holds for blocks that only run later.
+
+Inputs that cannot be streamed (`.bin` checkpoints, LoRA-adapted tensors, files on filesystems without
+O_DIRECT) come back as None and are read through the checkpoint's memory map, as are the inputs of
+operations other than copies and merges (tokenizer surgery, MoE gates), which index them freely.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .blocks import row_blocks
+from .dtypes import SAFETENSORS_TO_TORCH
+from .io.checkpoint import Checkpoint
+from .io.direct_read import BufferPool, DirectReader, ReadBuffer, capacity_for
+from .plan import InputRef, TensorRecipe
+
+STREAMED_OPS = frozenset({"copy", "merge"})
+"""Operations whose inputs are read whole or by the same rows as their output (others index freely)."""
+
+Rows = tuple[int, int]
+Key = tuple[str, int]  # (output tensor name, first row of the block)
+
+
+@dataclass(frozen=True)
+class Part:
+    """The bytes of one input that one output row block needs, and how to view them."""
+
+    path: Path
+    offset: int
+    length: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # of the bytes read: (rows read, *row shape)
+    pad_rows: int  # zero rows below them (the input has fewer rows than the output)
+
+
+def part_of(ckpt: Checkpoint, ref: InputRef, rows: Rows) -> Part | None:
+    """What input `ref` contributes to output rows [start, end), or None when it is not streamed.
+
+    As `executor.load_input` does for a whole tensor: the input's rows are cut or zero-padded to
+    `ref.rows` (vocabularies of different sizes), then the block's rows are taken."""
+    located = ckpt.byte_range(ref.tensor)
+    if located is None or not DirectReader.supports(located[0]):
+        return None
+    path, offset, info = located
+    dtype = SAFETENSORS_TO_TORCH[info.dtype]
+    if not info.shape:  # 0-dim: the whole value
+        return Part(path, offset, info.nbytes, dtype, (), 0)
+    start, end = rows
+    have = info.shape[0] if ref.rows is None else min(info.shape[0], ref.rows)
+    row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+    take = max(0, min(end, have) - start)
+    return Part(path, offset + start * row_bytes, take * row_bytes, dtype, (take, *info.shape[1:]), end - start - take)
+
+
+class _Block:
+    """One block's parts (None: that input is not streamed) and, once claimed, their reads."""
+
+    __slots__ = ("parts", "reads", "claimed")
+
+    def __init__(self, parts: list[Part | None]) -> None:
+        self.parts = parts
+        self.reads: list[Future[ReadBuffer] | None] | None = None
+        self.claimed = False
+
+
+class InputFeed:
+    """Feeds the streamable inputs of `blocks` (recipe, rows), in the given order."""
+
+    def __init__(
+        self, blocks: Sequence[tuple[TensorRecipe, Rows]], checkpoints: dict[str, Checkpoint], reader: DirectReader
+    ) -> None:
+        self.reader = reader
+        self._order: list[Key] = []
+        self._blocks: dict[Key, _Block] = {}
+        self._streamed: dict[str, frozenset[int]] = {}
+        for recipe, rows in blocks:
+            parts = [part_of(checkpoints[ref.model], ref, rows) for ref in recipe.inputs]
+            if any(p is not None for p in parts):
+                key = (recipe.name, rows[0])
+                self._order.append(key)
+                self._blocks[key] = _Block(parts)
+                self._streamed[recipe.name] = frozenset(i for i, p in enumerate(parts) if p is not None)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._feed, name="merge-feed", daemon=True)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def streamed(self, recipe: TensorRecipe) -> frozenset[int]:
+        """Indices of the recipe's inputs this feed reads."""
+        return self._streamed.get(recipe.name, frozenset())
+
+    def start(self) -> None:
+        if self._order:
+            self._thread.start()
+
+    def _feed(self) -> None:
+        pool = self.reader.pool
+        for key in self._order:
+            block = self._blocks.get(key)
+            if block is None or block.claimed:
+                continue
+            buffers = pool.take_all(_capacities(block), self._stop)
+            if buffers is None:
+                return
+            with self._lock:
+                if block.claimed:  # a worker took it meanwhile
+                    mine = False
+                else:
+                    block.claimed = mine = True
+            if not mine:
+                for memory, pooled in buffers:
+                    if pooled:
+                        pool.give(memory)
+                continue
+            reads = self._submit(block, buffers)
+            with self._lock:
+                block.reads = reads
+
+    def _submit(self, block: _Block, buffers: list[tuple[mmap.mmap, bool]]) -> list[Future[ReadBuffer] | None]:
+        reads: list[Future[ReadBuffer] | None] = []
+        spare = iter(buffers)
+        for part in block.parts:
+            if part is None or part.length == 0:
+                reads.append(None)
+                continue
+            memory, pooled = next(spare)
+            reads.append(self.reader.submit(part.path, part.offset, part.length, memory, pooled))
+        return reads
+
+    def take(self, recipe: TensorRecipe, rows: Rows) -> list[torch.Tensor | None] | None:
+        """The block's inputs in recipe order (None for those read from the memory map), or None when
+        nothing of this block is streamed. Hand them back with `done` once the block is written."""
+        block = self._blocks.get((recipe.name, rows[0]))
+        if block is None:
+            return None
+        with self._lock:
+            own = not block.claimed
+            block.claimed = True
+        if own:  # the feed has not reached it: read it now, into buffers of its own
+            block.reads = self._submit(block, [(mmap.mmap(-1, c), False) for c in _capacities(block)])
+        while block.reads is None:  # claimed by the feed, which is submitting its reads right now
+            if self._stop.wait(0.0002):
+                raise RuntimeError("input feed stopped")
+        tensors: list[torch.Tensor | None] = []
+        for part, read in zip(block.parts, block.reads):
+            if part is None:
+                tensors.append(None)
+                continue
+            data = (
+                read.result().tensor(part.dtype, part.shape)
+                if read is not None
+                else torch.empty(part.shape, dtype=part.dtype)
+            )
+            if part.pad_rows:
+                padded = torch.zeros((part.shape[0] + part.pad_rows, *part.shape[1:]), dtype=part.dtype)
+                padded[: part.shape[0]] = data
+                data = padded
+            tensors.append(data)
+        return tensors
+
+    def done(self, recipe: TensorRecipe, rows: Rows) -> None:
+        """Hand a taken block's buffers back (its tensors must no longer be used)."""
+        block = self._blocks.pop((recipe.name, rows[0]), None)
+        if block is not None and block.reads is not None:
+            _release(block.reads)
+
+    def close(self) -> None:
+        """Stop feeding, give back every buffer still held, close the reader (also after a failure)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        for block in self._blocks.values():
+            if block.reads is not None:
+                _release(block.reads)
+        self._blocks.clear()
+        self.reader.close()
+
+
+def open_feed(recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint], pool_bytes: int) -> InputFeed | None:
+    """A started feed for the blocks of these recipes' copies and merges (rows as blocks.row_blocks cuts
+    them), in this order; None when no input of them can be streamed."""
+    blocks = [(recipe, rows) for recipe in recipes if recipe.op in STREAMED_OPS for rows in row_blocks(recipe)]
+    if not blocks:
+        return None
+    feed = InputFeed(blocks, checkpoints, DirectReader(BufferPool(pool_bytes)))
+    if not len(feed):
+        feed.close()
+        return None
+    feed.start()
+    return feed
+
+
+def _capacities(block: _Block) -> list[int]:
+    return [capacity_for(p.length) for p in block.parts if p is not None and p.length]
+
+
+def _release(reads: list[Future[ReadBuffer] | None]) -> None:
+    for read in reads:
+        if read is None:
+            continue
+        try:
+            read.result().release()
+        except BaseException:  # noqa: BLE001 - a failed read gave its buffer back already
+            pass
