@@ -1,13 +1,16 @@
 """The warm start reads ahead a fresh merge's local inputs while torch is imported; it must find every local
-model a mergekit config names, stay out of reruns, and never raise."""
+model a mergekit config names, stay out of reruns and out of files the merge reads around the page cache,
+and never raise."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from mergesmith import warm_start
+from mergesmith.io import direct_write
 
 
 def test_finds_every_local_model_the_config_names(tmp_path: Path) -> None:
@@ -41,3 +44,22 @@ def test_reads_ahead_only_for_a_fresh_output_and_never_raises(tmp_path: Path) ->
     thread = warm_start.read_ahead_inputs(broken, tmp_path / "fresh2")
     assert thread is not None
     thread.join(10)  # the error stays inside the thread
+
+
+def test_leaves_files_the_merge_reads_around_the_cache_to_the_merge(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read-ahead into the page cache only for the files the merge reads through it: on a filesystem where the
+    feed reads with O_DIRECT, cached pages would only be copied out again at a cost."""
+    model = tmp_path / "m"
+    model.mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        (model / name).write_bytes(b"\0" * 4096)
+    monkeypatch.setattr(direct_write, "filesystem_type", lambda path: "ext4")
+    monkeypatch.delenv(direct_write.ENV, raising=False)
+    assert warm_start._paged_files(model) == []
+    monkeypatch.setenv(direct_write.ENV, "0")
+    assert [p.name for p in warm_start._paged_files(model)] == sorted(p.name for p in model.iterdir())
+    monkeypatch.delenv(direct_write.ENV)
+    monkeypatch.setattr(direct_write, "filesystem_type", lambda path: "nfs4")
+    assert len(warm_start._paged_files(model)) == 2

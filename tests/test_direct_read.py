@@ -1,0 +1,388 @@
+"""Reading inputs around the page cache (io.direct_read) and ahead of the workers (input_stream).
+
+What must hold: the bytes of any range, at any alignment, are exactly the file's, whether they come
+around the cache, from the cache, or through a filesystem that refuses O_DIRECT; the pool never holds
+more than its limit and a block taken out of order never waits for it; a merge through the feed writes
+the same bytes as one through memory maps; errors name the file."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mergesmith.executor import compute
+from mergesmith.input_stream import InputFeed, open_feed, part_of
+from mergesmith.io import direct_read, direct_write
+from mergesmith.io.checkpoint import Checkpoint
+from mergesmith.io.direct_read import ALIGN, BufferPool, DirectReader, capacity_for
+from mergesmith.plan import InputRef, TensorRecipe
+
+from .helpers import weight_files
+
+
+@pytest.fixture(autouse=True)
+def direct_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(direct_write.ENV, raising=False)
+
+
+def _direct_supported(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except (OSError, AttributeError):
+        return False
+    os.close(fd)
+    return DirectReader.supports(path)
+
+
+def _drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _random_file(path: Path, size: int) -> bytes:
+    data = os.urandom(size)
+    path.write_bytes(data)
+    return data
+
+
+def _read(reader: DirectReader, path: Path, offset: int, length: int) -> bytes:
+    ((memory, pooled),) = reader.pool.take_all([capacity_for(length)])
+    buffer = reader.submit(path, offset, length, memory, pooled).result()
+    try:
+        return bytes(memoryview(buffer.memory)[buffer.start : buffer.start + buffer.length])
+    finally:
+        buffer.release()
+
+
+RANGES = [(0, 1), (1, 4095), (4095, 2), (4096, 4096), (12345, 100_000), (3, 3 * ALIGN + 5), (0, 300_000)]
+
+
+def test_capacity_covers_the_aligned_span_at_any_offset() -> None:
+    for length in (1, 2, 4095, 4096, 4097, 1 << 20, (2 << 20) + 7, 5_000_001):
+        capacity = capacity_for(length)
+        for offset in (0, 1, 2048, 4095, 4096, 123_457):
+            lo = offset // ALIGN * ALIGN
+            hi = -(-(offset + length) // ALIGN) * ALIGN
+            assert hi - lo <= capacity, (length, offset)
+    assert capacity_for(2 << 20) == 3 << 20  # whole MB from 1 MB up: 2 MB plus the alignment slack
+    assert capacity_for(100) == 2 * ALIGN
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["around-the-cache", "from-the-cache"])
+def test_any_range_reads_the_files_bytes(tmp_path: Path, cached: bool) -> None:
+    path = tmp_path / "data.bin"
+    data = _random_file(path, 300_000)
+    if not _direct_supported(path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    reader = DirectReader(BufferPool(4 << 20))
+    try:
+        for offset, length in RANGES:
+            if cached:
+                path.read_bytes()
+            else:
+                _drop_cache(path)
+            assert _read(reader, path, offset, length) == data[offset : offset + length], (offset, length)
+        assert reader._file(path).direct is not None
+    finally:
+        reader.close()
+
+
+def test_residency_is_seen_without_reading(tmp_path: Path) -> None:
+    path = tmp_path / "data.bin"
+    _random_file(path, 64 * ALIGN)
+    if direct_read._MINCORE is None:
+        pytest.skip("no mincore on this platform")
+    file = direct_read._File(path)
+    try:
+        _drop_cache(path)
+        assert not file.resident(0, 64 * ALIGN)
+        with open(path, "rb") as f:
+            f.seek(8 * ALIGN)
+            f.read(4 * ALIGN)
+        assert file.resident(8 * ALIGN + 5, 3 * ALIGN)
+        assert not file.resident(0, 64 * ALIGN)  # the rest is still on disk: checking read none of it
+    finally:
+        file.close()
+
+
+def test_a_filesystem_that_refuses_direct_reads_is_read_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "data.bin"
+    data = _random_file(path, 300_000)
+    if not _direct_supported(path):
+        pytest.skip("this filesystem refuses O_DIRECT at open already")
+    reader = DirectReader(BufferPool(4 << 20))
+    real_preadv = os.preadv
+    refused: list[int] = []
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int, *flags: int) -> int:
+        if fd == reader._file(path).direct:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    try:
+        for offset, length in RANGES:
+            _drop_cache(path)
+            assert _read(reader, path, offset, length) == data[offset : offset + length]
+        assert len(refused) == 1  # refused once, then never tried again
+    finally:
+        reader.close()
+
+
+def test_a_file_cut_short_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "data.bin"
+    _random_file(path, 10_000)
+    reader = DirectReader(BufferPool(1 << 20))
+    try:
+        with pytest.raises(direct_read.CheckpointError, match=r"data\.bin: the file ends at 10000 bytes"):
+            _read(reader, path, 9_000, 2_000)
+        assert reader.pool.in_use == 0
+    finally:
+        reader.close()
+
+
+def test_pool_reuses_buffers_and_waits_when_full() -> None:
+    pool = BufferPool(8 << 20)
+    first = pool.take_all([3 << 20, 3 << 20])
+    assert first is not None and all(pooled for _, pooled in first)
+    assert pool.in_use == 6 << 20
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.take_all([3 << 20])))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not got  # 9 MB would not fit in 8
+    kept = first[0][0]
+    pool.give(kept)
+    waiter.join(5)
+    assert got and got[0] is not None and got[0][0][0] is kept  # the freed buffer of that size, reused
+    assert pool.in_use == 6 << 20
+
+    stop = threading.Event()
+    stop.set()
+    assert pool.take_all([4 << 20], stop) is None
+    ((huge, pooled),) = pool.take_all([16 << 20])  # larger than the whole pool: a one-off of its own
+    assert not pooled and len(huge) == 16 << 20 and pool.in_use == 6 << 20
+
+
+def test_pool_drops_spare_buffers_of_other_sizes_to_make_room() -> None:
+    pool = BufferPool(4 << 20)
+    (a, _), (b, _) = pool.take_all([2 << 20, 2 << 20])
+    pool.give(a)
+    pool.give(b)
+    ((c, _),) = pool.take_all([3 << 20])
+    assert len(c) == 3 << 20 and pool.in_use + pool._free_bytes <= pool.limit
+
+
+# ----- the feed ------------------------------------------------------------------------------------
+
+
+def _checkpoints(tmp_path: Path) -> tuple[dict[str, Checkpoint], dict[str, dict[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(0)
+    values: dict[str, dict[str, torch.Tensor]] = {}
+    checkpoints = {}
+    for name, vocab in (("a", 1000), ("b", 1003), ("c", 997)):
+        tensors = {
+            "embed": torch.randn(vocab, 96, generator=g).to(torch.bfloat16),
+            "w": torch.randn(300, 700, generator=g).to(torch.bfloat16),
+            "norm": torch.randn(96, generator=g),
+            "scale": torch.tensor(1.5),
+            "empty": torch.zeros(0, 4),
+        }
+        path = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(path))
+        values[name] = tensors
+        checkpoints[name] = Checkpoint.open(str(path))
+    return checkpoints, values
+
+
+def _recipe(name: str, shape: tuple[int, ...], dtype: str, rows: int | None = None) -> TensorRecipe:
+    return TensorRecipe(
+        name=name,
+        shape=shape,
+        dtype=dtype,
+        op="merge",
+        inputs=tuple(InputRef(m, name, rows) for m in "abc"),
+        method="linear",
+        model_params=tuple((("weight", w),) for w in (0.5, 0.3, 0.2)),
+        params=(("normalize", True),),
+    )
+
+
+def test_block_parts_cut_and_pad_rows_like_the_memory_map(tmp_path: Path) -> None:
+    checkpoints, values = _checkpoints(tmp_path)
+    if not _direct_supported(checkpoints["a"].files[0]):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    reader = DirectReader(BufferPool(16 << 20))
+    blocks = [((0, 400), 1001), ((400, 1001), 1001), ((990, 1001), 1001), ((0, 1001), 1001)]
+    recipe = _recipe("embed", (1001, 96), "BF16", 1001)
+    feed = InputFeed([(recipe, rows) for rows, _ in blocks[:3]], checkpoints, reader)
+    try:
+        for rows, out_rows in blocks[:3]:
+            loaded = feed.take(recipe, rows)
+            assert loaded is not None
+            for model, tensor in zip("abc", loaded):
+                source = values[model]["embed"][:out_rows]
+                expected = torch.zeros(out_rows, 96, dtype=torch.bfloat16)
+                expected[: source.shape[0]] = source
+                assert tensor is not None and torch.equal(tensor, expected[rows[0] : rows[1]]), (model, rows)
+            feed.done(recipe, rows)
+        part = part_of(checkpoints["c"], InputRef("c", "embed", 1001), (990, 1001))
+        assert part is not None and part.shape == (7, 96) and part.pad_rows == 4
+    finally:
+        feed.close()
+    assert reader.pool.in_use == 0
+
+
+def test_a_block_taken_before_the_feed_reaches_it_is_read_at_once(tmp_path: Path) -> None:
+    """The pool holds one block; the feed waits for it with blocks queued. A worker that takes the last block
+    first (admitted out of order) must get it without waiting, and the feed must skip it later."""
+    checkpoints, values = _checkpoints(tmp_path)
+    if not _direct_supported(checkpoints["a"].files[0]):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    recipe = _recipe("w", (300, 700), "BF16")
+    blocks = [(recipe, (r, min(r + 50, 300))) for r in range(0, 300, 50)]
+    reader = DirectReader(BufferPool(3 * capacity_for(50 * 700 * 2)))
+    feed = InputFeed(blocks, checkpoints, reader)
+    feed.start()
+    failures: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            for _, rows in [blocks[-1], *blocks[:-1]]:  # the last first, while the feed holds the first
+                loaded = feed.take(recipe, rows)
+                assert loaded is not None
+                for model, tensor in zip("abc", loaded):
+                    assert torch.equal(tensor, values[model]["w"][rows[0] : rows[1]]), (model, rows)
+                feed.done(recipe, rows)
+                assert reader.pool.in_use <= reader.pool.limit
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            failures.append(exc)
+
+    worker = threading.Thread(target=consume, daemon=True)
+    worker.start()
+    worker.join(30)
+    try:
+        assert not worker.is_alive(), "a worker waited for buffers the feed held for later blocks"
+        assert not failures, failures
+    finally:
+        feed.close()
+    assert reader.pool.in_use == 0
+
+
+def test_closing_a_feed_mid_way_gives_every_buffer_back(tmp_path: Path) -> None:
+    checkpoints, _ = _checkpoints(tmp_path)
+    recipe = _recipe("w", (300, 700), "BF16")
+    feed = open_feed([recipe], checkpoints, 4 << 20)
+    if feed is None:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    pool = feed.reader.pool
+    loaded = feed.take(recipe, (0, 300))
+    assert loaded is not None
+    feed.close()  # taken but never done: an interrupted merge
+    assert pool.in_use == 0
+
+
+def test_nothing_is_fed_where_direct_reads_are_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoints, _ = _checkpoints(tmp_path)
+    monkeypatch.setenv(direct_write.ENV, "0")
+    assert open_feed([_recipe("w", (300, 700), "BF16")], checkpoints, 4 << 20) is None
+
+
+def test_compute_from_fed_blocks_equals_compute_from_the_map(tmp_path: Path) -> None:
+    checkpoints, _ = _checkpoints(tmp_path)
+    recipes = [
+        _recipe("embed", (997, 96), "BF16", 997),
+        _recipe("w", (300, 700), "BF16"),
+        _recipe("norm", (96,), "F32"),
+        _recipe("scale", (), "F32"),
+        _recipe("empty", (0, 4), "F32"),
+    ]
+    feed = open_feed(recipes, checkpoints, 4 << 20)
+    if feed is None:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    args = (checkpoints, torch.float32, False, torch.device("cpu"))
+    try:
+        for recipe in recipes:
+            rows = (0, recipe.shape[0] if recipe.shape else 1)
+            loaded = feed.take(recipe, rows)
+            if recipe.name == "empty":
+                assert loaded is None or all(t is None or t.numel() == 0 for t in loaded)
+            fed = compute(recipe, *args, loaded=loaded)
+            mapped = compute(recipe, *args)
+            assert fed.dtype == mapped.dtype and torch.equal(fed, mapped), recipe.name
+            feed.done(recipe, rows)
+    finally:
+        feed.close()
+
+
+@pytest.mark.parametrize("method", ["linear", "ties", "passthrough"])
+def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
+    tmp_path: Path, tiny_models, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    from mergesmith import blocks, input_stream
+    from mergesmith.api import MergeOptions, build_plan, run_merge
+
+    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 64)  # tiny tensors in many row blocks
+    base = tiny_models("llama", seed=0)
+    others = [tiny_models.derive(base, seed=s) for s in (1, 2)]
+    if not _direct_supported(weight_files(base)[0]):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    if method == "passthrough":
+        config = {
+            "merge_method": "passthrough",
+            "slices": [
+                {"sources": [{"model": str(base), "layer_range": [0, 2]}]},
+                {"sources": [{"model": str(others[0]), "layer_range": [1, 2]}]},
+            ],
+            "dtype": "bfloat16",
+        }
+    else:
+        extra = {"density": 0.6} if method == "ties" else {}
+        models = [{"model": str(m), "parameters": {"weight": w, **extra}} for m, w in zip(others, (0.6, 0.4))]
+        config = {"merge_method": method, "base_model": str(base), "models": models, "dtype": "bfloat16"}
+        if method == "linear":
+            config["models"].append({"model": str(base), "parameters": {"weight": 0.2}})
+    import yaml
+
+    path = tmp_path / "config.yml"
+    path.write_text(yaml.safe_dump(config))
+    fed_blocks: list[int] = []
+    real_open = input_stream.open_feed
+
+    def counting(*args, **kwargs):
+        feed = real_open(*args, **kwargs)
+        fed_blocks.append(len(feed) if feed is not None else 0)
+        return feed
+
+    monkeypatch.setattr("mergesmith.executor.open_feed", counting)
+    run_merge(path, tmp_path / "fed")
+    tensors = len(build_plan(path, MergeOptions())[0].recipes)
+    # every tensor fed; those of elementwise methods and copies in many row blocks, the others whole
+    assert fed_blocks and (fed_blocks[0] == tensors if method == "ties" else fed_blocks[0] > tensors)
+    monkeypatch.setenv(direct_write.ENV, "0")
+    run_merge(path, tmp_path / "mapped")
+    assert fed_blocks[-1] == 0
+    for fed, mapped in zip(weight_files(tmp_path / "fed"), weight_files(tmp_path / "mapped"), strict=True):
+        assert fed.read_bytes() == mapped.read_bytes(), fed.name
+
+
+def test_a_view_of_a_pooled_buffer_does_not_block_dropping_it() -> None:
+    """A spare buffer still viewed by a tensor (a copy's output, written moments ago) is unmapped later."""
+    memory = mmap.mmap(-1, 1 << 20)
+    view = torch.frombuffer(memory, dtype=torch.uint8, count=16)
+    direct_read._unmap(memory)  # must not raise BufferError
+    assert view.numel() == 16
