@@ -242,6 +242,7 @@ class Floor:
     write_bytes: int
     write_s: float
     cold: bool
+    overlap_s: float | None = None  # reading and writing at once: what a merge that overlaps them can reach
 
     @property
     def total_s(self) -> float:
@@ -254,7 +255,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def read_floor(files: Sequence[Path], *, cold: bool, block: int = 16 << 20) -> tuple[int, float, bool]:
-    """Seconds to read `files` sequentially once with large reads (a `cat` to /dev/null), cache dropped first."""
+    """Seconds to read `files` once, cache dropped first: the faster of a sequential `cat` with large reads
+    and O_DIRECT reads with READ_DEPTH in flight (mergesmith's reader, so a `cat`-only floor would flatter it)."""
     dropped = drop_page_cache() if cold else False
     buf = bytearray(block)
     view = memoryview(buf)
@@ -267,7 +269,64 @@ def read_floor(files: Sequence[Path], *, cold: bool, block: int = 16 << 20) -> t
                 if not n:
                     break
                 total += n
-    return total, time.perf_counter() - t0, dropped
+    best = time.perf_counter() - t0
+    if hasattr(os, "O_DIRECT"):
+        if cold:
+            drop_page_cache()
+        try:
+            best = min(best, _timed_direct_read(files))
+        except OSError:  # e.g. tmpfs refuses O_DIRECT
+            pass
+    return total, best, dropped
+
+
+READ_DEPTH = 4
+"""O_DIRECT reads in flight in the read floor, as mergesmith's input reader keeps (io.direct_read.IO_THREADS)."""
+
+
+def _timed_direct_read(files: Sequence[Path], piece: int = 8 << 20) -> float:
+    """Seconds to read `files` with O_DIRECT, READ_DEPTH pieces at a time, into reused aligned buffers."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(path, offset) for path in files for offset in range(0, path.stat().st_size, piece)]
+    fds = {path: os.open(path, os.O_RDONLY | os.O_DIRECT) for path in files}
+    buffers = [mmap.mmap(-1, piece) for _ in range(READ_DEPTH)]
+
+    def read(index: int) -> None:
+        for path, offset in jobs[index::READ_DEPTH]:
+            os.preadv(fds[path], [buffers[index]], offset)
+
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(READ_DEPTH) as pool:
+            list(pool.map(read, range(READ_DEPTH)))
+        return time.perf_counter() - t0
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def overlap_floor(input_files: Sequence[Path], output_bytes: int, directory: Path, *, cold: bool) -> float | None:
+    """Seconds to read every input once (O_DIRECT, READ_DEPTH in flight) while writing the output bytes (O_DIRECT,
+    fsync'ed) at the same time: the bound of a merge that overlaps reading and writing perfectly. On a disk whose
+    reads and writes share one budget it is close to the read and write floors summed. None without O_DIRECT."""
+    import threading
+
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    if cold:
+        drop_page_cache()
+    result: list[float] = []
+    writer = threading.Thread(target=lambda: result.append(_timed_write(output_bytes, directory, 8 << 20, direct=True)))
+    t0 = time.perf_counter()
+    try:
+        writer.start()
+        _timed_direct_read(input_files)
+        writer.join()
+    except OSError:
+        return None
+    return time.perf_counter() - t0 if result else None
 
 
 def write_floor(nbytes: int, directory: Path, *, block: int = 16 << 20) -> float:
@@ -315,9 +374,11 @@ def _timed_write(nbytes: int, directory: Path, block: int, *, direct: bool) -> f
 
 
 def measure_floor(input_files: Sequence[Path], output_bytes: int, out_root: Path, *, cold: bool, runs: int) -> Floor:
-    """Median over `runs` of the read floor and of the write floor (measured separately, then summed)."""
+    """Median over `runs` of the read floor and of the write floor (measured separately, then summed), and of
+    the two at once (overlap_floor)."""
     reads: list[float] = []
     writes: list[float] = []
+    overlaps: list[float] = []
     nread = 0
     dropped = cold
     for _ in range(max(1, runs)):
@@ -325,7 +386,10 @@ def measure_floor(input_files: Sequence[Path], output_bytes: int, out_root: Path
         dropped = dropped and d
         reads.append(secs)
         writes.append(write_floor(output_bytes, out_root))
-    return Floor(nread, median(reads), output_bytes, median(writes), dropped)
+        both = overlap_floor(input_files, output_bytes, out_root, cold=cold)
+        if both is not None:
+            overlaps.append(both)
+    return Floor(nread, median(reads), output_bytes, median(writes), dropped, median(overlaps) if overlaps else None)
 
 
 # --------------------------------------------------------------------------------------------------- configs
@@ -641,7 +705,7 @@ def log(msg: str) -> None:
 
 DETAIL_HEADERS = [
     "tool/case", "runs", "wall s", "wall+sync s", "cpu s", "cpu/wall", "peak RSS", "peak anon", "input",
-    "disk read", "disk write", "output", "floor r+w s", "x floor", "GB/s", "load",
+    "disk read", "disk write", "output", "floor r+w s", "r||w s", "x floor", "GB/s", "load",
 ]
 
 
@@ -662,6 +726,7 @@ def detail_row(label: str, s: Summary, floor: Floor) -> list[str]:
         fmt_bytes(s.med("write_bytes")),
         fmt_bytes(s.med("output_bytes")),
         f"{fmt_s(floor.read_s)}+{fmt_s(floor.write_s)}",
+        fmt_s(floor.overlap_s) if floor.overlap_s is not None else "-",
         fmt_ratio(total / floor.total_s),
         f"{(floor.read_bytes + s.med('output_bytes')) / total / GB:.2f}",
         f"{s.med('load1'):.1f}",

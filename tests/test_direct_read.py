@@ -57,8 +57,8 @@ def _random_file(path: Path, size: int) -> bytes:
 
 
 def _read(reader: DirectReader, path: Path, offset: int, length: int) -> bytes:
-    ((memory, pooled),) = reader.pool.take_all([capacity_for(length)])
-    buffer = reader.submit(path, offset, length, memory, pooled).result()
+    (memory,) = reader.pool.take_all([capacity_for(length)])
+    buffer = reader.submit(path, offset, length, memory, True).result()
     try:
         return bytes(memoryview(buffer.memory)[buffer.start : buffer.start + buffer.length])
     finally:
@@ -158,32 +158,53 @@ def test_a_file_cut_short_names_the_file(tmp_path: Path) -> None:
 def test_pool_reuses_buffers_and_waits_when_full() -> None:
     pool = BufferPool(8 << 20)
     first = pool.take_all([3 << 20, 3 << 20])
-    assert first is not None and all(pooled for _, pooled in first)
-    assert pool.in_use == 6 << 20
+    assert first is not None and pool.in_use == 6 << 20
     got: list[object] = []
     waiter = threading.Thread(target=lambda: got.append(pool.take_all([3 << 20])))
     waiter.start()
     waiter.join(0.3)
     assert waiter.is_alive() and not got  # 9 MB would not fit in 8
-    kept = first[0][0]
+    kept = first[0]
     pool.give(kept)
     waiter.join(5)
-    assert got and got[0] is not None and got[0][0][0] is kept  # the freed buffer of that size, reused
+    assert got and got[0] is not None and got[0][0] is kept  # the freed buffer of that size, reused
     assert pool.in_use == 6 << 20
 
     stop = threading.Event()
     stop.set()
     assert pool.take_all([4 << 20], stop) is None
-    ((huge, pooled),) = pool.take_all([16 << 20])  # larger than the whole pool: a one-off of its own
-    assert not pooled and len(huge) == 16 << 20 and pool.in_use == 6 << 20
+
+
+def test_a_block_larger_than_the_pool_is_let_in_alone() -> None:
+    """A whole large tensor's buffers exceed the pool: they wait until nothing else is in use, and nothing
+    else gets in beside them (a feed never holds two giants, whatever their size)."""
+    pool = BufferPool(8 << 20)
+    (small,) = pool.take_all([2 << 20])
+    got: list[object] = []
+    giant = threading.Thread(target=lambda: got.append(pool.take_all([16 << 20, 16 << 20])))
+    giant.start()
+    giant.join(0.3)
+    assert giant.is_alive()
+    pool.give(small)
+    giant.join(5)
+    assert got and got[0] is not None and pool.in_use == 32 << 20
+    stop = threading.Event()
+    late = threading.Thread(target=lambda: got.append(pool.take_all([1 << 20], stop)))
+    late.start()
+    late.join(0.3)
+    assert late.is_alive()  # nothing beside a giant
+    for memory in got[0]:
+        pool.give(memory)
+    late.join(5)
+    assert len(got) == 2 and pool.in_use == 1 << 20 and pool._free_bytes == 0  # giants are not kept
 
 
 def test_pool_drops_spare_buffers_of_other_sizes_to_make_room() -> None:
     pool = BufferPool(4 << 20)
-    (a, _), (b, _) = pool.take_all([2 << 20, 2 << 20])
+    a, b = pool.take_all([2 << 20, 2 << 20])
     pool.give(a)
     pool.give(b)
-    ((c, _),) = pool.take_all([3 << 20])
+    (c,) = pool.take_all([3 << 20])
     assert len(c) == 3 << 20 and pool.in_use + pool._free_bytes <= pool.limit
 
 

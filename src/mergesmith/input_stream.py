@@ -10,6 +10,8 @@ Workers usually take blocks in the order they were fed. A worker that takes a bl
 reached (the executor admitted a later recipe first, under its memory budget) reads that block itself
 at once, into buffers of its own, and the feed skips it. The feed reserves a block's buffers all at
 once before claiming it, so a worker never waits on buffers the feed holds for blocks that only run later.
+A block larger than the whole pool (a large tensor of a method that needs it whole) is read alone, once
+the blocks before it are handed back: the feed never holds two of those.
 
 Inputs that cannot be streamed (`.bin` checkpoints, LoRA-adapted tensors, files on filesystems without
 O_DIRECT) come back as None and are read through the checkpoint's memory map, as are the inputs of
@@ -129,11 +131,10 @@ class InputFeed:
                 else:
                     block.claimed = mine = True
             if not mine:
-                for memory, pooled in buffers:
-                    if pooled:
-                        pool.give(memory)
+                for memory in buffers:
+                    pool.give(memory)
                 continue
-            reads = self._submit(block, buffers)
+            reads = self._submit(block, [(memory, True) for memory in buffers])
             with self._lock:
                 block.reads = reads
 

@@ -56,11 +56,11 @@ def capacity_for(nbytes: int) -> int:
 
 
 class BufferPool:
-    """Aligned anonymous buffers, reused by size, in at most `limit` bytes.
+    """Aligned anonymous buffers in at most `limit` bytes, reused by size.
 
-    `take_all` waits while the pool is full, so a reader that runs ahead stalls instead of growing memory.
-    A buffer larger than the whole pool is mapped for that one read alone (a single row wider than the
-    pool); a block whose buffers together exceed the pool is let in alone, when nothing else is in use.
+    `take_all` waits while the buffers asked for do not fit beside those in use, so a reader that runs
+    ahead stalls instead of growing memory. Buffers that together exceed the whole pool (a large tensor
+    read whole) are let in alone, once nothing else is in use, and are unmapped when given back.
     """
 
     def __init__(self, limit: int) -> None:
@@ -71,27 +71,21 @@ class BufferPool:
         self._cond = threading.Condition()
         self._closed = False
 
-    def take_all(
-        self, capacities: list[int], stop: threading.Event | None = None
-    ) -> list[tuple[mmap.mmap, bool]] | None:
-        """(buffer, pooled) of these capacities, all at once: waits until they fit together (None when
-        `stop` is set or the pool is closed meanwhile). All or nothing, so a caller never holds part of
-        what it needs while waiting for the rest. A capacity over the pool's limit gets a one-off buffer
-        (pooled False: not to be given back)."""
-        total = sum(c for c in capacities if c <= self.limit)
+    def take_all(self, capacities: list[int], stop: threading.Event | None = None) -> list[mmap.mmap] | None:
+        """Buffers of these capacities, all at once (None when `stop` is set or the pool is closed while
+        waiting). All or nothing, so a caller never holds part of what it needs while waiting for the rest."""
+        total = sum(capacities)
         with self._cond:
             while True:
                 if self._closed or (stop is not None and stop.is_set()):
                     return None
                 if self.in_use + total <= self.limit or self.in_use == 0:
-                    return [
-                        (self._take_one(c), True) if c <= self.limit else (mmap.mmap(-1, c), False) for c in capacities
-                    ]
+                    self.in_use += total
+                    return [self._reuse_or_map(c) for c in capacities]
                 self._cond.wait(0.2)
 
-    def _take_one(self, capacity: int) -> mmap.mmap:
-        """One buffer, reused if a free one has this size (call holding the lock, with room checked)."""
-        self.in_use += capacity
+    def _reuse_or_map(self, capacity: int) -> mmap.mmap:
+        """A free buffer of this size, or a new one once spares of other sizes make room (holding the lock)."""
         spare = self._free.get(capacity)
         if spare:
             self._free_bytes -= capacity
@@ -102,7 +96,7 @@ class BufferPool:
         return mmap.mmap(-1, capacity)
 
     def _drop_free(self, needed: int) -> None:
-        """Unmap free buffers of other sizes until `needed` bytes are released (call holding the lock)."""
+        """Unmap free buffers until `needed` bytes are released (call holding the lock)."""
         for size in sorted(self._free, reverse=True):
             spares = self._free[size]
             while spares and needed > 0:
@@ -111,11 +105,13 @@ class BufferPool:
                 needed -= size
 
     def give(self, memory: mmap.mmap) -> None:
-        """Return a buffer `take_all` handed out as pooled."""
+        """Return a buffer `take_all` handed out."""
         capacity = len(memory)
         with self._cond:
             self.in_use -= capacity
-            if not self._closed:
+            if self._closed or self.in_use + self._free_bytes + capacity > self.limit:
+                _unmap(memory)
+            else:
                 self._free.setdefault(capacity, []).append(memory)
                 self._free_bytes += capacity
             self._cond.notify_all()
@@ -123,6 +119,9 @@ class BufferPool:
     def close(self) -> None:
         with self._cond:
             self._closed = True
+            for spares in self._free.values():
+                for memory in spares:
+                    _unmap(memory)
             self._free.clear()
             self._free_bytes = 0
             self._cond.notify_all()
@@ -216,7 +215,8 @@ class DirectReader:
 
     def submit(self, path: Path, offset: int, length: int, memory: mmap.mmap, pooled: bool) -> Future[ReadBuffer]:
         """Start reading [offset, offset + length) of `path` into `memory` (at least `capacity_for(length)`
-        bytes; `pooled`: it came from this reader's pool and goes back there on release)."""
+        bytes; `pooled`: it came from this reader's pool and goes back there on release, else it is a
+        buffer of the caller's own, unmapped once unused)."""
         return self._threads.submit(self._read, path, offset, length, memory, self.pool if pooled else None)
 
     def _file(self, path: Path) -> _File:

@@ -20,11 +20,17 @@ def linear_average(tensors: Sequence[torch.Tensor], weights: Sequence[float], no
     """Weighted sum of same-shaped tensors, optionally normalised by the sum of weights.
 
     Accumulates in float32 (float64 for float64 inputs) whatever the inputs' dtype, and returns the
-    inputs' dtype: a bf16 merge rounds once, at the end, not after every model.
+    inputs' dtype: a bf16 merge rounds once, at the end, not after every model. Narrower inputs are
+    widened into one reused buffer (exactly the values torch's mixed-dtype addcmul would widen into a
+    fresh temporary for each model), so a block allocates three buffers, not one per model more.
     """
     work = work_dtype(*tensors)
     out = torch.zeros_like(tensors[0], dtype=work)
+    wide: torch.Tensor | None = None
     for tensor, weight in zip(tensors, weights):
+        if tensor.dtype != work:
+            wide = tensor.to(work) if wide is None else wide.copy_(tensor)
+            tensor = wide
         out.addcmul_(tensor, torch.tensor(weight, dtype=work, device=out.device))
     if normalize:
         total = torch.tensor(list(weights), dtype=work, device=out.device).sum()
