@@ -407,3 +407,42 @@ def test_a_view_of_a_pooled_buffer_does_not_block_dropping_it() -> None:
     view = torch.frombuffer(memory, dtype=torch.uint8, count=16)
     direct_read._unmap(memory)  # must not raise BufferError
     assert view.numel() == 16
+
+
+def test_bytes_read_by_several_blocks_go_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer a frankenmerge uses twice: both reads go through the cache (the second finds it there);
+    bytes read once go around it."""
+    checkpoints, values = _checkpoints(tmp_path)
+    if not _direct_supported(checkpoints["a"].files[0]):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    calls: list[tuple[int, bool]] = []
+    real_submit = DirectReader.submit
+
+    def spy(self, path, offset, length, memory, pooled, through_cache=False):  # type: ignore[no-untyped-def]
+        calls.append((offset, through_cache))
+        return real_submit(self, path, offset, length, memory, pooled, through_cache)
+
+    monkeypatch.setattr(DirectReader, "submit", spy)
+
+    def copy(name: str, source: str) -> TensorRecipe:
+        return TensorRecipe(name=name, shape=(300, 700), dtype="BF16", op="copy", inputs=(InputRef("a", source),))
+
+    once = TensorRecipe(name="norm", shape=(96,), dtype="F32", op="copy", inputs=(InputRef("b", "norm"),))
+    recipes = [copy("first", "w"), once, copy("again", "w")]
+    feed = open_feed(recipes, checkpoints, 16 << 20)
+    assert feed is not None
+    try:
+        for recipe in recipes:
+            rows = (0, recipe.shape[0])
+            (tensor,) = feed.take(recipe, rows) or [None]
+            source = "b" if recipe.name == "norm" else "a"
+            assert tensor is not None and torch.equal(tensor, values[source][recipe.inputs[0].tensor])
+            feed.done(recipe, rows)
+    finally:
+        feed.close()
+    w_offset = checkpoints["a"].byte_range("w")[1]  # type: ignore[index]
+    assert sorted(calls) == sorted(
+        [(w_offset, True), (w_offset, True), (checkpoints["b"].byte_range("norm")[1], False)]
+    )  # type: ignore[index]

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import mmap
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,6 +53,7 @@ class Part:
     dtype: torch.dtype
     shape: tuple[int, ...]  # of the bytes read: (rows read, *row shape)
     pad_rows: int  # zero rows below them (the input has fewer rows than the output)
+    repeated: bool = False  # other blocks read the same bytes: read through the page cache
 
 
 def part_of(ckpt: Checkpoint, ref: InputRef, rows: Rows) -> Part | None:
@@ -101,12 +103,25 @@ class InputFeed:
                 self._order.append(key)
                 self._blocks[key] = _Block(parts)
                 self._streamed[recipe.name] = frozenset(i for i, p in enumerate(parts) if p is not None)
+        self._mark_repeated()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._feed, name="merge-feed", daemon=True)
 
     def __len__(self) -> int:
         return len(self._order)
+
+    def _mark_repeated(self) -> None:
+        """Bytes that several blocks read (a layer a frankenmerge uses twice, a model listed twice) are read
+        through the page cache, so that every read after the first finds them there: read around the cache
+        they would cost the disk each time, and holding them in memory until their last use could take
+        gigabytes."""
+        readers = Counter((p.path, p.offset, p.length) for b in self._blocks.values() for p in b.parts if p is not None)
+        for block in self._blocks.values():
+            block.parts = [
+                replace(p, repeated=True) if p is not None and readers[(p.path, p.offset, p.length)] > 1 else p
+                for p in block.parts
+            ]
 
     def streamed(self, recipe: TensorRecipe) -> frozenset[int]:
         """Indices of the recipe's inputs this feed reads."""
@@ -146,7 +161,9 @@ class InputFeed:
                 reads.append(None)
                 continue
             memory, pooled = next(spare)
-            reads.append(self.reader.submit(part.path, part.offset, part.length, memory, pooled))
+            reads.append(
+                self.reader.submit(part.path, part.offset, part.length, memory, pooled, through_cache=part.repeated)
+            )
         return reads
 
     def take(self, recipe: TensorRecipe, rows: Rows) -> list[torch.Tensor | None] | None:

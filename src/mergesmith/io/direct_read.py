@@ -213,11 +213,15 @@ class DirectReader:
         does it well). Elsewhere a memory map of the page cache is the better reader."""
         return direct_io_supported(path)
 
-    def submit(self, path: Path, offset: int, length: int, memory: mmap.mmap, pooled: bool) -> Future[ReadBuffer]:
+    def submit(
+        self, path: Path, offset: int, length: int, memory: mmap.mmap, pooled: bool, through_cache: bool = False
+    ) -> Future[ReadBuffer]:
         """Start reading [offset, offset + length) of `path` into `memory` (at least `capacity_for(length)`
         bytes; `pooled`: it came from this reader's pool and goes back there on release, else it is a
-        buffer of the caller's own, unmapped once unused)."""
-        return self._threads.submit(self._read, path, offset, length, memory, self.pool if pooled else None)
+        buffer of the caller's own, unmapped once unused). `through_cache`: read through the page cache
+        (bytes that will be read again)."""
+        pool = self.pool if pooled else None
+        return self._threads.submit(self._read, path, offset, length, memory, pool, through_cache)
 
     def _file(self, path: Path) -> _File:
         with self._lock:
@@ -229,7 +233,9 @@ class DirectReader:
                     raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
             return file
 
-    def _read(self, path: Path, offset: int, length: int, memory: mmap.mmap, pool: BufferPool | None) -> ReadBuffer:
+    def _read(
+        self, path: Path, offset: int, length: int, memory: mmap.mmap, pool: BufferPool | None, through_cache: bool
+    ) -> ReadBuffer:
         try:
             file = self._file(path)
             if offset + length > file.size:
@@ -238,7 +244,7 @@ class DirectReader:
                     f"(truncated or replaced during the merge?)"
                 )
             lo = offset // ALIGN * ALIGN
-            if file.direct is None or file.resident(offset, length):
+            if through_cache or file.direct is None or file.resident(offset, length):
                 _read_into(file.buffered, memoryview(memory)[offset - lo : offset - lo + length], offset, path)
             else:
                 hi = -(-(offset + length) // ALIGN) * ALIGN
