@@ -12,7 +12,8 @@ Two levels:
 
 Bit-identical is the expectation throughout: same torch version, same operations in the same order. Known
 deviations are listed in DEVIATIONS below with their reason; a case there is expected to fail (strict
-xfail), so fixing the cause shows up as an unexpected pass.
+xfail), so fixing the cause shows up as an unexpected pass. Cases whose mergekit output depends on the CPU
+it ran on (CPU_DEPENDENT_ULPS) must agree within a few ulps.
 
 Regenerate the fixtures with `python tests/reference/make_mergekit_reference.py` (see its docstring).
 """
@@ -47,6 +48,32 @@ _FLOAT32_COMPUTE = (
 )
 DEVIATIONS_UNIT: dict[str, str] = {"ties_bf16_inputs_no_dtype": _FLOAT32_COMPUTE}
 DEVIATIONS_E2E: dict[str, str] = {"ties_bf16_inputs_no_dtype": _FLOAT32_COMPUTE}
+
+CPU_DEPENDENT_ULPS: dict[str, int] = {"karcher": 4}
+"""Cases whose mergekit output itself depends on the CPU: karcher takes 20 steps of dot products and norms, whose
+BLAS kernels add in a different order with AVX-512 than without, and the steps amplify it. Measured: on an AVX-512
+machine mergekit 0.1.5 differs from the committed fixtures (made on another CPU) in 23 of 30 karcher tensors, by
+1 float32 ulp of the tensor's largest entry, and mergesmith equals that machine's mergekit output bit for bit.
+These cases must agree within this many ulps of each tensor's scale; everything else stays bit-identical."""
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference between the tensors in units in the last place of b's largest magnitude: a scalar
+    rounded differently (a norm, a cosine) that then scales every entry moves them all by about one such unit."""
+    if not a.numel():
+        return 0.0
+    scale = float(b.abs().max()) * torch.finfo(b.dtype).eps
+    diff = float((a.double() - b.double()).abs().max())
+    return diff / scale if scale else (0.0 if diff == 0 else float("inf"))
+
+
+def same_as_mergekit(case: str, ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    if ours.dtype != theirs.dtype or ours.shape != theirs.shape:
+        return False
+    if torch.equal(ours, theirs):
+        return True
+    allowed = CPU_DEPENDENT_ULPS.get(case)
+    return allowed is not None and ours.is_floating_point() and _ulps_apart(ours, theirs) <= allowed
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -146,7 +173,7 @@ def test_method_matches_mergekit_per_tensor(case, inputs):
     for tensor, call in sorted(CALLS[case].items()):
         ours = replay(case, tensor, call, inputs)
         theirs = reference[tensor]
-        if ours.dtype != theirs.dtype or ours.shape != theirs.shape or not torch.equal(ours, theirs):
+        if not same_as_mergekit(case, ours, theirs):
             diff = (ours.double() - theirs.double()).abs().max().item() if ours.shape == theirs.shape else None
             mismatched.append(f"{tensor}: {ours.dtype}{list(ours.shape)} vs {theirs.dtype}{list(theirs.shape)}, {diff}")
     assert not mismatched, f"{case}: {len(mismatched)} tensors differ from mergekit:\n" + "\n".join(mismatched)
@@ -188,7 +215,7 @@ def test_cli_matches_mergekit(case, tmp_path):
     mismatched = []
     for name in sorted(reference):
         a, b = ours[name], reference[name]
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+        if not same_as_mergekit(case, a, b):
             diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else None
             mismatched.append(f"{name}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}, max diff {diff}")
     assert not mismatched, f"{case}: {len(mismatched)} tensors differ from mergekit:\n" + "\n".join(mismatched)
@@ -327,3 +354,13 @@ def test_large_tensors_agree_with_live_mergekit(tmp_path):
         torch.testing.assert_close(
             merged, theirs[method], rtol=2e-5, atol=atol, msg=lambda m, method=method: f"{method}: {m}"
         )
+
+
+def test_ulp_distance_is_measured_at_the_tensors_scale_and_refuses_real_differences():
+    values = torch.tensor([0.5, 0.01, -0.25])
+    eps = torch.finfo(torch.float32).eps
+    assert _ulps_apart(values + 0.5 * eps * torch.tensor([1.0, 1.0, 0.0]), values) == pytest.approx(1.0, rel=0.01)
+    assert _ulps_apart(values, values) == 0.0
+    assert not same_as_mergekit("karcher", values * 1.001, values)
+    assert same_as_mergekit("karcher", values + 0.5 * eps, values)
+    assert not same_as_mergekit("linear", values + 0.5 * eps, values)  # bit-identical everywhere else
