@@ -476,7 +476,8 @@ def test_plan_estimate_counts_the_router_pass(tmp_path, tiny_models, capsys):
     random, cheap, hidden = reports["random"], reports["cheap_embed"], reports["hidden"]
     assert cheap["bytes_read"] - random["bytes_read"] == embed.nbytes
     assert hidden["bytes_read"] - random["bytes_read"] == base.total_bytes
-    assert hidden["peak_memory_bytes"] >= base.total_bytes > random["peak_memory_bytes"]
+    # working memory (the read-ahead buffers aside: a merge this small may read all its inputs ahead)
+    assert hidden["peak_memory_bytes"] >= base.total_bytes > random["peak_memory_bytes"] - random["read_ahead_bytes"]
     assert hidden["largest_tensor"] == {
         "name": "router pass (gate_mode hidden: the whole base model in transformers)",
         "working_bytes": base.total_bytes,

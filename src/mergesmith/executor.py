@@ -23,6 +23,7 @@ from .dtypes import to_torch
 from .errors import ConfigError, MergeInterrupted
 from .input_stream import InputFeed, open_feed
 from .io.checkpoint import Checkpoint
+from .io.direct_read import pool_bytes
 from .io.journal import Journal, partial_path
 from .io.safetensors_writer import ShardWriter
 from .memory_release import release_free_heap
@@ -32,10 +33,6 @@ from .planner import automatic_budget, recipe_memory
 
 JOURNAL_INTERVAL_S = 1.0
 PREFETCH_BYTES = 512 << 20
-FEED_BYTES = 128 << 20
-"""Read-ahead buffers of the input feed (see input_stream): a fixed size, whatever the model. With a
-memory budget (--max-memory) at most a quarter of it, never under MIN_FEED_BYTES."""
-MIN_FEED_BYTES = 16 << 20
 TRIM_AFTER_BYTES = 64 << 20
 """After a recipe with at least this working memory, freed heap memory goes back to the OS (see
 memory_release): peak RSS then follows what is in use, not what fragmented heaps keep."""
@@ -43,13 +40,6 @@ ADMISSION_WINDOW = 16
 """How far past a recipe that does not fit the budget the executor looks for one that does (so a thread
 is not idle while, say, lm_head waits for embed_tokens to finish); after this many recipes have gone past
 it, the waiting one is admitted next, as soon as it fits."""
-
-
-def feed_pool_bytes(max_memory: int | None) -> int:
-    """Bytes of the input feed's read-ahead buffers under a user's memory budget (None: none given)."""
-    if max_memory is None:
-        return FEED_BYTES
-    return max(MIN_FEED_BYTES, min(FEED_BYTES, max_memory // 4))
 
 
 @dataclass
@@ -297,7 +287,7 @@ class LocalExecutor:
         self._emit(None)
 
         cost_of = {r.name: recipe_memory(r, self.plan.compute_dtype) for r in self.plan.recipes}
-        feed_bytes = feed_pool_bytes(self.budget.limit)
+        feed_bytes = pool_bytes(self.budget.limit)
         if self.budget.limit is None:
             self.budget.limit = automatic_budget(list(cost_of.values()), self.threads)
         costs = [cost_of[recipe.name] for _, recipe in work]

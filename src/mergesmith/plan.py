@@ -86,6 +86,7 @@ class Estimate:
     largest_tensor: str
     largest_tensor_bytes: int
     concurrency: int
+    read_ahead: int = 0  # of peak_memory: the input feed's buffers (io.direct_read.pool_bytes)
 
 
 @dataclass

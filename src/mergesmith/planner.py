@@ -26,6 +26,7 @@ from .devices import resolve_device
 from .dtypes import dtype_size, is_float, parse_config_dtype
 from .errors import CheckpointError, ConfigError
 from .io.checkpoint import Checkpoint
+from .io.direct_read import pool_bytes
 from .methods import MethodSpec, require_method
 from .parameters import is_missing, resolve
 from .plan import Estimate, InputRef, Plan, ShardPlan, TensorRecipe
@@ -539,7 +540,9 @@ def estimate_plan(
     max_memory: int | None,
 ) -> Estimate:
     """Bytes read (each input tensor once) and written, and peak working memory for `threads` recipes
-    in flight: the largest working sets, capped by the budget but never below the single largest."""
+    in flight: the largest working sets, capped by the budget but never below the single largest, plus the
+    input feed's read-ahead buffers (io.direct_read.pool_bytes, or all the bytes the recipes read if that is
+    less: the feed may read a small merge's inputs all ahead)."""
     seen: set[tuple[str, str]] = set()
     bytes_read = 0
     for r in recipes:
@@ -552,10 +555,17 @@ def estimate_plan(
     threads = max(1, threads)
     peak = sum(c for c, _ in costs[:threads])
     budget = max_memory or automatic_budget([c for c, _ in costs], threads)
-    peak = max(min(peak, budget), costs[0][0])
+    read_ahead = min(pool_bytes(max_memory), sum(input_bytes(ref) for r in recipes for ref in r.inputs))
+    peak = max(min(peak, budget), costs[0][0]) + read_ahead
     largest = costs[0][1]
     return Estimate(
-        bytes_read, sum(r.nbytes for r in recipes), peak, largest.name if largest else "", costs[0][0], threads
+        bytes_read,
+        sum(r.nbytes for r in recipes),
+        peak,
+        largest.name if largest else "",
+        costs[0][0],
+        threads,
+        read_ahead,
     )
 
 

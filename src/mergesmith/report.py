@@ -155,6 +155,7 @@ def plan_report(
         "bytes_read": est.bytes_read,
         "bytes_written": est.bytes_written,
         "peak_memory_bytes": est.peak_memory,
+        "read_ahead_bytes": est.read_ahead,
         "threads": est.concurrency,
         "max_memory": options.max_memory,
         "largest_tensor": {"name": est.largest_tensor, "working_bytes": est.largest_tensor_bytes},
@@ -188,7 +189,10 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
     for s in report["shards"]:
         lines.append(f"  {s['file']}: {s['tensors']} tensors, {_h(s['bytes'])}")
     lines.append(f"read: {_h(report['bytes_read'])}    write: {_h(report['bytes_written'])}")
-    lines.append(f"peak memory (estimate, {report['threads']} threads): {_h(report['peak_memory_bytes'])}")
+    lines.append(
+        f"peak memory (estimate, {report['threads']} threads): {_h(report['peak_memory_bytes'])}"
+        f" (read-ahead buffers {_h(report['read_ahead_bytes'])})"
+    )
     lines.append(
         f"largest working set: {report['largest_tensor']['name']} ({_h(report['largest_tensor']['working_bytes'])})"
     )

@@ -42,9 +42,21 @@ IO_THREADS = 4
 """Reads in flight at once: a few MB requests reach this disk's full rate only at a queue depth of 4 or
 more (about 2.2 GB/s, against 0.65 GB/s one at a time)."""
 
+POOL_BYTES = 128 << 20
+"""Read-ahead buffers of a merge's input feed: a fixed size, whatever the model. Under a memory budget
+(--max-memory) at most a quarter of it, never under MIN_POOL_BYTES (see pool_bytes)."""
+MIN_POOL_BYTES = 16 << 20
+
 SIZE_STEP = 1 << 20
 """Buffers of 1 MB or more are made in whole MB (smaller ones in powers of two), so that the few block
 sizes of a model's tensors each find their buffers again instead of mapping fresh memory."""
+
+
+def pool_bytes(max_memory: int | None) -> int:
+    """The feed's buffer pool under a user's memory budget (None: none given)."""
+    if max_memory is None:
+        return POOL_BYTES
+    return max(MIN_POOL_BYTES, min(POOL_BYTES, max_memory // 4))
 
 
 def capacity_for(nbytes: int) -> int:
