@@ -392,6 +392,19 @@ def measure_floor(input_files: Sequence[Path], output_bytes: int, out_root: Path
     return Floor(nread, median(reads), output_bytes, median(writes), dropped, median(overlaps) if overlaps else None)
 
 
+def import_torch_s(python: Path | str, *, cold: bool, runs: int = 3) -> float:
+    """Median seconds for `python -c "import torch"` (cache dropped first when `cold`): a start-up cost every
+    run of either tool pays and the I/O floor does not contain."""
+    times = []
+    for _ in range(max(1, runs)):
+        if cold:
+            drop_page_cache()
+        t0 = time.perf_counter()
+        subprocess.run([str(python), "-c", "import torch"], check=True)
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
 # --------------------------------------------------------------------------------------------------- configs
 
 

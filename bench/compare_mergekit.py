@@ -263,6 +263,13 @@ def main(argv: list[str] | None = None) -> int:
                       results, label_size=False)
     if scaling:
         print_results("== scaling: 3-model linear merge by model size", scaling, label_size=True)
+    if results or scaling:
+        pythons = {"mergesmith": Path(sys.executable)}
+        if tools.mergekit_yaml is not None:
+            pythons["mergekit"] = tools.mergekit_yaml.parent / "python"
+        starts = ", ".join(f"{t} {bl.import_torch_s(p, cold=cold):.1f} s" for t, p in pythons.items())
+        print(f"start-up, in every run and not in the floor: `import torch` {'from a cold cache ' if cold else ''}"
+              f"takes {starts} (medians of 3)")
     if args.json:
         raw = [
             {"size": r.size, "case": r.case, "floor": asdict(r.floor),
