@@ -120,11 +120,14 @@ def compute(
     device: torch.device,
     rows: tuple[int, int] | None = None,
     loaded: Sequence[torch.Tensor | None] | None = None,
+    spent: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """The output tensor of one recipe (or of its rows [start, end)), in its output dtype, on the CPU.
 
     `loaded`: inputs of these rows already read (by the executor's input feed), per input in recipe order;
-    the others (None) are read from their checkpoint's memory map."""
+    the others (None) are read from their checkpoint's memory map. `spent(index)` is called once a loaded
+    input will not be read again (converted to the compute dtype, or done with by the method), so that
+    its memory can go back early, as a mapped input's pages are dropped."""
     out_dtype = to_torch(recipe.dtype)
     shape = recipe.shape if rows is None else (rows[1] - rows[0], *recipe.shape[1:])
 
@@ -132,7 +135,7 @@ def compute(
         return loaded is not None and loaded[index] is not None
 
     def load(ref: InputRef, index: int | None = None) -> torch.Tensor:
-        if index is not None and loaded is not None and loaded[index] is not None:
+        if index is not None and loaded is not None and streamed(index):
             return loaded[index]
         tensor = load_input(checkpoints[ref.model], ref)
         return tensor if rows is None else tensor[rows[0] : rows[1]]
@@ -149,22 +152,28 @@ def compute(
         _check_shape(recipe, out, shape)
         return out
     spec = require_method(recipe.method or "")
+
+    def release_input(index: int, ref: InputRef) -> None:
+        if streamed(index):
+            if spent is not None:
+                spent(index)
+        else:
+            advise_inputs(recipe, checkpoints, "dontneed", rows, only=ref)
+
     tensors: list[torch.Tensor] = []
-    mapped_refs: dict[int, InputRef] = {}  # inputs the method reads straight from the file's mapping
+    mapped_refs: dict[int, InputRef] = {}  # inputs the method reads straight from a mapping or a feed buffer
     for index, ref in enumerate(recipe.inputs):
         mapped = load(ref, index)
         tensor = mapped.to(device=device, dtype=compute_dtype)
-        if streamed(index):
-            pass  # its buffer goes back to the feed once the block is written
-        elif tensor.data_ptr() == mapped.data_ptr():
+        if tensor.data_ptr() == mapped.data_ptr():
             mapped_refs[index] = ref
-        else:  # converted or moved: the mapped pages are spent already
-            advise_inputs(recipe, checkpoints, "dontneed", rows, only=ref)
+        else:  # converted or moved: the mapped pages (or the feed's buffer) are spent already
+            release_input(index, ref)
         tensors.append(tensor)
 
     def release(index: int) -> None:
         if index in mapped_refs:
-            advise_inputs(recipe, checkpoints, "dontneed", rows, only=mapped_refs[index])
+            release_input(index, mapped_refs[index])
 
     generator = None
     if recipe.seed is not None:
@@ -392,7 +401,8 @@ class LocalExecutor:
         loaded = feed.take(recipe, rows) if feed is not None else None
         try:
             args = (self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
-            put(compute(recipe, *args, rows=None if whole else rows, loaded=loaded))
+            spent = None if feed is None else lambda index: feed.release(recipe, rows, index)
+            put(compute(recipe, *args, rows=None if whole else rows, loaded=loaded, spent=spent))
         finally:
             if loaded is not None and feed is not None:
                 feed.done(recipe, rows)
@@ -436,18 +446,20 @@ class LocalExecutor:
             self.journal.save()
 
     def _prefetch(self, work: list[tuple[ShardPlan, TensorRecipe]], index: int, prefetched: int) -> int:
-        """Ask the kernel to read ahead the inputs of the next recipes (up to PREFETCH_BYTES beyond the
-        one being admitted), so cold-cache reads overlap the merging of earlier tensors."""
+        """Ask the kernel to read ahead the memory-mapped inputs of the next recipes (up to PREFETCH_BYTES
+        of them beyond the one being admitted), so cold-cache reads overlap the merging of earlier tensors;
+        the feed reads the others itself."""
         ahead = 0
         position = max(prefetched, index)
         while position < len(work) and ahead < PREFETCH_BYTES:
             recipe = work[position][1]
+            streamed = self._streamed(recipe)
             if position >= prefetched:
-                advise_inputs(recipe, self.ckpts, "willneed", skip=self._streamed(recipe))
+                advise_inputs(recipe, self.ckpts, "willneed", skip=streamed)
             ahead += sum(
                 self.ckpts[ref.model].info(ref.tensor).nbytes
-                for ref in recipe.inputs
-                if ref.tensor in self.ckpts[ref.model].tensors
+                for index, ref in enumerate(recipe.inputs)
+                if index not in streamed and ref.tensor in self.ckpts[ref.model].tensors
             )
             position += 1
         return max(prefetched, position)
