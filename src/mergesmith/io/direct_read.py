@@ -72,7 +72,9 @@ class BufferPool:
 
     `take_all` waits while the buffers asked for do not fit beside those in use, so a reader that runs
     ahead stalls instead of growing memory. Buffers that together exceed the whole pool (a large tensor
-    read whole) are let in alone, once nothing else is in use, and are unmapped when given back.
+    read whole) are let in alone, once nothing else is in use; the spare buffers are unmapped then (the
+    peak memory of a merge is at its largest tensors, and spares would only add to it), and so are the
+    giant's own when given back.
     """
 
     def __init__(self, limit: int) -> None:
@@ -92,6 +94,8 @@ class BufferPool:
                 if self._closed or (stop is not None and stop.is_set()):
                     return None
                 if self.in_use + total <= self.limit or self.in_use == 0:
+                    if total > self.limit:  # a giant, alone: no spare can serve it, so none stays resident
+                        self._drop_free(self._free_bytes)
                     self.in_use += total
                     return [self._reuse_or_map(c) for c in capacities]
                 self._cond.wait(0.2)
