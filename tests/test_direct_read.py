@@ -139,6 +139,7 @@ def test_a_filesystem_that_refuses_direct_reads_is_read_through_the_cache(
             _drop_cache(path)
             assert _read(reader, path, offset, length) == data[offset : offset + length]
         assert len(refused) == 1  # refused once, then never tried again
+        assert reader._file(path).refused
     finally:
         reader.close()
 

@@ -179,6 +179,7 @@ class _File:
             self.direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
         except OSError:
             self.direct = None
+        self.refused = False  # the filesystem rejected a direct read (EINVAL): read buffered from then on
         self.view: mmap.mmap | None = None
         self.address = 0
         if self.size and _MINCORE is not None:
@@ -260,7 +261,7 @@ class DirectReader:
                     f"(truncated or replaced during the merge?)"
                 )
             lo = offset // ALIGN * ALIGN
-            if through_cache or file.direct is None or file.resident(offset, length):
+            if through_cache or file.direct is None or file.refused or file.resident(offset, length):
                 _read_into(file.buffered, memoryview(memory)[offset - lo : offset - lo + length], offset, path)
             else:
                 hi = -(-(offset + length) // ALIGN) * ALIGN
@@ -278,15 +279,13 @@ class DirectReader:
         view = memoryview(memory)
         position = lo
         while position < needed:
-            fd = file.direct
-            if fd is None:
+            if file.direct is None or file.refused:
                 return False
             try:
-                got = os.preadv(fd, [view[position - lo : hi - lo]], position)
+                got = os.preadv(file.direct, [view[position - lo : hi - lo]], position)
             except OSError as exc:
-                if exc.errno == errno.EINVAL:
-                    file.direct = None
-                    os.close(fd)
+                if exc.errno == errno.EINVAL:  # not closed here: another reader may be using the descriptor
+                    file.refused = True
                     return False
                 raise CheckpointError(f"{file.path}: cannot read ({exc.strerror or exc})") from None
             if got <= 0:
