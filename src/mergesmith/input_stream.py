@@ -20,10 +20,11 @@ operations other than copies and merges (tokenizer surgery, MoE gates), which in
 
 from __future__ import annotations
 
+import functools
 import mmap
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,13 +57,16 @@ class Part:
     repeated: bool = False  # other blocks read the same bytes: read through the page cache
 
 
-def part_of(ckpt: Checkpoint, ref: InputRef, rows: Rows) -> Part | None:
-    """What input `ref` contributes to output rows [start, end), or None when it is not streamed.
+def part_of(
+    ckpt: Checkpoint, ref: InputRef, rows: Rows, direct: Callable[[Path], bool] = DirectReader.supports
+) -> Part | None:
+    """What input `ref` contributes to output rows [start, end), or None when it is not streamed (`direct`:
+    whether a file is read around the page cache).
 
     As `executor.load_input` does for a whole tensor: the input's rows are cut or zero-padded to
     `ref.rows` (vocabularies of different sizes), then the block's rows are taken."""
     located = ckpt.byte_range(ref.tensor)
-    if located is None or not DirectReader.supports(located[0]):
+    if located is None or not direct(located[0]):
         return None
     path, offset, info = located
     dtype = SAFETENSORS_TO_TORCH[info.dtype]
@@ -96,8 +100,9 @@ class InputFeed:
         self._order: list[Key] = []
         self._blocks: dict[Key, _Block] = {}
         self._streamed: dict[str, frozenset[int]] = {}
+        direct = functools.cache(DirectReader.supports)  # once per file, not per block (it reads the mount table)
         for recipe, rows in blocks:
-            parts = [part_of(checkpoints[ref.model], ref, rows) for ref in recipe.inputs]
+            parts = [part_of(checkpoints[ref.model], ref, rows, direct) for ref in recipe.inputs]
             if any(p is not None for p in parts):
                 key = (recipe.name, rows[0])
                 self._order.append(key)
