@@ -38,7 +38,7 @@ def _direct_supported(path: Path) -> bool:
     except (OSError, AttributeError):
         return False
     os.close(fd)
-    return DirectReader.supports(path)
+    return direct_write.direct_io_supported(path)
 
 
 def _drop_cache(path: Path) -> None:

@@ -135,8 +135,8 @@ def compute(
         return loaded is not None and loaded[index] is not None
 
     def load(ref: InputRef, index: int | None = None) -> torch.Tensor:
-        if index is not None and loaded is not None and streamed(index):
-            return loaded[index]
+        if index is not None and streamed(index):
+            return loaded[index]  # type: ignore[index]
         tensor = load_input(checkpoints[ref.model], ref)
         return tensor if rows is None else tensor[rows[0] : rows[1]]
 

@@ -35,6 +35,7 @@ from .blocks import row_blocks
 from .dtypes import SAFETENSORS_TO_TORCH
 from .io.checkpoint import Checkpoint
 from .io.direct_read import BufferPool, DirectReader, ReadBuffer, capacity_for
+from .io.direct_write import direct_io_supported
 from .plan import InputRef, TensorRecipe
 
 STREAMED_OPS = frozenset({"copy", "merge"})
@@ -58,7 +59,7 @@ class Part:
 
 
 def part_of(
-    ckpt: Checkpoint, ref: InputRef, rows: Rows, direct: Callable[[Path], bool] = DirectReader.supports
+    ckpt: Checkpoint, ref: InputRef, rows: Rows, direct: Callable[[Path], bool] = direct_io_supported
 ) -> Part | None:
     """What input `ref` contributes to output rows [start, end), or None when it is not streamed (`direct`:
     whether a file is read around the page cache).
@@ -100,7 +101,7 @@ class InputFeed:
         self._order: list[Key] = []
         self._blocks: dict[Key, _Block] = {}
         self._streamed: dict[str, frozenset[int]] = {}
-        direct = functools.cache(DirectReader.supports)  # once per file, not per block (it reads the mount table)
+        direct = functools.cache(direct_io_supported)  # once per file, not per block (it reads the mount table)
         for recipe, rows in blocks:
             parts = [part_of(checkpoints[ref.model], ref, rows, direct) for ref in recipe.inputs]
             if any(p is not None for p in parts):

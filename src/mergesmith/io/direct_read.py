@@ -16,7 +16,7 @@ kernel's read-ahead into the cache, the very thing avoided here).
 O_DIRECT needs offsets, lengths and buffer addresses aligned to the device's block, so a read covers the
 aligned range around the requested bytes and the caller views the bytes inside it. Only on local
 filesystems known to do O_DIRECT well (the same list and `MERGESMITH_DIRECT_IO` switch as the writer);
-`DirectReader.supports` says whether a file qualifies, and a file whose filesystem refuses a direct read
+`direct_write.direct_io_supported` says whether a file qualifies, and a file whose filesystem refuses a direct read
 (EINVAL) is read through the page cache from then on.
 """
 
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from .direct_write import ALIGN, direct_io_supported
+from .direct_write import ALIGN
 
 IO_THREADS = 4
 """Reads in flight at once: a few MB requests reach this disk's full rate only at a queue depth of 4 or
@@ -223,12 +223,6 @@ class DirectReader:
         self._files: dict[Path, _File] = {}
         self._lock = threading.Lock()
         self._threads = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="merge-read")
-
-    @staticmethod
-    def supports(path: Path) -> bool:
-        """Whether reads of `path` should go around the page cache (O_DIRECT wanted, local filesystem that
-        does it well). Elsewhere a memory map of the page cache is the better reader."""
-        return direct_io_supported(path)
 
     def submit(
         self, path: Path, offset: int, length: int, memory: mmap.mmap, pooled: bool, through_cache: bool = False
