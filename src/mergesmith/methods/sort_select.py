@@ -38,6 +38,8 @@ one thread. Tests compare against `torch.sort` on many inputs.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -136,17 +138,20 @@ class _Tracker:
         slots, hit = self._slots(old)
         self._write(slots, new[hit])
 
-    def move_where_tracked(self, keys: np.ndarray, old: np.ndarray, new: np.ndarray, later: bool = False) -> None:
-        """Entries with these keys moved from `old` to `new`. With `later` the new positions are only written
-        by `apply_later`: the tracker must stay sorted while a partition's exchanges are looked up."""
+    def move_where_tracked(
+        self, keys: np.ndarray, old: np.ndarray, new: np.ndarray, later: bool = False, base: int = 0
+    ) -> None:
+        """Entries with these keys moved from positions `old` + `base` to `new` + `base` (the base is added to
+        the few tracked ones only, not to whole exchange lists). With `later` the new positions are only
+        written by `apply_later`: the tracker must stay sorted while a partition's exchanges are looked up."""
         found = self.tracked(keys)
         if not found.any():
             return
-        slots, hit = self._slots(old[found])
+        slots, hit = self._slots(old[found] + base)
         if later:
-            self._later.append((slots, new[found][hit]))
+            self._later.append((slots, new[found][hit] + base))
         else:
-            self._write(slots, new[found][hit])
+            self._write(slots, new[found][hit] + base)
 
     def apply_later(self) -> None:
         for slots, new in self._later:
@@ -298,13 +303,24 @@ def _median_of_three(keys: list[int], descending: bool) -> int:
 
 
 class _Stops:
-    """Where one Hoare scan stops in a range: the entries with packed value in [low, high) (None: no upper end)."""
+    """Where one Hoare scan stops in a range: the entries with packed value in [low, high) (None: no upper end).
+
+    Positions are found a block at a time and kept: a partition asks for the k-th stop several times (the
+    crossing, the chunk bounds), mostly in the same few blocks, and finding a block's stops costs a pass over
+    it. A range of one block has its stops found outright. The kept positions describe the entries as they
+    were; `_partition` only reads them for spans no exchange has touched yet.
+    """
 
     def __init__(self, entries: np.ndarray, low: int, high: int | None):
         self.entries, self.low, self.high = entries, low, high
-        counts = [int(np.count_nonzero(self.mask(i, i + _BLOCK))) for i in range(0, entries.size, _BLOCK)]
-        self.before_block = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
-        self.total = int(self.before_block[-1])
+        self._found: dict[int, np.ndarray] = {}
+        if entries.size <= _BLOCK:
+            self._found[0] = np.flatnonzero(self.mask(0, entries.size))
+            counts = [self._found[0].size]
+        else:
+            counts = [int(np.count_nonzero(self.mask(i, i + _BLOCK))) for i in range(0, entries.size, _BLOCK)]
+        self.before_block = [0, *itertools.accumulate(counts)]
+        self.total = self.before_block[-1]
 
     def mask(self, start: int, end: int) -> np.ndarray:
         part = self.entries[start:end]
@@ -314,14 +330,32 @@ class _Stops:
             return part < self.high
         return (part >= self.low) & (part < self.high)
 
+    def _in_block(self, block: int) -> np.ndarray:
+        """Positions of the stops in one block (kept for the next question about it)."""
+        found = self._found.get(block)
+        if found is None:
+            start = block * _BLOCK
+            found = np.flatnonzero(self.mask(start, start + _BLOCK))
+            found += start
+            self._found[block] = found
+        return found
+
     def positions(self, start: int, end: int) -> np.ndarray:
+        block = start // _BLOCK
+        found = self._found.get(block)
+        if found is not None and (end - 1) // _BLOCK == block:
+            a, b = np.searchsorted(found, [start, end])
+            return found[a:b]
         return np.flatnonzero(self.mask(start, end)) + start
+
+    def block_of(self, k: int) -> int:
+        """The block holding the stop numbered k (from 0, left to right)."""
+        return bisect.bisect_right(self.before_block, k) - 1
 
     def kth(self, k: int) -> int:
         """Position of the stop numbered k (from 0, left to right)."""
-        block = int(np.searchsorted(self.before_block, k, side="right")) - 1
-        start = block * _BLOCK
-        return start + int(np.flatnonzero(self.mask(start, start + _BLOCK))[k - int(self.before_block[block])])
+        block = self.block_of(k)
+        return int(self._in_block(block)[k - self.before_block[block]])
 
     def from_right(self, k: int) -> int:
         """Position of the stop numbered k counting from the right (from 0)."""
@@ -366,8 +400,9 @@ def _partition(entries: np.ndarray, descending: bool, shift: int, tracker: _Trac
         rest[left] = incoming
         rest[right] = moved
         if tracker is not None:  # positions in rest are one past those in entries
-            tracker.move_where_tracked(moved >> shift, left + offset + 1, right + offset + 1, later=True)
-            tracker.move_where_tracked(incoming >> shift, right + offset + 1, left + offset + 1, later=True)
+            tracker.move_where_tracked(moved >> shift if shift else moved, left, right, later=True, base=offset + 1)
+            tracker.move_where_tracked(incoming >> shift if shift else incoming, right, left, later=True,
+                                       base=offset + 1)
     if tracker is not None:
         tracker.apply_later()
         tracker.resort(offset, offset + n)
@@ -377,22 +412,25 @@ def _partition(entries: np.ndarray, descending: bool, shift: int, tracker: _Trac
 def _crossing(forward: _Stops, backward: _Stops) -> tuple[int, int]:
     """(m, cut) of a Hoare partition (see `_partition`).
 
-    With a(x) = forward stops before x and r(x) = backward stops at or after x, Li < Ri holds exactly when
-    some x has a(x) > i and r(x) > i, so m = max over x of min(a(x), r(x)). a grows and r shrinks, so the
-    maximum lies in the block where a overtakes r; only that block is counted entry by entry.
+    Li grows with i and Ri shrinks, so Li < Ri holds for i < m and for no i after: m is found by bisection.
+    Most probes are settled by which blocks Li and Ri lie in (the block counts say that without a pass over
+    the entries); the probes where both lie in one block are all in the same block (the gap between the two
+    block numbers only grows with i), so at most that block's stops are found entry by entry.
     """
-    n = forward.entries.size
-    after = backward.total - backward.before_block
-    block = max(int(np.argmax(forward.before_block >= after)) - 1, 0)  # true at the end, where after is 0
-    start, end = block * _BLOCK, min(n, (block + 1) * _BLOCK)
-    a = np.empty(end - start + 1, dtype=np.int64)
-    r = np.empty(end - start + 1, dtype=np.int64)
-    a[0], r[0] = forward.before_block[block], after[block]
-    np.cumsum(forward.mask(start, end), out=a[1:])
-    np.cumsum(backward.mask(start, end), out=r[1:])
-    a[1:] += a[0]
-    r[1:] = r[0] - r[1:]
-    swaps = int(np.minimum(a, r).max())
+    def exchanged(i: int) -> bool:
+        left_block, right_block = forward.block_of(i), backward.block_of(backward.total - 1 - i)
+        if left_block != right_block:
+            return left_block < right_block
+        return forward.kth(i) < backward.from_right(i)
+
+    low, high = 0, min(forward.total, backward.total)
+    while low < high:
+        middle = (low + high) // 2
+        if exchanged(middle):
+            low = middle + 1
+        else:
+            high = middle
+    swaps = low
     if swaps == 0:
         return 0, forward.kth(0)
     cut = backward.from_right(swaps - 1)
