@@ -3,6 +3,7 @@ Breadcrumbs stay bit-equal to mergekit only if equal magnitudes are broken as `t
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -142,3 +143,21 @@ def test_consumed_magnitudes_are_made_afresh_when_the_replay_gives_up(replay_eve
 
     assert torch.equal(sort_select.sorted_window_mask(scratch, 0, 2500, True, remake=remake), expected)
     assert remade and not torch.equal(scratch, values)  # the replay did reorder the consumed copy
+
+
+@pytest.mark.parametrize("near_end", [3, 20])
+def test_scan_stops_are_found_in_every_block(monkeypatch, near_end):
+    """The k-th stop of a scan, asked in any order and from either end of its block, is the k-th entry the
+    scan's condition holds for, whether the block's stops were found whole or from an end."""
+    monkeypatch.setattr(sort_select, "_BLOCK", 61)
+    monkeypatch.setattr(sort_select, "_NEAR_END", near_end)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        entries = rng.integers(0, 10, size=int(rng.integers(1, 400))).astype(np.int16)
+        low, high = sorted(int(v) for v in rng.integers(0, 11, size=2))
+        stops = sort_select._Stops(entries, low, high if high > low else None)
+        expected = np.flatnonzero((entries >= low) & (entries < high) if high > low else entries >= low)
+        assert stops.total == expected.size
+        for k in rng.permutation(expected.size):
+            assert stops.kth(int(k)) == expected[k]
+            assert stops.from_right(int(k)) == expected[expected.size - 1 - k]

@@ -54,6 +54,10 @@ REPLAY_MIN_ENTRIES = 1 << 16
 _BLOCK = 1 << 20
 """Entries per block of the stop counts used to find the k-th stop of a scan."""
 
+_NEAR_END = 1 << 10
+"""A stop within this many of either end of its block is found by scanning from that end (the first and last
+stops of a scan are asked for at every partition, and usually lie within a few entries of the ends)."""
+
 _SWAP_CHUNK = 1 << 21
 """Exchanges done per vectorised step: bounds the scratch memory of a partition to a few chunks."""
 
@@ -144,8 +148,8 @@ class _Tracker:
         """Entries with these keys moved from positions `old` + `base` to `new` + `base` (the base is added to
         the few tracked ones only, not to whole exchange lists). With `later` the new positions are only
         written by `apply_later`: the tracker must stay sorted while a partition's exchanges are looked up."""
-        found = self.tracked(keys)
-        if not found.any():
+        found = np.flatnonzero(self.tracked(keys))  # few: indexing by them beats a boolean mask's indexing
+        if not found.size:
             return
         slots, hit = self._slots(old[found] + base)
         if later:
@@ -195,9 +199,11 @@ def _keys_only_window(
     keys = values.contiguous().view(torch.int16).numpy()
     if keys.min() < 0 or keys.max() > _INFINITY_BITS[values.dtype]:
         return None
-    counts = np.zeros(1 << 15, dtype=np.int64)
-    for start in range(0, n, _BLOCK):
-        counts += np.bincount(keys[start : start + _BLOCK], minlength=1 << 15)
+    counts = torch.zeros(1 << 15, dtype=torch.int64)
+    key_tensor = torch.from_numpy(keys)
+    for start in range(0, n, _BLOCK):  # torch's bincount takes int16 as it is; numpy's widens it first (2x slower)
+        counts += torch.bincount(key_tensor[start : start + _BLOCK], minlength=1 << 15)
+    counts = counts.numpy()
     in_order = counts[::-1] if descending else counts
     first_rank = np.concatenate(([0], np.cumsum(in_order)[:-1]))
     last_rank = first_rank + in_order
@@ -211,8 +217,8 @@ def _keys_only_window(
         return None
     # the keys wholly inside form one interval of key values (ranks follow key order): two comparisons
     inside_keys = np.flatnonzero(inside)
-    if inside_keys.size:
-        mask = (keys >= inside_keys[0]) & (keys <= inside_keys[-1])
+    if inside_keys.size:  # keys - first <= last - first, unsigned: one comparison instead of two and an and
+        mask = np.subtract(keys, np.int16(inside_keys[0])).view(np.uint16) <= inside_keys[-1] - inside_keys[0]
     else:
         mask = np.zeros(n, dtype=np.bool_)
     if not split_keys:
@@ -355,7 +361,30 @@ class _Stops:
     def kth(self, k: int) -> int:
         """Position of the stop numbered k (from 0, left to right)."""
         block = self.block_of(k)
-        return int(self._in_block(block)[k - self.before_block[block]])
+        within = k - self.before_block[block]
+        if block not in self._found:  # near either end of its block: look at that end only
+            from_end = self.before_block[block + 1] - self.before_block[block] - 1 - within
+            if min(within, from_end) < _NEAR_END:
+                return self._near_end(block, within, from_end)
+        return int(self._in_block(block)[within])
+
+    def _near_end(self, block: int, within: int, from_end: int) -> int:
+        """The stop numbered `within` in `block` (`from_end` counting from its right), found by scanning a
+        window at the nearer end of the block that grows until it holds that stop, not the whole block."""
+        start = block * _BLOCK
+        end = min(start + _BLOCK, self.entries.size)
+        width = 4 * _NEAR_END
+        while True:
+            if within <= from_end:
+                found = np.flatnonzero(self.mask(start, min(end, start + width)))
+                if found.size > within:
+                    return start + int(found[within])
+            else:
+                first = max(start, end - width)
+                found = np.flatnonzero(self.mask(first, end))
+                if found.size > from_end:
+                    return first + int(found[found.size - 1 - from_end])
+            width *= 4
 
     def from_right(self, k: int) -> int:
         """Position of the stop numbered k counting from the right (from 0)."""
