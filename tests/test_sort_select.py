@@ -161,3 +161,16 @@ def test_scan_stops_are_found_in_every_block(monkeypatch, near_end):
         for k in rng.permutation(expected.size):
             assert stops.kth(int(k)) == expected[k]
             assert stops.from_right(int(k)) == expected[expected.size - 1 - k]
+
+
+@pytest.mark.parametrize("rescale", [False, True])
+def test_trimming_in_place_gives_the_same_bits_in_the_same_storage(rescale):
+    generator = torch.Generator().manual_seed(5)
+    delta = (torch.randn(300, 257, generator=generator) * 0.01).to(torch.bfloat16)
+    for trim in (lambda d, **kw: magnitude(d, 0.3, rescale, **kw),
+                 lambda d, **kw: magnitude_outliers(d, 0.3, 0.05, rescale, **kw)):
+        expected = trim(delta.clone())
+        scratch = delta.clone()
+        kept = trim(scratch, in_place=True)
+        assert kept.data_ptr() == scratch.data_ptr()
+        assert torch.equal(kept.view(torch.int16), expected.view(torch.int16))

@@ -35,16 +35,20 @@ L1_EPS = 1e-7
 """Below this L1 norm (before or after masking) a task vector is not rescaled."""
 
 
-def keep_l1_norm(delta: torch.Tensor, mask: torch.Tensor, rescale: bool) -> torch.Tensor:
-    """delta * mask, times |delta|_1 / |delta * mask|_1 when `rescale` (and both norms are not ~0)."""
-    kept = delta * mask
+def keep_l1_norm(delta: torch.Tensor, mask: torch.Tensor, rescale: bool, in_place: bool = False) -> torch.Tensor:
+    """delta * mask, times |delta|_1 / |delta * mask|_1 when `rescale` (and both norms are not ~0).
+
+    With `in_place` the result is written over `delta` (the same products, so the same bits): a caller whose
+    delta is its own scratch saves a tensor-sized allocation, which for an embedding is the peak's margin.
+    """
+    before = total(delta.abs()) if rescale else 0.0
+    kept = delta.mul_(mask) if in_place else delta * mask
     if not rescale:
         return kept
-    before = total(delta.abs())
     after = total(kept.abs())
     if before < L1_EPS or after < L1_EPS:
         return kept
-    return kept * (before / after)
+    return kept.mul_(before / after) if in_place else kept * (before / after)
 
 
 def _float_work(delta: torch.Tensor) -> torch.dtype:
@@ -65,19 +69,23 @@ def magnitudes_of(delta: torch.Tensor) -> torch.Tensor:
     return delta.abs().reshape(-1)
 
 
-def magnitude(delta: torch.Tensor, density: float, rescale: bool = False) -> torch.Tensor:
-    """TIES trim: keep the max(1, floor(density * n)) largest-magnitude entries."""
+def magnitude(delta: torch.Tensor, density: float, rescale: bool = False, in_place: bool = False) -> torch.Tensor:
+    """TIES trim: keep the max(1, floor(density * n)) largest-magnitude entries (written over `delta` with
+    `in_place`)."""
     if density >= 1:
         return delta
     if density <= 0 or delta.numel() == 0:
         return torch.zeros_like(delta)
     k = max(1, int(density * delta.numel()))
     mask = sorted_window_mask(magnitudes_of(delta), 0, k, descending=True, remake=lambda: magnitudes_of(delta))
-    return keep_l1_norm(delta, mask.reshape_as(delta), rescale)
+    return keep_l1_norm(delta, mask.reshape_as(delta), rescale, in_place)
 
 
-def magnitude_outliers(delta: torch.Tensor, density: float, gamma: float = 0.01, rescale: bool = False) -> torch.Tensor:
-    """Breadcrumbs: drop the gamma largest-magnitude entries and the smallest, keeping floor(density * n)."""
+def magnitude_outliers(
+    delta: torch.Tensor, density: float, gamma: float = 0.01, rescale: bool = False, in_place: bool = False
+) -> torch.Tensor:
+    """Breadcrumbs: drop the gamma largest-magnitude entries and the smallest, keeping floor(density * n)
+    (written over `delta` with `in_place`)."""
     if density >= 1:
         return delta
     n = delta.numel()
@@ -87,7 +95,7 @@ def magnitude_outliers(delta: torch.Tensor, density: float, gamma: float = 0.01,
     mask = sorted_window_mask(
         magnitudes_of(delta), bottom, bottom + keep, descending=False, remake=lambda: magnitudes_of(delta)
     )
-    return keep_l1_norm(delta, mask.reshape_as(delta), rescale)
+    return keep_l1_norm(delta, mask.reshape_as(delta), rescale, in_place)
 
 
 def random_drop(delta: torch.Tensor, density: float, generator: torch.Generator, rescale: bool = True) -> torch.Tensor:

@@ -125,7 +125,7 @@ def _no_sparsify(delta, params, rescale, generator, name):
 
 
 def _magnitude(delta, params, rescale, generator, name):
-    return sparsify.magnitude(delta, float(params["density"]), rescale)
+    return sparsify.magnitude(delta, float(params["density"]), rescale, in_place=True)  # delta: the merge's scratch
 
 
 def _random(delta, params, rescale, generator, name):
@@ -135,7 +135,9 @@ def _random(delta, params, rescale, generator, name):
 
 
 def _outliers(delta, params, rescale, generator, name):
-    return sparsify.magnitude_outliers(delta, float(params["density"]), float(params["gamma"]), rescale)
+    return sparsify.magnitude_outliers(
+        delta, float(params["density"]), float(params["gamma"]), rescale, in_place=True
+    )
 
 
 def _della_params_problem(params: dict) -> str | None:
