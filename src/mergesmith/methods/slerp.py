@@ -42,16 +42,36 @@ def _blocks(row: torch.Tensor) -> Iterator[torch.Tensor]:
         yield row[:, start : start + BLOCK_ELEMENTS]
 
 
-def _blockwise_norm(row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+class _Scratch:
+    """Block-sized work buffers reused across a tensor's blocks: fresh temporaries for every block (a
+    conversion, two quotients, a product, two scaled terms) cost more in page faults than in arithmetic."""
+
+    def __init__(self, a: torch.Tensor, dtype: torch.dtype) -> None:
+        size = min(BLOCK_ELEMENTS, a.shape[1])
+        self.buffers = [torch.empty((1, size), dtype=dtype, device=a.device) for _ in range(2)]
+
+    def pair(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.buffers[0][:, :width], self.buffers[1][:, :width]
+
+
+def _blockwise_norm(row: torch.Tensor, dtype: torch.dtype, scratch: _Scratch) -> torch.Tensor:
     """|row| as the 2-norm of the per-block 2-norms, shape (1, 1)."""
-    parts = [norm_along(b.to(dtype), dim=1, keepdim=True) for b in _blocks(row)]
+    parts = []
+    for block in _blocks(row):
+        work = block if block.dtype == dtype else scratch.pair(block.shape[1])[0].copy_(block)
+        parts.append(norm_along(work, dim=1, keepdim=True))
     return torch.linalg.vector_norm(torch.stack(parts), dim=0)
 
 
 def slerp(
     t: float, v0: torch.Tensor, v1: torch.Tensor, dot_threshold: float = DOT_THRESHOLD, eps: float = 1e-8
 ) -> torch.Tensor:
-    """Spherical interpolation from v0 (t = 0) to v1 (t = 1) of two same-shaped tensors."""
+    """Spherical interpolation from v0 (t = 0) to v1 (t = 1) of two same-shaped tensors.
+
+    Each step is the same float operation, in the same order, as the plain expression in the module
+    docstring (x / |x| before the product, each coefficient times its term before the sum); the steps
+    just write into reused block buffers.
+    """
     dtype = work_dtype(v0)
     a = v0.reshape(1, -1)
     b = v1.reshape(1, -1)
@@ -59,11 +79,17 @@ def slerp(
     if a.shape[1] == 0:
         return ((1 - t_w) * a + t_w * b).reshape(v0.shape).to(v0.dtype)
 
-    norm_a = _blockwise_norm(a, dtype)
-    norm_b = _blockwise_norm(b, dtype)
+    scratch = _Scratch(a, dtype)
+    norm_a = _blockwise_norm(a, dtype, scratch)
+    norm_b = _blockwise_norm(b, dtype, scratch)
     norm_a = torch.where(norm_a > eps, norm_a, 1)  # a zero vector has no direction: leave it unscaled
     norm_b = torch.where(norm_b > eps, norm_b, 1)
-    dots = [sum_along((x.to(dtype) / norm_a) * (y.to(dtype) / norm_b), dim=1, keepdim=True) for x, y in _pairs(a, b)]
+    dots = []
+    for x, y in _pairs(a, b):
+        unit_x, unit_y = scratch.pair(x.shape[1])
+        unit_x.copy_(x).div_(norm_a)  # converted into the buffer, then divided there: no temporaries
+        unit_y.copy_(y).div_(norm_b)
+        dots.append(sum_along(unit_x.mul_(unit_y), dim=1, keepdim=True))
     cos_omega = torch.stack(dots).sum(dim=0).clamp(-1, 1)
 
     collinear = cos_omega.abs() > dot_threshold
@@ -75,7 +101,13 @@ def slerp(
     out = torch.empty_like(a)
     for start in range(0, a.shape[1], BLOCK_ELEMENTS):
         stop = start + BLOCK_ELEMENTS
-        out[:, start:stop] = coef_0 * a[:, start:stop].to(dtype) + coef_1 * b[:, start:stop].to(dtype)
+        x, y = a[:, start:stop], b[:, start:stop]
+        term_0, term_1 = scratch.pair(x.shape[1])
+        term_0.copy_(x).mul_(coef_0)
+        term_1.copy_(y).mul_(coef_1)
+        torch.add(term_0, term_1, out=out[:, start:stop] if out.dtype == dtype else term_0)
+        if out.dtype != dtype:
+            out[:, start:stop] = term_0
     return out.reshape(v0.shape)
 
 
