@@ -7,6 +7,7 @@ used, so unit tests that never build a model start fast.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,8 @@ import pytest
 
 # Tests must never reach the Hugging Face hub; set before anything imports huggingface_hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# merges run in-process record their imports (import_manifest): keep the test process's list out of the real cache
+os.environ["MERGESMITH_CACHE_DIR"] = tempfile.mkdtemp(prefix="mergesmith-test-cache-")
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 

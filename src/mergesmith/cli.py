@@ -337,8 +337,10 @@ def merge(
     config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, verify: bool, **kw: Any
 ) -> None:
     """Merge the models of CONFIG_FILE into OUT_DIR (rerun to resume an interrupted merge)."""
+    from . import import_manifest
     from .warm_start import read_ahead_inputs
 
+    import_manifest.read_ahead()  # the files the imports below will read, as the last merge recorded them
     read_ahead_inputs(config_file, out_dir)  # before the heavy imports below
     from .api import run_merge
     from .moe.config import is_moe_config_file
@@ -358,6 +360,7 @@ def merge(
             on_progress=progress.update,
             stop=interrupts.stop,
         )
+    import_manifest.record()  # for the next merge's start
     plan = result.plan
     if result.already_complete:
         click.echo(f"{out_dir}: already complete (same config and inputs); nothing to do")

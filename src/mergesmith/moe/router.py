@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..import_manifest import cache_root
 from ..io.checkpoint import Checkpoint, TensorInfo, read_safetensors_header
 from ..planner import TOKENIZER_FILES, tensor_seed
 from .config import PROMPT_MODES, Expert
@@ -46,19 +47,14 @@ from .config import PROMPT_MODES, Expert
 ROUTER_MODEL = "<router weights>"
 """The name plans use for the router-weights file among their inputs (never a valid model path)."""
 PROMPT_BATCH = 8
-CACHE_ENV = "MERGESMITH_CACHE_DIR"
 DEGENERATE_COND = 5.0
 
 GateProgress = Callable[[int, int], None]
 
 
 def cache_dir() -> Path:
-    """Where router weights are kept: $MERGESMITH_CACHE_DIR, else $XDG_CACHE_HOME/mergesmith, else ~/.cache."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]) / "moe-router"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    root = Path(xdg) if xdg else Path.home() / ".cache"
-    return root / "mergesmith" / "moe-router"
+    """Where router weights are kept: under mergesmith's cache directory (import_manifest.cache_root)."""
+    return cache_root() / "moe-router"
 
 
 def router_tensor(layer: int) -> str:
