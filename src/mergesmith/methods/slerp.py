@@ -105,9 +105,10 @@ def slerp(
         term_0, term_1 = scratch.pair(x.shape[1])
         term_0.copy_(x).mul_(coef_0)
         term_1.copy_(y).mul_(coef_1)
-        torch.add(term_0, term_1, out=out[:, start:stop] if out.dtype == dtype else term_0)
-        if out.dtype != dtype:
-            out[:, start:stop] = term_0
+        if out.dtype == dtype:
+            torch.add(term_0, term_1, out=out[:, start:stop])
+        else:  # the sum in the work dtype, then rounded to the tensor's, as the plain expression does
+            out[:, start:stop] = term_0.add_(term_1)
     return out.reshape(v0.shape)
 
 

@@ -215,7 +215,7 @@ def _keys_only_window(
     split_keys = [int(k) for k in np.flatnonzero(split)]
     if int(counts[split_keys].sum()) > n * KEYS_ONLY_MAX_TRACKED:
         return None
-    # the keys wholly inside form one interval of key values (ranks follow key order): two comparisons
+    # the keys wholly inside form one interval of key values (ranks follow key order)
     inside_keys = np.flatnonzero(inside)
     if inside_keys.size:  # keys - first <= last - first, unsigned: one comparison instead of two and an and
         mask = np.subtract(keys, np.int16(inside_keys[0])).view(np.uint16) <= inside_keys[-1] - inside_keys[0]
