@@ -15,11 +15,12 @@ import pytest
 import yaml
 
 from mergesmith import import_manifest
+from mergesmith.cache_root import CACHE_ENV
 
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv(import_manifest.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 

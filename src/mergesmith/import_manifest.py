@@ -23,18 +23,10 @@ import sys
 import threading
 from pathlib import Path
 
-CACHE_ENV = "MERGESMITH_CACHE_DIR"
+from .cache_root import cache_root
 
 READERS = 8
 """Files read at once: enough to keep this disk's queue busy with small files (one reader waits on each)."""
-
-
-def cache_root() -> Path:
-    """mergesmith's cache: $MERGESMITH_CACHE_DIR, else $XDG_CACHE_HOME/mergesmith, else ~/.cache/mergesmith."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "mergesmith"
 
 
 def manifest_path() -> Path:

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
+from ..cache_root import cache_root
 from ..errors import CheckpointError
-from ..import_manifest import cache_root
 from ..io.checkpoint import Checkpoint, TensorInfo, read_safetensors_header
 from ..planner import TOKENIZER_FILES, tensor_seed
 from .config import PROMPT_MODES, Expert
@@ -53,7 +53,7 @@ GateProgress = Callable[[int, int], None]
 
 
 def cache_dir() -> Path:
-    """Where router weights are kept: under mergesmith's cache directory (import_manifest.cache_root)."""
+    """Where router weights are kept: under mergesmith's cache directory (cache_root)."""
     return cache_root() / "moe-router"
 
 
