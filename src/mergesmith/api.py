@@ -67,10 +67,10 @@ class MergeResult:
     seconds: float
 
 
-def as_config(config: str | Path | MergeConfiguration) -> tuple[MergeConfiguration, str]:
+def as_config(config: str | Path | MergeConfiguration, strict: bool = False) -> tuple[MergeConfiguration, str]:
     if isinstance(config, MergeConfiguration):
         return config, "config"
-    return load_config(config), str(config)
+    return load_config(config, strict=strict), str(config)
 
 
 def open_checkpoints(config: MergeConfiguration) -> dict[str, Checkpoint]:
@@ -87,12 +87,17 @@ def build_plan(
     """Plan a merge from headers alone. For randomised methods without a seed, reuse the seed an
     interrupted run in `out_dir` recorded (so it can resume), or draw a new one. `source` names the
     config in messages (default: its path, or "config" for a parsed one)."""
-    cfg, default_source = as_config(config)
-    source = source or default_source
     options = options or MergeOptions()
+    cfg, default_source = as_config(config, options.strict)
+    source = source or default_source
     choose_random_seed(cfg, source, options, out_dir)
     checkpoints = open_checkpoints(cfg)
-    return Planner(cfg, checkpoints, options, source).build(), checkpoints
+    planner_cls: type[Planner] = Planner
+    if cfg.modules:
+        from .modules import ModulePlanner  # mergekit's `modules:` form: each module merged by its own definition
+
+        planner_cls = ModulePlanner
+    return planner_cls(cfg, checkpoints, options, source).build(), checkpoints
 
 
 def choose_random_seed(cfg: MergeConfiguration, source: str, options: MergeOptions, out_dir: str | Path | None) -> None:

@@ -113,6 +113,12 @@ def _merge_options(f: Any, hide: tuple[str, ...] = ()) -> Any:
         ),
         option("--trust-remote-code", is_flag=True, help="Allow model code from checkpoints (off by default)."),
         option(
+            "--strict",
+            is_flag=True,
+            help="Refuse the config on any warning (an unknown key, a parameter the method does not use) "
+            "instead of ignoring it as mergekit does.",
+        ),
+        option(
             "--device",
             type=click.Choice(["cpu", "cuda", "mps", "auto"]),
             default="cpu",
@@ -174,6 +180,7 @@ def _options(kw: dict[str, Any]):
         device=device,
         executor=executor,
         ray_address=kw.get("ray_address"),
+        strict=bool(kw.get("strict")),
     )
 
 
@@ -333,9 +340,7 @@ _verify_option = click.option(
 @click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 @_verify_option
-def merge(
-    config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, verify: bool, **kw: Any
-) -> None:
+def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, verify: bool, **kw: Any) -> None:
     """Merge the models of CONFIG_FILE into OUT_DIR (rerun to resume an interrupted merge)."""
     from . import import_manifest
     from .warm_start import read_ahead_inputs

@@ -1,8 +1,9 @@
 """The merge-config schema (mergekit's format, unchanged), parsed and validated with pydantic.
 
 Validation that needs no checkpoint happens here, so a bad config fails before any file is opened:
-unknown keys (with a did-you-mean), `models` and `slices` together, unknown methods, a missing base
-model, a slice whose sources cover different numbers of layers. Checks that need the models' headers
+`models`, `slices` and `modules` together, unknown methods, a missing base model, a slice whose sources
+cover different numbers of layers. Unknown keys and leftover parameters are warnings, as mergekit
+ignores them (see config_compat.py; `strict` makes them errors). Checks that need the models' headers
 (layer ranges past the end, shape mismatches) happen in the planner.
 """
 
@@ -13,8 +14,9 @@ from pathlib import Path
 from typing import Any, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from .config_compat import Findings, Schema, copy_document, prune
 from .errors import ConfigError
 
 ScalarOrGradient = Union[bool, int, float, str, list[Union[bool, int, float, str]]]
@@ -84,6 +86,35 @@ class OutputSliceDefinition(_Strict):
         return self
 
 
+class OutputModuleDefinition(_Strict):
+    """One module of a multi-module model (mergekit's `modules:` form): its own `models` or `slices` and
+    `parameters`, which sit between a slice's and the top level's in precedence."""
+
+    slices: list[OutputSliceDefinition] | None = None
+    models: list[InputModelDefinition] | None = None
+    parameters: Parameters | None = None
+
+    @model_validator(mode="after")
+    def _models_or_slices(self) -> OutputModuleDefinition:
+        if bool(self.models) == bool(self.slices):
+            raise ValueError("give either `models` or `slices` (exactly one)")
+        return self
+
+    def referenced_models(self) -> list[str]:
+        names = [m.model for m in self.models or []]
+        for s in self.slices or []:
+            if s.base_model:
+                names.append(s.base_model)
+            names.extend(src.model for src in s.sources)
+        return names
+
+    def first_model(self) -> str:
+        if self.models:
+            return self.models[0].model
+        assert self.slices
+        return self.slices[0].sources[0].model
+
+
 class TokenEmbeddingConfig(_Strict):
     source: str | dict[str, Any] | None = None
     force: bool = False
@@ -99,6 +130,7 @@ class MergeConfiguration(_Strict):
     merge_method: str
     slices: list[OutputSliceDefinition] | None = None
     models: list[InputModelDefinition] | None = None
+    modules: dict[str, OutputModuleDefinition] | None = None
     parameters: Parameters | None = None
     base_model: str | None = None
     dtype: str | None = None
@@ -106,6 +138,12 @@ class MergeConfiguration(_Strict):
     tokenizer_source: str | None = None
     tokenizer: TokenizerConfig | None = None
     chat_template: str | None = None
+    _warnings: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def warnings(self) -> list[str]:
+        """What reading the config ignored (unknown keys, leftover parameters), one line each."""
+        return self._warnings
 
     @field_validator("dtype", "out_dtype")
     @classmethod
@@ -114,10 +152,13 @@ class MergeConfiguration(_Strict):
 
     @model_validator(mode="after")
     def _models_or_slices(self) -> MergeConfiguration:
-        if self.models and self.slices:
-            raise ValueError("give either `models` or `slices`, not both")
-        if not self.models and not self.slices:
-            raise ValueError("one of `models` or `slices` is required")
+        given = [key for key in ("models", "slices", "modules") if getattr(self, key)]
+        if len(given) > 1:
+            raise ValueError(
+                f"give exactly one of `models`, `slices` or `modules`, not {' and '.join(f'`{k}`' for k in given)}"
+            )
+        if not given:
+            raise ValueError("one of `models`, `slices` or `modules` is required")
         if self.tokenizer is not None and self.tokenizer_source is not None:
             raise ValueError("give either `tokenizer` or `tokenizer_source`, not both")
         return self
@@ -133,6 +174,8 @@ class MergeConfiguration(_Strict):
             if s.base_model:
                 names.append(s.base_model)
             names.extend(src.model for src in s.sources)
+        for module in (self.modules or {}).values():
+            names.extend(module.referenced_models())
         return list(dict.fromkeys(names))
 
     def base_or_first_model(self) -> str:
@@ -141,8 +184,56 @@ class MergeConfiguration(_Strict):
             return self.base_model
         if self.models:
             return self.models[0].model
+        if self.modules:
+            return next(iter(self.modules.values())).first_model()
         assert self.slices
         return self.slices[0].sources[0].model
+
+
+def _schema(model: type[BaseModel], label: str, **nested: Any) -> Schema:
+    keys = tuple(model.model_fields)
+    params = ("parameters",) if "parameters" in keys else ()
+    models = ("model",) if "model" in keys else ()
+    return Schema(label, keys, parameters=params, models=models, **nested)
+
+
+_SOURCE_SCHEMA = _schema(InputSliceDefinition, "a slice source")
+_SLICE_SCHEMA = _schema(OutputSliceDefinition, "a slice", lists={"sources": _SOURCE_SCHEMA})
+_MODEL_SCHEMA = _schema(InputModelDefinition, "a `models` entry")
+_MODULE_SCHEMA = _schema(OutputModuleDefinition, "a module", lists={"slices": _SLICE_SCHEMA, "models": _MODEL_SCHEMA})
+_TOKEN_SCHEMA = _schema(TokenEmbeddingConfig, "a `tokenizer.tokens` entry")
+_TOKENIZER_SCHEMA = _schema(TokenizerConfig, "`tokenizer`", maps={"tokens": _TOKEN_SCHEMA})
+_TOP_SCHEMA = _schema(
+    MergeConfiguration,
+    "the top level",
+    lists={"slices": _SLICE_SCHEMA, "models": _MODEL_SCHEMA},
+    maps={"modules": _MODULE_SCHEMA},
+    nested={"tokenizer": _TOKENIZER_SCHEMA},
+)
+_ALL_SCHEMAS = [
+    _TOP_SCHEMA,
+    _SLICE_SCHEMA,
+    _SOURCE_SCHEMA,
+    _MODEL_SCHEMA,
+    _MODULE_SCHEMA,
+    _TOKENIZER_SCHEMA,
+    _TOKEN_SCHEMA,
+]
+_TOP_NOTES = {
+    "name": "`name` names a stage of a multi-stage file (run those with `mergesmith multi`); ignored in a single merge",
+}
+
+
+def lenient_document(data: dict[str, Any], findings: Findings, *, stage_names: bool = False) -> dict[str, Any]:
+    """The document with what mergekit ignores removed (one warning each, in `findings`), numbers written as
+    text read as numbers and `revision:` folded into the model reference. `stage_names`: `name` is expected
+    (a multi-stage document) and passes without a word."""
+    from .methods import all_parameter_names
+
+    data = copy_document(data)
+    if stage_names:
+        data.pop("name", None)
+    return prune(data, _TOP_SCHEMA, "", findings, _ALL_SCHEMAS, all_parameter_names(), _TOP_NOTES)
 
 
 _UNION_LABELS = {"bool", "int", "float", "str", "ConditionalParameter"}
@@ -204,8 +295,13 @@ def _first_error_line(err: ValidationError, source: str) -> str:
     return f"{source}: `{key}`: {msg}" if loc else f"{source}: {msg}"
 
 
-def parse_config(data: Any, source: str = "config") -> MergeConfiguration:
-    """Validate a loaded YAML document; any problem becomes one ConfigError line naming the key."""
+def parse_config(
+    data: Any, source: str = "config", *, strict: bool = False, stage_names: bool = False
+) -> MergeConfiguration:
+    """Validate a loaded YAML document; any problem becomes one ConfigError line naming the key.
+
+    What mergekit would ignore (unknown keys, parameters the method does not use) is left out with a
+    warning each, kept in `config.warnings`; `strict` makes the first of them the error."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
     models = data.get("models")
@@ -215,13 +311,17 @@ def parse_config(data: Any, source: str = "config") -> MergeConfiguration:
                 f"{source}: `models[{i}]`: each entry is a mapping: write `- model: {entry}` "
                 "(with optional `parameters:`)"
             )
+    findings = Findings(source)
+    data = lenient_document(data, findings, stage_names=stage_names)
     try:
         config = MergeConfiguration.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_first_error_line(err, source)) from None
+        raise ConfigError(findings.with_hint(_first_error_line(err, source))) from None
     from .methods import validate_method_usage
 
-    validate_method_usage(config, source)
+    findings.warnings.extend(validate_method_usage(config, source))
+    findings.apply_strict(strict)
+    config._warnings = findings.warnings
     return config
 
 
@@ -254,10 +354,10 @@ def read_yaml(path: str | Path, *, all_documents: bool = False) -> tuple[Any, st
     return data, text
 
 
-def load_config(path: str | Path) -> MergeConfiguration:
-    """Read and validate a YAML merge config from disk."""
+def load_config(path: str | Path, *, strict: bool = False) -> MergeConfiguration:
+    """Read and validate a YAML merge config from disk (`strict`: see `parse_config`)."""
     data, _text = read_yaml(path)
-    return parse_config(data, str(path))
+    return parse_config(data, str(path), strict=strict)
 
 
 def dump_config(config: MergeConfiguration) -> str:

@@ -60,6 +60,7 @@ class MergeOptions:
     device: str = "cpu"
     executor: str = "local"  # "local" (thread pool) or "ray" (one task per shard); never changes output bytes
     ray_address: str | None = None
+    strict: bool = False  # every config warning (an ignored key or parameter) is an error
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -78,6 +79,7 @@ class NormalizedSlice:
     sources: tuple[SourceRange, ...]
     base_model: str | None
     parameters: Parameters | None
+    module_parameters: Parameters | None = None  # a `modules:` entry's, between the slice's and the top level's
 
     @property
     def length(self) -> int:
@@ -122,7 +124,7 @@ class Planner:
             self._check_architectures()
         self.compute_dtype = parse_config_dtype(config.dtype, "dtype") if config.dtype else "F32"
         self.out_dtype = self._out_dtype()
-        self.warnings: list[str] = []
+        self.warnings: list[str] = list(config.warnings)  # what reading the config ignored
         # (per-model row counts, output rows) -> embedding/head tensors cut to the smallest vocabulary
         self._truncated: dict[tuple[tuple[tuple[str, int], ...], int], list[str]] = {}
 
@@ -187,11 +189,11 @@ class Planner:
 
     # ----- parameters ----------------------------------------------------------------------
     def _model_levels(self, source: SourceRange | None, sl: NormalizedSlice) -> list[Parameters | None]:
-        """Precedence: slice source (or `models` entry) > slice > top level."""
+        """Precedence: slice source (or `models` entry) > slice > module > top level."""
         levels: list[Parameters | None] = []
         if source is not None:
             levels.append(source.parameters)
-        levels.extend([sl.parameters, self.config.parameters])
+        levels.extend([sl.parameters, sl.module_parameters, self.config.parameters])
         return levels
 
     def _resolve_params(
@@ -210,10 +212,13 @@ class Planner:
             value = resolve(p.name, levels, tensor, t)
             if is_missing(value):
                 if p.required:
-                    raise ConfigError(
+                    from .config_compat import ignored_near_miss
+
+                    message = (
                         f"{self.source}: `parameters.{p.name}` is required by method {self.spec.name!r} "
                         f"for {who} (tensor {tensor})"
                     )
+                    raise ConfigError(message + ignored_near_miss(message, self.config.warnings))
                 value = p.default
             problem = p.problem(value)
             if problem:
@@ -314,7 +319,7 @@ class Planner:
                     f"(tensor {ref_in.tensor}): {problem}"
                 )
         params = self._resolve_params(
-            self.spec.params, [sl.parameters, self.config.parameters], out_name, t, "the merge"
+            self.spec.params, [sl.parameters, sl.module_parameters, self.config.parameters], out_name, t, "the merge"
         )
         single_copy = (
             len(inputs) == 1

@@ -153,20 +153,30 @@ def _inside(root: Path, relative: str, index_path: Path) -> Path:
 
 
 def resolve_model_path(ref: str) -> Path:
-    """A local path, or the snapshot of a hub id in the local Hugging Face cache (never downloads)."""
+    """A local path, or the snapshot of a hub id in the local Hugging Face cache (never downloads).
+
+    `org/name@revision` (mergekit's spelling, also what a `revision:` key beside a model becomes) is that
+    branch, tag or commit of the hub model in the cache; a revision on a local path that exists is ignored,
+    as transformers ignores it there."""
     path = Path(ref).expanduser()
     if path.exists():
         return path
-    looks_like_hub_id = ref.count("/") == 1 and not ref.startswith((".", "/", "~"))
+    name, at, revision = ref.partition("@")
+    if at and (not name or not revision or "@" in revision):
+        raise CheckpointError(f"model {ref!r}: write one revision as `org/name@revision`")
+    if at and Path(name).expanduser().exists():
+        return Path(name).expanduser()
+    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
     if looks_like_hub_id:
         from huggingface_hub import snapshot_download
 
         try:
-            return Path(snapshot_download(ref, local_files_only=True))
+            return Path(snapshot_download(name, revision=revision or None, local_files_only=True))
         except Exception:
+            which = f" at revision {revision!r}" if revision else ""
             raise CheckpointError(
-                f"model {ref!r}: not a local path and not in the local Hugging Face cache "
-                f"(download it first, e.g. `hf download {ref}`)"
+                f"model {ref!r}: not a local path and not in the local Hugging Face cache{which} "
+                f"(download it first, e.g. `hf download {name}{f' --revision {revision}' if revision else ''}`)"
             ) from None
     raise CheckpointError(f"model {ref!r}: no such file or directory")
 

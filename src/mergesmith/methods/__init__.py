@@ -37,6 +37,7 @@ __all__ = [
     "method_names",
     "register",
     "require_method",
+    "all_parameter_names",
     "check_parameter_names",
     "validate_method_usage",
 ]
@@ -54,15 +55,37 @@ def require_method(name: str, source: str = "config") -> MethodSpec:
     return spec
 
 
-def validate_method_usage(config: MergeConfiguration, source: str = "config") -> None:
-    """Checks that need the method's spec but no checkpoint: base model present, model counts."""
-    spec = require_method(config.merge_method, source)
+def all_parameter_names() -> set[str]:
+    """Every parameter name some registered merge method takes."""
+    names: set[str] = set()
+    for name in method_names():
+        spec = get_method(name)
+        if spec is not None:
+            names |= spec.param_names()
+    return names
+
+
+def _groups(config: MergeConfiguration) -> list[tuple[str, list[str], str | None]]:
+    """(config key, models, base) of every group of models merged together: `models`, each slice, and
+    the same inside each module of the `modules:` form."""
     groups: list[tuple[str, list[str], str | None]] = []
-    if config.models:
-        groups.append(("models", [m.model for m in config.models], config.base_model))
-    for i, s in enumerate(config.slices or []):
-        groups.append((f"slices[{i}].sources", [src.model for src in s.sources], s.base_model or config.base_model))
-    for key, models, base in groups:
+    holders: list[tuple[str, Any]] = [("", config)]
+    holders += [(f"modules.{name}.", module) for name, module in (config.modules or {}).items()]
+    for prefix, holder in holders:
+        if holder.models:
+            groups.append((f"{prefix}models", [m.model for m in holder.models], config.base_model))
+        for i, s in enumerate(holder.slices or []):
+            groups.append(
+                (f"{prefix}slices[{i}].sources", [src.model for src in s.sources], s.base_model or config.base_model)
+            )
+    return groups
+
+
+def validate_method_usage(config: MergeConfiguration, source: str = "config") -> list[str]:
+    """Checks that need the method's spec but no checkpoint: base model present, model counts, parameter
+    names. Returns the warnings about parameters the method ignores (see `check_parameter_names`)."""
+    spec = require_method(config.merge_method, source)
+    for key, models, base in _groups(config):
         if spec.requires_base and not base:
             raise ConfigError(f"{source}: `base_model`: method {spec.name!r} requires a base model")
         base_appended = bool(base) and spec.uses_base_in_models and base not in models
@@ -70,41 +93,59 @@ def validate_method_usage(config: MergeConfiguration, source: str = "config") ->
         problem = spec.count_problem(len(models) + int(base_appended), has_base=has_base)
         if problem:
             raise ConfigError(f"{source}: `{key}`: {problem}")
-    check_parameter_names(config, spec, source)
+    return check_parameter_names(config, spec, source)
 
 
-def check_parameter_names(config: MergeConfiguration, spec: MethodSpec, source: str = "config") -> None:
-    """Every key of every `parameters` mapping must be a parameter the method declares.
+def _parameter_levels(config: MergeConfiguration) -> list[tuple[str, Any, bool]]:
+    """(where, parameters, per-model level) of every `parameters` mapping of the config."""
+    levels: list[tuple[str, Any, bool]] = [("parameters", config.parameters, False)]
+    holders: list[tuple[str, Any]] = [("", config)]
+    for name, module in (config.modules or {}).items():
+        levels.append((f"modules.{name}.parameters", module.parameters, False))
+        holders.append((f"modules.{name}.", module))
+    for prefix, holder in holders:
+        for i, m in enumerate(holder.models or []):
+            levels.append((f"{prefix}models[{i}].parameters", m.parameters, True))
+        for i, s in enumerate(holder.slices or []):
+            levels.append((f"{prefix}slices[{i}].parameters", s.parameters, False))
+            for j, src in enumerate(s.sources):
+                levels.append((f"{prefix}slices[{i}].sources[{j}].parameters", src.parameters, True))
+    return levels
 
-    A misspelled name (`normalise`, `densty`) would otherwise be ignored without a word and the merge
-    would quietly use the default. The top level and a slice may set any of the method's parameters
-    (a per-model one there applies to every model); a `models` entry or slice source only per-model
-    ones, since the method's global parameters are never read from there (as in mergekit). Keys only:
-    the values (numbers, gradients, `filter`/`value` lists) are checked by the schema and the planner.
+
+def check_parameter_names(config: MergeConfiguration, spec: MethodSpec, source: str = "config") -> list[str]:
+    """Sort every key of every `parameters` mapping into used, ignored (a warning) or a typo (an error).
+
+    mergekit reads a method's parameters and nothing else: a name this method does not take is ignored,
+    and so is a merge-wide parameter (`t`, `lambda`) set on one model, since merge-wide ones are read only
+    from a slice, a module and the top level. Published configs are full of such leftovers (`weight` on a
+    `slerp` merge), so each is a warning naming its place. A name no method knows that is a near miss of
+    one this method takes (`densty`, `wieght`) is an error: mergekit would quietly merge with the default.
+    Keys only: the values (numbers, gradients, `filter`/`value` lists) are checked by the schema and the
+    planner.
     """
     every = [p.name for p in (*spec.params, *spec.model_params)]
     per_model = [p.name for p in spec.model_params]
-    levels: list[tuple[str, Any, list[str]]] = [("parameters", config.parameters, every)]
-    for i, m in enumerate(config.models or []):
-        levels.append((f"models[{i}].parameters", m.parameters, per_model))
-    for i, s in enumerate(config.slices or []):
-        levels.append((f"slices[{i}].parameters", s.parameters, every))
-        for j, src in enumerate(s.sources):
-            levels.append((f"slices[{i}].sources[{j}].parameters", src.parameters, per_model))
-    for where, params, allowed in levels:
+    known = all_parameter_names()
+    warnings: list[str] = []
+    for where, params, model_level in _parameter_levels(config):
+        allowed = per_model if model_level else every
         for name in params or {}:
             if name in allowed:
                 continue
+            here = f"{source}: `{where}.{name}`"
             if name in every:
-                raise ConfigError(
-                    f"{source}: `{where}.{name}`: {name!r} is a parameter of the whole merge for method "
-                    f"{spec.name!r}, not of one model; set it under the top-level or a slice's `parameters`"
+                warnings.append(
+                    f"{here}: {name!r} is a parameter of the whole merge for method {spec.name!r}, not of one "
+                    "model; ignored here (set it under the top-level, a module's or a slice's `parameters`)"
                 )
-            hint = difflib.get_close_matches(name, allowed, n=1) or difflib.get_close_matches(name, every, n=1)
+                continue
+            if name in known:
+                warnings.append(f"{here}: method {spec.name!r} does not use {name!r}; ignored")
+                continue
+            hint = difflib.get_close_matches(name, every, n=1)
             if hint:
-                detail = f" (did you mean `{hint[0]}`?)"
-            elif allowed:
-                detail = f"; its parameters here: {', '.join(allowed)}"
-            else:
-                detail = " (it takes no parameters here)"
-            raise ConfigError(f"{source}: `{where}.{name}`: method {spec.name!r} has no parameter {name!r}{detail}")
+                raise ConfigError(f"{here}: method {spec.name!r} has no parameter {name!r} (did you mean `{hint[0]}`?)")
+            takes = f"its parameters: {', '.join(every)}" if every else "it takes no parameters"
+            warnings.append(f"{here}: unknown parameter {name!r} ({takes}); ignored")
+    return warnings
