@@ -147,7 +147,7 @@ def _doc(name: str | None, *models: str) -> dict:
         ([_doc(None, "{a}", "{a}"), _doc(None, "{a}", "{a}")], "only the final merge may be unnamed"),
         ([_doc("../up", "{a}", "{a}")], "must be a plain directory name"),
         ([_doc("x", "x", "{a}")], "names itself"),
-        ([{"name": "x", "merge_method": "linear", "modles": []}], "unknown key `modles`"),
+        ([{"name": "x", "merge_method": "linear", "modles": []}], "`modles` was ignored"),
     ],
 )
 def test_bad_multi_files_fail_before_any_merge_with_one_clear_line(tmp_path, tiny_models, documents, message):

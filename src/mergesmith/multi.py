@@ -68,10 +68,24 @@ def _model_slots(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
     """Every (mapping, key) of a merge document whose value names a model (see `_slot_ref`)."""
     if isinstance(doc.get("base_model"), str):
         yield doc, "base_model"
-    for entry in doc.get("models") or []:
+    modules = doc.get("modules")
+    holders = [doc, *(m for m in (modules.values() if isinstance(modules, dict) else []) if isinstance(m, dict))]
+    for holder in holders:
+        yield from _group_slots(holder)
+    if isinstance(doc.get("tokenizer_source"), str) and doc["tokenizer_source"] not in ("base", "union"):
+        yield doc, "tokenizer_source"
+    tokenizer = doc.get("tokenizer")
+    if isinstance(tokenizer, dict) and isinstance(tokenizer.get("source"), str):
+        if tokenizer["source"] not in ("base", "union"):
+            yield tokenizer, "source"
+
+
+def _group_slots(holder: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
+    """The model slots of `models` and `slices` in a document or one of its modules."""
+    for entry in holder.get("models") or []:
         if isinstance(entry, dict) and isinstance(entry.get("model"), str):
             yield entry, "model"
-    for sl in doc.get("slices") or []:
+    for sl in holder.get("slices") or []:
         if not isinstance(sl, dict):
             continue
         if isinstance(sl.get("base_model"), str):
@@ -79,12 +93,6 @@ def _model_slots(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
         for src in sl.get("sources") or []:
             if isinstance(src, dict) and isinstance(src.get("model"), str):
                 yield src, "model"
-    if isinstance(doc.get("tokenizer_source"), str) and doc["tokenizer_source"] not in ("base", "union"):
-        yield doc, "tokenizer_source"
-    tokenizer = doc.get("tokenizer")
-    if isinstance(tokenizer, dict) and isinstance(tokenizer.get("source"), str):
-        if tokenizer["source"] not in ("base", "union"):
-            yield tokenizer, "source"
 
 
 _TOKENIZER_KEYS = ("tokenizer_source", "source")
@@ -129,8 +137,9 @@ def _check_input(source: Path, stage: Stage, ref: str, checked: set[str]) -> Non
         raise CheckpointError(f"{source}: {stage.label}: {exc}") from None
 
 
-def load_stages(path: str | Path) -> list[Stage]:
-    """Parse and validate every document of a multi-stage file, in file order."""
+def load_stages(path: str | Path, *, strict: bool = False) -> list[Stage]:
+    """Parse and validate every document of a multi-stage file, in file order (`strict`: a config warning
+    in any document is an error, before any stage runs)."""
     path = Path(path)
     loaded, text = read_yaml(path, all_documents=True)
     documents = [d for d in loaded if d is not None]
@@ -149,7 +158,7 @@ def load_stages(path: str | Path) -> list[Stage]:
                 "(letters, digits, '.', '_', '-'; not starting with '.' or '-')"
             )
         stage = Stage(name, doc, position)
-        parse_config(doc, f"{path} ({stage.label})")  # each document is an ordinary merge config
+        parse_config(doc, f"{path} ({stage.label})", strict=strict)  # each document is an ordinary merge config
         stages.append(stage)
 
     seen: dict[str, int] = {}
@@ -273,7 +282,7 @@ def run_multi(
     `verify=True` checksums a complete stage's shards before skipping it (see `api.execute_plan`).
     """
     source = str(config_path)
-    stages = load_stages(config_path)
+    stages = load_stages(config_path, strict=bool(options and options.strict))
     ordered = stage_order(stages, source)
     root = Path(out_dir)
     if any(s.name is None for s in stages) and out_path is None:
@@ -338,7 +347,7 @@ def _run_stage(
         on_stage(stage, target)
     with _labelled(stage):
         where = f"{source} ({stage.label})"
-        config = parse_config(_resolved_document(stage, outputs), where)
+        config = parse_config(_resolved_document(stage, outputs), where, strict=options.strict)
         stage_options = copy.deepcopy(options)  # build_plan may draw a seed: never share it across stages
         plan, checkpoints = build_plan(config, stage_options, target, source=where)
         previous = Journal.load(target) if target.is_dir() else None

@@ -34,6 +34,7 @@ from .planner import MergeOptions, NormalizedSlice, Planner, SourceRange
 TENSOR_SETS = ("exact", "union", "intersection")
 _NOT_RAW = {
     "slices": "list the inputs under `models` (a raw merge has no layers to slice)",
+    "modules": "list the inputs under `models` (a raw merge has no modules)",
     "tokenizer": "a raw merge has no tokenizer",
     "tokenizer_source": "a raw merge has no tokenizer",
     "chat_template": "a raw merge has no tokenizer",
@@ -54,9 +55,9 @@ def _has_gradient(params: Parameters | None) -> str | None:
     return None
 
 
-def load_raw_config(path: str | Path) -> MergeConfiguration:
+def load_raw_config(path: str | Path, *, strict: bool = False) -> MergeConfiguration:
     """A merge config validated for a raw merge: `models` only, no tokenizer keys, no gradients."""
-    config = load_config(path)
+    config = load_config(path, strict=strict)
     return check_raw_config(config, str(path))
 
 
@@ -174,11 +175,11 @@ def build_raw_plan(
 ) -> tuple[Plan, dict[str, Checkpoint]]:
     """Plan a raw merge from the inputs' headers (a `.pt`/`.bin` file is loaded, memory-mapped,
     with weights_only, since a pickle has no header to read)."""
+    options = options or MergeOptions()
     if isinstance(config, MergeConfiguration):
         cfg, source = check_raw_config(config), "config"
     else:
-        cfg, source = load_raw_config(config), str(config)
-    options = options or MergeOptions()
+        cfg, source = load_raw_config(config, strict=options.strict), str(config)
     choose_random_seed(cfg, source, options, out_dir)
     checkpoints = open_checkpoints(cfg)
     return RawPlanner(cfg, checkpoints, options, source, tensor_set).build(), checkpoints

@@ -37,12 +37,13 @@ def build_moe_plan(
     When the config needs randomness (random gates, expert noise) and no seed is given, reuse the
     seed an interrupted run in `out_dir` recorded (so it resumes), or draw and record a new one.
     """
+    options = options or MergeOptions()
     if isinstance(config, MoEConfiguration):
         validate_moe_config(config, allow_all_same=allow_all_same)
         cfg, source = config, "config"
     else:
-        cfg, source = load_moe_config(config, allow_all_same=allow_all_same), str(config)
-    options = options or MergeOptions()
+        cfg = load_moe_config(config, allow_all_same=allow_all_same, strict=options.strict)
+        source = str(config)
     if cfg.needs_seed() and options.random_seed is None:
         previous = Journal.load(Path(out_dir)) if out_dir is not None and Path(out_dir).is_dir() else None
         options.random_seed = (
@@ -50,6 +51,7 @@ def build_moe_plan(
         )
     checkpoints = {ref: Checkpoint.open(ref) for ref in cfg.referenced_models()}
     plan, gates = MoEPlanner(cfg, checkpoints, options, source).build()
+    plan.warnings[:0] = cfg.warnings  # what reading the config ignored, first
     return plan, checkpoints, gates
 
 

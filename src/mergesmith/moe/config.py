@@ -1,8 +1,10 @@
 """The mergekit-moe config schema (unchanged), parsed and validated without opening any model.
 
-Like merge configs, an MoE config is strict: an unknown key is an error with a did-you-mean, because a
-misspelt `positive_prompt` silently ignored would produce a model whose router was never told what
-the expert is for. Checks that need the models (architectures, sizes) live in the MoE planner.
+As mergekit-moe does, an unknown key is ignored, but never silently: a warning names it and the key it
+probably meant (a misspelt `positive_prompt` ignored leaves an expert without prompts, which the prompt
+check then refuses, naming the near miss); `strict` makes each warning an error. `revision:` beside a
+`source_model` selects that revision, as `model@revision` does. Checks that need the models
+(architectures, sizes) live in the MoE planner.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from ..config import known_dtype_name, read_yaml
+from ..config_compat import Findings, Schema, copy_document, prune
 from ..errors import ConfigError
 
 GateMode = Literal["hidden", "cheap_embed", "random", "uniform_random", "hidden_avg", "hidden_last"]
@@ -47,6 +50,12 @@ class MoEConfiguration(_Strict):
     experts_per_token: int = 2
     shared_experts: list[Expert] | None = None
     architecture: str | None = None
+    _warnings: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def warnings(self) -> list[str]:
+        """What reading the config ignored (unknown keys), one line each."""
+        return self._warnings
 
     @field_validator("dtype")
     @classmethod
@@ -101,15 +110,33 @@ def _error_line(err: ValidationError, source: str) -> str:
     return f"{source}: `{key}`: {e['msg'].removeprefix('Value error, ')}"
 
 
-def parse_moe_config(data: Any, source: str = "config", *, allow_all_same: bool = False) -> MoEConfiguration:
-    """Validate a loaded YAML document as an MoE config; any problem is one ConfigError line naming the key."""
+_EXPERT_SCHEMA = Schema("an expert", tuple(Expert.model_fields), models=("source_model",))
+_MOE_SCHEMA = Schema(
+    "the top level",
+    tuple(MoEConfiguration.model_fields),
+    lists={"experts": _EXPERT_SCHEMA, "shared_experts": _EXPERT_SCHEMA},
+)
+
+
+def parse_moe_config(
+    data: Any, source: str = "config", *, allow_all_same: bool = False, strict: bool = False
+) -> MoEConfiguration:
+    """Validate a loaded YAML document as an MoE config; any problem is one ConfigError line naming the key.
+    Unknown keys are left out with a warning each (`config.warnings`); `strict` makes the first the error."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
+    findings = Findings(source)
+    data = prune(copy_document(data), _MOE_SCHEMA, "", findings, [_MOE_SCHEMA, _EXPERT_SCHEMA], set())
     try:
         config = MoEConfiguration.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_error_line(err, source)) from None
-    validate_moe_config(config, source, allow_all_same=allow_all_same)
+        raise ConfigError(findings.with_hint(_error_line(err, source))) from None
+    try:
+        validate_moe_config(config, source, allow_all_same=allow_all_same)
+    except ConfigError as exc:
+        raise ConfigError(findings.with_hint(str(exc))) from None
+    findings.apply_strict(strict)
+    config._warnings = findings.warnings
     return config
 
 
@@ -174,9 +201,9 @@ def is_moe_config_file(path: str | Path) -> bool:
     return looks_like_moe(data)
 
 
-def load_moe_config(path: str | Path, *, allow_all_same: bool = False) -> MoEConfiguration:
+def load_moe_config(path: str | Path, *, allow_all_same: bool = False, strict: bool = False) -> MoEConfiguration:
     data, _text = load_moe_yaml(path)
-    return parse_moe_config(data, str(path), allow_all_same=allow_all_same)
+    return parse_moe_config(data, str(path), allow_all_same=allow_all_same, strict=strict)
 
 
 def dump_moe_config(config: MoEConfiguration) -> str:
