@@ -60,10 +60,8 @@ class Findings:
 
 
 def ignored_near_miss(error: str, warnings: list[str]) -> str:
-    """' (`where` was ignored: did you mean `key`?)' when `error` says something is missing or required and a
-    warning ignored a near miss of a key it names (or of `parameters`, which holds a missing parameter)."""
-    if "missing" not in error and "required" not in error:
-        return ""
+    """' (`where` was ignored: did you mean `key`?)' when a warning ignored a near miss of a key `error` names
+    (or of `parameters`, which holds a missing parameter): the error is then most likely that near miss."""
     named = [part.split(".")[-1] for part in re.findall(r"`([^`]+)`", error)]
     for key in [*named, "parameters"]:
         for warning in warnings:
