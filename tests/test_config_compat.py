@@ -175,3 +175,24 @@ def test_near_miss_of_a_used_parameter_stays_an_error() -> None:
         parse_config(
             {"merge_method": "ties", "base_model": "a", "models": [{"model": "b", "parameters": {"densty": 1}}]}
         )
+
+
+def test_model_at_revision_resolves_that_snapshot_of_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pair: tuple[str, str]
+) -> None:
+    import huggingface_hub.constants
+
+    from mergesmith.errors import CheckpointError
+    from mergesmith.io.checkpoint import resolve_model_path
+    from tests.test_compat_corpus import _cache_model
+
+    a, b = pair
+    _cache_model(tmp_path / "hub", "org/model", Path(a), {"v2": Path(b)})
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    main, v2 = resolve_model_path("org/model"), resolve_model_path("org/model@v2")
+    assert main != v2
+    assert (main / "model.safetensors").read_bytes() == (Path(a) / "model.safetensors").read_bytes()
+    assert (v2 / "model.safetensors").read_bytes() == (Path(b) / "model.safetensors").read_bytes()
+    assert resolve_model_path(f"{a}@v2") == Path(a)  # a local directory has no revisions
+    with pytest.raises(CheckpointError, match="at revision 'v3'"):
+        resolve_model_path("org/model@v3")
