@@ -67,7 +67,7 @@ def test_models_and_slices_together_is_refused():
             "slices": [{"sources": [{"model": "a", "layer_range": [0, 2]}]}],
         }
     )
-    assert "not `models` and `slices`" in msg
+    assert "`models` or `slices`, not both" in msg
 
 
 def test_neither_models_nor_slices_is_refused():

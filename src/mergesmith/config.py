@@ -153,10 +153,10 @@ class MergeConfiguration(_Strict):
     @model_validator(mode="after")
     def _models_or_slices(self) -> MergeConfiguration:
         given = [key for key in ("models", "slices", "modules") if getattr(self, key)]
-        if len(given) > 1:
-            raise ValueError(
-                f"give exactly one of `models`, `slices` or `modules`, not {' and '.join(f'`{k}`' for k in given)}"
-            )
+        if len(given) == 2:
+            raise ValueError(f"give either `{given[0]}` or `{given[1]}`, not both")
+        if len(given) == 3:
+            raise ValueError("give only one of `models`, `slices` or `modules`")
         if not given:
             raise ValueError("one of `models`, `slices` or `modules` is required")
         if self.tokenizer is not None and self.tokenizer_source is not None:
