@@ -224,15 +224,13 @@ _TOP_NOTES = {
 }
 
 
-def lenient_document(data: dict[str, Any], findings: Findings, *, stage_names: bool = False) -> dict[str, Any]:
+def lenient_document(data: dict[str, Any], findings: Findings) -> dict[str, Any]:
     """The document with what mergekit ignores removed (one warning each, in `findings`), numbers written as
-    text read as numbers and `revision:` folded into the model reference. `stage_names`: `name` is expected
-    (a multi-stage document) and passes without a word."""
+    text read as numbers and `revision:` folded into the model reference (multi.py takes a stage's `name` off
+    before this)."""
     from .methods import all_parameter_names
 
     data = copy_document(data)
-    if stage_names:
-        data.pop("name", None)
     return prune(data, _TOP_SCHEMA, "", findings, _ALL_SCHEMAS, all_parameter_names(), _TOP_NOTES)
 
 
@@ -295,9 +293,7 @@ def _first_error_line(err: ValidationError, source: str) -> str:
     return f"{source}: `{key}`: {msg}" if loc else f"{source}: {msg}"
 
 
-def parse_config(
-    data: Any, source: str = "config", *, strict: bool = False, stage_names: bool = False
-) -> MergeConfiguration:
+def parse_config(data: Any, source: str = "config", *, strict: bool = False) -> MergeConfiguration:
     """Validate a loaded YAML document; any problem becomes one ConfigError line naming the key.
 
     What mergekit would ignore (unknown keys, parameters the method does not use) is left out with a
@@ -312,7 +308,7 @@ def parse_config(
                 "(with optional `parameters:`)"
             )
     findings = Findings(source)
-    data = lenient_document(data, findings, stage_names=stage_names)
+    data = lenient_document(data, findings)
     try:
         config = MergeConfiguration.model_validate(data)
     except ValidationError as err:
