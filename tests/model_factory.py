@@ -80,6 +80,13 @@ class ArchSpec:
     """Gemma configs default ``head_dim`` to 256 instead of deriving it, so it must be set from hidden/heads."""
     layer_types: Callable[[int], list[str]] | None = None
     """Builds ``layer_types`` explicitly; ``None`` lets the config derive it (or not have one)."""
+    common: Mapping[str, Any] | None = None
+    """Replaces the shared tiny sizes where the config class names them differently (gpt2's ``n_embd``, mamba)."""
+    model_cls: str | None = None
+    """The transformers class to build and load with, where ``AutoModelForCausalLM`` does not know the config
+    (vision-language models)."""
+    text_config: bool = False
+    """The layer count, vocabulary and token ids live in ``text_config`` (vision-language models)."""
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -103,6 +110,128 @@ ARCHS: dict[str, ArchSpec] = {
 """Architectures the factory builds. ``gemma3`` is the text-only ``Gemma3ForCausalLM`` (model_type ``gemma3_text``)."""
 
 
+_VISION_CLIP: dict[str, Any] = {
+    "model_type": "clip_vision_model",
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 3,  # deeper than the 2-layer text stacks the tests use, so the stacks differ in depth
+    "num_attention_heads": 2,
+    "image_size": 16,
+    "patch_size": 8,
+}
+_VISION_QWEN2VL: dict[str, Any] = {
+    "depth": 3,
+    "embed_dim": 16,
+    "hidden_size": 32,
+    "num_heads": 2,
+    "mlp_ratio": 2,
+    "patch_size": 4,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+
+MORE_ARCHS: dict[str, ArchSpec] = {
+    "qwen3": ArchSpec(transformers.Qwen3Config, {"head_dim": 8}),
+    "phi": ArchSpec(transformers.PhiConfig),  # phi-2: dense + fc1/fc2 MLP, biases, lm_head.bias, final_layernorm
+    # GPT-2 stores Conv1D weights as [in, out] and ties its head to transformer.wte.
+    "gpt2": ArchSpec(
+        transformers.GPT2Config,
+        tied=True,
+        common={
+            "vocab_size": 256,
+            "n_embd": 32,
+            "n_head": 4,
+            "n_positions": 128,
+            "bos_token_id": BOS_ID,
+            "eos_token_id": EOS_ID,
+            "pad_token_id": PAD_ID,
+        },
+    ),
+    "granite": ArchSpec(transformers.GraniteConfig),
+    "olmo2": ArchSpec(transformers.Olmo2Config),
+    "cohere": ArchSpec(transformers.CohereConfig),
+    "starcoder2": ArchSpec(transformers.Starcoder2Config, {"sliding_window": None}),
+    "mixtral": ArchSpec(transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Layer 0 dense (mlp_only_layers), the others sparse: slicing must re-index that list of layer indices.
+    "qwen2_moe": ArchSpec(
+        transformers.Qwen2MoeConfig,
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "mlp_only_layers": [0],
+        },
+    ),
+    # Multi-latent attention; the first layer dense (first_k_dense_replace), the rest mixture-of-experts.
+    "deepseek_v3": ArchSpec(
+        transformers.DeepseekV3Config,
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 4,
+            "qk_nope_head_dim": 4,
+            "v_head_dim": 8,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+    "mamba": ArchSpec(
+        transformers.MambaConfig,
+        tied=True,
+        common={
+            "vocab_size": 256,
+            "hidden_size": 32,
+            "state_size": 4,
+            "expand": 2,
+            "conv_kernel": 4,
+            "pad_token_id": PAD_ID,
+            "bos_token_id": BOS_ID,
+            "eos_token_id": EOS_ID,
+        },
+    ),
+    "llava": ArchSpec(
+        transformers.LlavaConfig,
+        {"vision_config": _VISION_CLIP, "image_token_index": 250},
+        model_cls="LlavaForConditionalGeneration",
+        text_config=True,
+        common={"model_type": "llama", **_COMMON},
+    ),
+    "qwen2_vl": ArchSpec(
+        transformers.Qwen2VLConfig,
+        {"vision_config": _VISION_QWEN2VL, "image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252},
+        model_cls="Qwen2VLForConditionalGeneration",
+        text_config=True,
+        # mrope_section splits head_dim / 2 = 4 rotary frequencies over (time, height, width)
+        common={
+            "model_type": "qwen2_vl_text",
+            **_COMMON,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 1, 1]},
+        },
+    ),
+}
+"""Further architectures, built by the architecture tests (tests/test_architectures.py) at 2 layers; kept apart
+from ARCHS so the layout tests of every core architecture in every format do not multiply."""
+
+
+def arch_spec(arch: str) -> ArchSpec:
+    """The spec of ``arch`` from ARCHS or MORE_ARCHS."""
+    spec = ARCHS.get(arch) or MORE_ARCHS.get(arch)
+    if spec is None:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted({*ARCHS, *MORE_ARCHS})}")
+    return spec
+
+
+def model_class(arch: str) -> Any:
+    """The class that builds and loads ``arch``: AutoModelForCausalLM, or the model's own class."""
+    spec = arch_spec(arch)
+    return getattr(transformers, spec.model_cls) if spec.model_cls else AutoModelForCausalLM
+
+
 def tiny_config(
     arch: str, *, layers: int = 4, dtype: torch.dtype = torch.float32, **overrides: Any
 ) -> PretrainedConfig:
@@ -111,11 +240,16 @@ def tiny_config(
     Derived values (``head_dim``, ``query_pre_attn_scalar``, gemma3 ``layer_types``) are recomputed from the
     overridden sizes unless overridden themselves, so e.g. ``hidden_size=64`` or ``layers=2`` stays consistent.
     """
-    try:
-        spec = ARCHS[arch]
-    except KeyError:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHS)}") from None
-    kwargs: dict[str, Any] = {**_COMMON, **spec.defaults, "num_hidden_layers": layers, **overrides}
+    spec = arch_spec(arch)
+    common = _COMMON if spec.common is None else spec.common
+    if spec.text_config:
+        text = {**common, "num_hidden_layers": layers, **overrides.pop("text_config", {})}
+        kwargs: dict[str, Any] = {**spec.defaults, "text_config": text, **overrides}
+        config = spec.config_cls(**kwargs)
+        config.dtype = dtype
+        return config
+    layer_key = "n_layer" if "n_embd" in common else "num_hidden_layers"
+    kwargs = {**common, **spec.defaults, layer_key: layers, **overrides}
     if spec.explicit_head_dim:
         head_dim = kwargs["hidden_size"] // kwargs["num_attention_heads"]
         kwargs.setdefault("head_dim", head_dim)
@@ -260,9 +394,15 @@ def make_model(
     ``overrides`` go to the config (see :func:`tiny_config`). Returns ``path``.
     """
     config = tiny_config(arch, layers=layers, dtype=dtype, **overrides)
+    text = config.get_text_config()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        cls = model_class(arch)
+        model = (
+            cls.from_config(config, dtype=torch.float32)
+            if cls is AutoModelForCausalLM
+            else cls._from_config(config, dtype=torch.float32)
+        )
         if jitter:
             _jitter_constant_tensors(model, jitter, torch.Generator().manual_seed(seed + 1_000_003))
     model = model.to(dtype)
@@ -272,9 +412,9 @@ def make_model(
     if tokenizer:
         make_tokenizer(
             path,
-            config.vocab_size,
+            text.vocab_size,
             added_tokens=added_tokens,
-            model_max_length=config.max_position_embeddings,
+            model_max_length=getattr(text, "max_position_embeddings", 128),
             chat_template=chat_template,
         )
     return path
@@ -295,7 +435,9 @@ def derive_model(
     share a base and differ by small deltas, which independent seeds do not give. Tied weights stay tied (the
     shared parameter is perturbed once). The base tokenizer files are copied when ``tokenizer`` is true.
     """
-    model = AutoModelForCausalLM.from_pretrained(str(base))
+    archs = json.loads((base / "config.json").read_text()).get("architectures") or []
+    cls = getattr(transformers, archs[0]) if archs and "ForConditionalGeneration" in archs[0] else AutoModelForCausalLM
+    model = cls.from_pretrained(str(base))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
@@ -389,3 +531,51 @@ class ModelCache:
             derive_model(base, path, seed=seed, scale=scale, fmt=fmt, tokenizer=tokenizer)
             self._built[name] = path
         return self._built[name]
+
+
+def make_sentencepiece_tokenizer(path: Path, vocab_size: int = 256, *, seed: int = 0) -> Path:
+    """Train a SentencePiece BPE ``tokenizer.model`` offline and save it beside its ``tokenizer.json`` in ``path``.
+
+    The layout of Llama-2, Gemma and Phi-3 repositories, which llama.cpp's ``convert_hf_to_gguf.py`` reads
+    through ``sentencepiece`` (it rejects the word-level tokenizer of :func:`make_tokenizer`: unknown
+    pre-tokenizer). Ids 0-3 are ``<pad> <s> </s> <unk>`` as in every tiny model; the corpus is random letter
+    words, rich enough that BPE reaches exactly ``vocab_size`` pieces. ``tokenizer.json`` is transformers'
+    own conversion (``LlamaTokenizer``). Takes about 0.1 s; the model file is about 3 KB.
+    """
+    import io
+    import random
+
+    import sentencepiece as spm
+
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))) for _ in range(400)]
+    lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        pad_id=PAD_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        unk_id=UNK_ID,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        num_threads=1,
+        minloglevel=2,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.model").write_bytes(model.getvalue())
+    with tempfile.TemporaryDirectory() as scratch:
+        (Path(scratch) / "tokenizer.model").write_bytes(model.getvalue())
+        tokenizer = transformers.LlamaTokenizer.from_pretrained(scratch, pad_token="<pad>")
+    if len(tokenizer) != vocab_size:
+        raise AssertionError(f"SentencePiece tokenizer has {len(tokenizer)} tokens, wanted {vocab_size}")
+    tokenizer.save_pretrained(str(path))
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config.pop("vocab_file", None)  # the scratch directory's path
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    (path / "tokenizer.model").write_bytes(model.getvalue())
+    return path

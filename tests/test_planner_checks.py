@@ -160,7 +160,7 @@ def test_rewrite_config_reindexes_only_per_layer_lists():
         "num_hidden_layers": 2,
         "eos_token_id": [2, 3],
         "architectures": ["LlamaForCausalLM", "X"],
-        "mlp_only_layers": [0, 1],  # layer indices, not one entry per layer
+        "mlp_only_layers": [0, 1],  # layer indices, not one entry per layer: output layers from listed sources
         "layer_types": ["sliding_attention", "full_attention"],
         "no_rope_layers": [1, 0],
         "text_config": {"bos_token_id": [1, 4]},
@@ -168,7 +168,7 @@ def test_rewrite_config_reindexes_only_per_layer_lists():
     out = rewrite_config(config, [0, 1, 1], "F32")
     assert out["num_hidden_layers"] == 3
     assert out["eos_token_id"] == [2, 3] and out["text_config"]["bos_token_id"] == [1, 4]
-    assert out["architectures"] == ["LlamaForCausalLM", "X"] and out["mlp_only_layers"] == [0, 1]
+    assert out["architectures"] == ["LlamaForCausalLM", "X"] and out["mlp_only_layers"] == [0, 1, 2]
     assert out["layer_types"] == ["sliding_attention", "full_attention", "full_attention"]
     assert out["no_rope_layers"] == [1, 0, 0]
 

@@ -32,8 +32,21 @@ PER_LAYER_KEYS = frozenset(
     }
 )
 """config.json lists with one entry per decoder layer: re-indexed when slices change the layers.
-Only these: token ids (`eos_token_id: [2, 3]`) and lists of layer *indices* (`mlp_only_layers`,
-`moe_layers`) are not per-layer lists, whatever their length."""
+Only these: token ids (`eos_token_id: [2, 3]`) are not per-layer lists, whatever their length; lists of
+layer *indices* are LAYER_INDEX_KEYS."""
+LAYER_INDEX_KEYS = frozenset(
+    {
+        "mlp_only_layers",  # qwen2_moe, qwen3_moe: indices of the layers with a dense MLP
+        "moe_layers",  # llama4: indices of the mixture-of-experts layers
+    }
+)
+"""config.json lists of layer indices: rewritten to the output indices whose source layer was listed."""
+_NON_TEXT_TOWERS = ("vision", "visual", "image", "audio", "speech")
+"""Prefix words of encoder stacks beside the language model (llava's `vision_tower.encoder.layers`)."""
+
+
+class LayerMapError(ValueError):
+    """The output's layer sequence cannot be described by the base config (the planner names the config)."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +90,9 @@ def find_layer_stack(names: Iterable[str], config: dict[str, Any] | None) -> Lay
     """The stack whose indices are exactly 0..n-1 with n the config's layer count.
 
     Without a layer count in the config, a single candidate stack is taken as the layers. Where
-    several stacks match (a vision tower as deep as the text model), the one holding the most
-    tensors wins: it is the language model in every architecture we know.
+    several stacks match (a vision tower as deep as the text model), a stack whose prefix names a
+    vision/audio tower loses, then the one holding the most tensors wins (a CLIP encoder layer holds
+    more tensors than a llama decoder layer, so the count alone picks the wrong stack in llava).
     """
     indices: dict[str, set[int]] = defaultdict(set)
     tensors: dict[str, int] = defaultdict(int)
@@ -97,7 +111,7 @@ def find_layer_stack(names: Iterable[str], config: dict[str, Any] | None) -> Lay
             return None
     if not candidates:
         return None
-    best = max(candidates, key=lambda p: (tensors[p], -len(p)))
+    best = max(candidates, key=lambda p: (not any(w in p.lower() for w in _NON_TEXT_TOWERS), tensors[p], -len(p)))
     return LayerStack(best, len(indices[best]))
 
 
@@ -148,7 +162,10 @@ def rewrite_config(
     """The output config.json: layer count and per-layer lists for the slices, dtype, vocab size.
 
     `layer_sources[i]` is the source layer index of output layer i; a per-layer list (a key of
-    PER_LAYER_KEYS, such as `layer_types`, as long as the old layer count) is re-indexed the same way.
+    PER_LAYER_KEYS, such as `layer_types`, as long as the old layer count) is re-indexed the same way,
+    a list of layer indices (LAYER_INDEX_KEYS) names the output layers whose sources it listed, and
+    counts that decide a layer's kind by its index are rewritten (see _rewrite_layer_schedule).
+    Raises LayerMapError where the config cannot describe the output's layers.
     Other lists are left alone even when their length happens to equal the layer count: token ids
     (`eos_token_id: [2, 3]` in a 2-layer model), `architectures`, lists of layer indices.
     """
@@ -164,6 +181,9 @@ def rewrite_config(
             for key, value in list(holder.items()):
                 if key in PER_LAYER_KEYS and isinstance(value, list) and len(value) == old_count:
                     holder[key] = [value[min(src, old_count - 1)] for src in layer_sources]
+                elif key in LAYER_INDEX_KEYS and isinstance(value, list):
+                    holder[key] = [i for i, src in enumerate(layer_sources) if src in value]
+            _rewrite_layer_schedule(holder, layer_sources)
     dtype_name = TORCH_NAMES[out_dtype]
     wrote = False
     for holder in (out, out.get("text_config")):
@@ -178,3 +198,39 @@ def rewrite_config(
         holder = out if "vocab_size" in out or not isinstance(out.get("text_config"), dict) else out["text_config"]
         holder["vocab_size"] = vocab_size
     return out
+
+
+def _rewrite_layer_schedule(holder: dict[str, Any], layer_sources: list[int]) -> None:
+    """Rewrite the config numbers that make a layer dense or mixture-of-experts by its index.
+
+    qwen2_moe/qwen3_moe: layer i is sparse unless listed in `mlp_only_layers` or `(i + 1) %
+    decoder_sparse_step != 0`; with slices the step no longer fits, so it becomes 1 and the dense output
+    layers are listed. deepseek_v2/v3 (and their descendants): the first `first_k_dense_replace` layers
+    are dense, the rest sparse; the output keeps that form only while its dense layers come first, and
+    is refused otherwise (transformers would build an MLP of the wrong shape for that layer).
+    """
+    step = holder.get("decoder_sparse_step")
+    if isinstance(step, int) and not isinstance(step, bool) and step > 1:
+        dense = set(holder.get("mlp_only_layers") or [])
+        # mlp_only_layers was already re-indexed: recompute from the sources
+        source_dense = {i for i, src in enumerate(layer_sources) if (src + 1) % step != 0}
+        holder["mlp_only_layers"] = sorted(dense | source_dense)
+        holder["decoder_sparse_step"] = 1
+    k = holder.get("first_k_dense_replace")
+    if isinstance(k, int) and not isinstance(k, bool) and k > 0:
+        dense_flags = [src < k for src in layer_sources]
+        leading = next((i for i, d in enumerate(dense_flags) if not d), len(dense_flags))
+        if any(dense_flags[leading:]):
+            late = leading + dense_flags[leading:].index(True)
+            raise LayerMapError(
+                f"output layer {late} comes from dense layer {layer_sources[late]} after mixture-of-experts "
+                f"layers, but `first_k_dense_replace: {k}` can only make the first layers dense "
+                "(transformers builds the layer kind from its index)"
+            )
+        freq = holder.get("moe_layer_freq")
+        if isinstance(freq, int) and freq > 1 and layer_sources != list(range(len(layer_sources))):
+            raise LayerMapError(
+                f"`moe_layer_freq: {freq}` makes every {freq}th layer mixture-of-experts by its index, "
+                "which slices that change the layers break"
+            )
+        holder["first_k_dense_replace"] = leading

@@ -14,6 +14,7 @@ from typing import Any
 
 from .architecture import (
     LM_HEAD_NAMES,
+    LayerMapError,
     LayerStack,
     embedding_for_head,
     find_layer_stack,
@@ -482,12 +483,15 @@ class Planner:
         base_vocab = (self.base.config or {}).get("vocab_size") or (
             (self.base.config or {}).get("text_config") or {}
         ).get("vocab_size")
-        output_config = rewrite_config(
-            self.base.config or {},
-            layer_sources,
-            self.out_dtype,
-            vocab if vocab is not None and vocab != base_vocab else None,
-        )
+        try:
+            output_config = rewrite_config(
+                self.base.config or {},
+                layer_sources,
+                self.out_dtype,
+                vocab if vocab is not None and vocab != base_vocab else None,
+            )
+        except LayerMapError as exc:
+            raise ConfigError(f"{self.source}: `slices`: model {self.base_ref!r}: {exc}") from None
         if tokenizer_plan is not None:
             tokenizer_plan.finish_config(output_config)
         from .card import model_card

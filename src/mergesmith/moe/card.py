@@ -2,34 +2,30 @@
 
 from __future__ import annotations
 
-import yaml
-
 from .. import __version__
+from ..card import describe_ref, front_matter
 from .config import MoEConfiguration, dump_moe_config
 
 
 def moe_model_card(config: MoEConfiguration, architecture: str, random_seed: int | None = None) -> str:
-    """A Hugging Face model card whose front matter lists every input model as `base_model`."""
-    front = {"base_model": config.referenced_models(), "library_name": "transformers", "tags": ["mergesmith", "moe"]}
+    """A Hugging Face model card whose front matter lists the input models' Hub ids as `base_model`."""
     n = len(config.experts)
     lines = [
-        "---",
-        yaml.safe_dump(front, sort_keys=False).rstrip(),
-        "---",
+        front_matter(config.referenced_models(), ["mergesmith", "moe"]),
         "# Mixture of experts",
         "",
         f"This {architecture} model was assembled with [mergesmith](https://pypi.org/project/mergesmith/) "
         f"{__version__} from {n} dense expert{'s' if n != 1 else ''} ({config.experts_per_token} per token), "
         f"router weights from gate mode `{config.gate_mode}`.",
         "",
-        f"Attention and norms: `{config.base_model}`.",
+        f"Attention and norms: {describe_ref(config.base_model)}.",
         "",
         "## Experts",
         "",
     ]
-    lines += [f"{i}. `{e.source_model}`" for i, e in enumerate(config.experts)]
+    lines += [f"{i}. {describe_ref(e.source_model)}" for i, e in enumerate(config.experts)]
     for e in config.shared_experts or []:
-        lines += ["", f"Shared expert: `{e.source_model}`."]
+        lines += ["", f"Shared expert: {describe_ref(e.source_model)}."]
     if random_seed is not None:
         lines += ["", f"Random seed: `{random_seed}` (rerun with `--random-seed {random_seed}` to reproduce)."]
     lines += ["", "## Configuration", "", "```yaml", dump_moe_config(config).rstrip(), "```", ""]
