@@ -408,7 +408,13 @@ def _read_only_under(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
     for writing or removing anything under it fails with EROFS, as the kernel would."""
     prefix = str(root)
 
-    def blocked(path: Any) -> bool:
+    def full(path: Any, dir_fd: int | None) -> Any:
+        if dir_fd is None or not isinstance(path, (str, os.PathLike)):
+            return path
+        return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)  # relative to a descriptor (safe_fs)
+
+    def blocked(path: Any, dir_fd: int | None = None) -> bool:
+        path = full(path, dir_fd)
         return str(os.fspath(path)).startswith(prefix) if isinstance(path, (str, os.PathLike)) else False
 
     def refuse(path: Any) -> OSError:
@@ -422,19 +428,20 @@ def _read_only_under(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
         return real_open(file, mode, *args, **kwargs)
 
     def fake_os_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-        if blocked(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+        if blocked(path, kwargs.get("dir_fd")) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
             raise refuse(path)
         return real_os_open(path, flags, *args, **kwargs)
 
     def fake_mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
-        if blocked(path) and os.path.exists(path):  # the kernel reports an existing entry first
+        if blocked(path, kwargs.get("dir_fd")) and os.path.lexists(full(path, kwargs.get("dir_fd"))):
+            # the kernel reports an existing entry first
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
-        if blocked(path):
+        if blocked(path, kwargs.get("dir_fd")):
             raise refuse(path)
         real_mkdir(path, *args, **kwargs)
 
     def fake_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
-        if blocked(path):
+        if blocked(path, kwargs.get("dir_fd")):
             raise refuse(path)
         real_unlink(path, *args, **kwargs)
 

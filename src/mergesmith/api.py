@@ -40,6 +40,7 @@ from typing import Any
 from .config import MergeConfiguration, load_config
 from .errors import MergeInterrupted, MergesmithError, OutputError
 from .executor import LocalExecutor, ProgressEvent
+from .io import safe_fs
 from .io._test_hooks import kill_point
 from .io.checkpoint import Checkpoint
 from .io.journal import STATE_DIR, Journal, ensure_writable_dir, partial_path
@@ -125,15 +126,16 @@ def _owned_outputs(out_dir: Path) -> list[Path]:
 
     names.update(TOKENIZER_FILES)
     # config.json and the index go first: a directory that still has them must still have every shard.
-    found = [out_dir / n for n in ("config.json", INDEX_NAME) if (out_dir / n).exists()]
-    found += [out_dir / n for n in sorted(names - {"config.json", INDEX_NAME}) if (out_dir / n).exists()]
+    found = [out_dir / n for n in ("config.json", INDEX_NAME) if os.path.lexists(out_dir / n)]
+    found += [out_dir / n for n in sorted(names - {"config.json", INDEX_NAME}) if os.path.lexists(out_dir / n)]
     found += sorted(out_dir.glob("model*.safetensors"))
     return found
 
 
 def _remove(path: Path) -> None:
-    """Remove one output file (a crash-test kill point: what is left must never look complete)."""
-    if path.exists():
+    """Remove one output file (a crash-test kill point: what is left must never look complete). A link
+    is removed itself, never followed."""
+    if os.path.lexists(path):
         path.unlink()
         kill_point("unlink", path.name)
 
@@ -171,7 +173,8 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
         yield
         return
     try:
-        fd = os.open(out_dir / STATE_DIR / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        with safe_fs.opened_dir(out_dir, (STATE_DIR,)) as state:
+            fd = safe_fs.open_lock_file(state, LOCK_NAME)
     except OSError as exc:
         if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise
@@ -199,13 +202,10 @@ def _prepare_out_dir(out_dir: Path, fingerprint: str, overwrite: bool) -> Journa
     if overwrite:
         for path in _owned_outputs(out_dir):
             _remove(path)
-        for state in (out_dir / STATE_DIR).iterdir():  # all but the lock this run holds
-            if state.name == LOCK_NAME:
-                continue
-            if state.is_dir() and not state.is_symlink():
-                shutil.rmtree(state, ignore_errors=True)
-            else:
-                state.unlink(missing_ok=True)
+        with safe_fs.opened_dir(out_dir, (STATE_DIR,)) as state:  # never through a link (safe_fs)
+            for name in os.listdir(state):  # all but the lock this run holds; links removed, not followed
+                if name != LOCK_NAME:
+                    safe_fs.remove_tree(state, name)
     elif journal is not None:
         raise OutputError(f"{out_dir}: holds a merge with a different config or inputs; use --overwrite to replace it")
     elif others:
@@ -228,7 +228,7 @@ def _untouched_since_complete(out_dir: Path, plan: Plan, journal: Journal) -> bo
         return False
     for name, record in journal.finished.items():
         try:
-            st = (out_dir / name).stat()
+            st = (out_dir / name).lstat()  # a link in a shard's place is not that shard
         except OSError:
             return False
         if not stat.S_ISREG(st.st_mode) or st.st_size != record.get("size") or st.st_mtime_ns != record.get("mtime_ns"):
@@ -241,7 +241,7 @@ def _record_mtimes(out_dir: Path, journal: Journal) -> bool:
     True when any changed."""
     changed = False
     for name, record in journal.finished.items():
-        mtime = (out_dir / name).stat().st_mtime_ns
+        mtime = (out_dir / name).lstat().st_mtime_ns
         if record.get("mtime_ns") != mtime:
             record["mtime_ns"] = mtime
             changed = True
@@ -265,7 +265,11 @@ def _verify_finished(out_dir: Path, plan: Plan, journal: Journal, stop: threadin
                 "again to resume"
             )
         path = out_dir / name
-        ok = name in planned and path.is_file() and path.stat().st_size == record.get("size")
+        try:
+            st = path.lstat()  # a link in a shard's place is not that shard: removed and rewritten
+        except OSError:
+            st = None
+        ok = name in planned and st is not None and stat.S_ISREG(st.st_mode) and st.st_size == record.get("size")
         if ok:
             try:
                 ok = file_checksum(path) == record.get("checksum")
@@ -292,7 +296,11 @@ def _check_space(out_dir: Path, plan: Plan, journal: Journal, force: bool) -> No
         if shard.filename in journal.finished:
             continue
         partial = partial_path(out_dir, shard.filename)
-        reserved = partial.stat().st_blocks * 512 if partial.is_file() else 0  # an interrupted run's reservation
+        try:  # an interrupted run's reservation (a link there is removed, so it reserves nothing)
+            st = partial.lstat()
+            reserved = st.st_blocks * 512 if stat.S_ISREG(st.st_mode) else 0
+        except OSError:
+            reserved = 0
         needed += max(0, shard.data_bytes - reserved)
     free = shutil.disk_usage(out_dir).free
     if free < needed and not force:

@@ -270,6 +270,7 @@ class LocalExecutor:
             partial_path(self.out_dir, shard.filename),
             [(r.name, r.dtype, r.shape) for r in shard.recipes],
             resume=self.journal.partial.get(shard.filename),
+            root=self.out_dir,
         )
         self._writers[shard.filename] = writer
         return writer

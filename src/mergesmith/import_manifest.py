@@ -11,7 +11,10 @@ Which files: those the previous merge command imported, in the order it imported
 cache directory when it finished (`record`). The list depends on the interpreter and the installed packages
 only, so it is kept per interpreter; a file that is gone is skipped, and the list is rewritten when a run
 imports something else. The first run on a machine has no list and reads nothing ahead. Everything here is
-best-effort: a read-ahead that fails costs nothing but its own time.
+best-effort: a read-ahead that fails costs nothing but its own time. The list is read and written through
+descriptors of its cache directory (cache_root.open_cache_dir): a link planted as that directory, as the
+list or as its temporary file is never followed; where the directory is a link, nothing is recorded or
+read ahead (silently: every command starts here, and the read-ahead is an optimisation only).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import sys
 import threading
 from pathlib import Path
 
-from .cache_root import cache_root
+from .cache_root import cache_root, open_cache_dir
+from .errors import OutputError
+from .io import safe_fs
 
 READERS = 8
 """Files read at once: enough to keep this disk's queue busy with small files (one reader waits on each)."""
@@ -56,25 +61,39 @@ def imported_files() -> list[str]:
 def record() -> None:
     """Leave the files imported so far for the next run (rewritten only when the list changed)."""
     try:
-        target = manifest_path()
-        text = "\n".join(imported_files()) + "\n"
-        if target.is_file() and target.read_text() == text:
-            return
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-        partial.write_text(text)
-        os.replace(partial, target)  # a reader never sees half a list
+        name = manifest_path().name
+        data = ("\n".join(imported_files()) + "\n").encode()
+        dfd = open_cache_dir("imports")
+    except (OSError, OutputError):
+        return
+    try:
+        try:
+            if safe_fs.read_regular(dfd, name, limit=64 << 20) == data:
+                return
+        except OSError:
+            pass
+        partial = f"{name}.{os.getpid()}.tmp"
+        safe_fs.write_new_file(dfd, partial, data)  # created new: a link in its place is removed, not followed
+        safe_fs.replace_atomically(dfd, partial, dfd, name)  # a reader never sees half a list
     except OSError:
         return
+    finally:
+        os.close(dfd)
 
 
 def read_ahead() -> list[threading.Thread]:
     """Start reading the recorded files into the page cache, READERS at a time, in import order (the
     threads, daemons, are returned; none when nothing is recorded)."""
     try:
-        paths = manifest_path().read_text().splitlines()
+        dfd = open_cache_dir("imports", create=False)
+    except (OSError, OutputError):
+        return []
+    try:
+        paths = safe_fs.read_regular(dfd, manifest_path().name, limit=64 << 20).decode().splitlines()
     except (OSError, UnicodeDecodeError):
         return []
+    finally:
+        os.close(dfd)
     if not paths or not hasattr(os, "posix_fadvise"):
         return []
     threads = [

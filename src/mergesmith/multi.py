@@ -13,13 +13,16 @@ fingerprint matches a complete output is skipped without touching its files; sin
 covers its inputs' identities (size, mtime, header hash), a stage downstream of one that reran is
 rerun too, and one downstream of skipped stages is skipped: editing the last stage reruns only it.
 A stage directory holding an older mergesmith merge is replaced; any other non-empty directory is
-left alone unless `overwrite` is given.
+left alone unless `overwrite` is given. A stage directory is mergesmith's to descend into, so a link
+in its place is refused (safe_fs.LinkError) rather than followed: replacing the merge it held would
+delete files wherever the link points.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -32,6 +35,7 @@ from .api import MergeResult, build_plan, execute_plan
 from .config import parse_config, read_yaml
 from .errors import CheckpointError, ConfigError, MergesmithError
 from .executor import ProgressEvent
+from .io import safe_fs
 from .io.checkpoint import Checkpoint, resolve_model_path
 from .io.journal import Journal
 from .plan import Plan
@@ -346,6 +350,8 @@ def _run_stage(
     if on_stage is not None:
         on_stage(stage, target)
     with _labelled(stage):
+        if stage.name is not None and os.path.islink(target):  # <out-dir>/<name> is ours: never a link
+            raise safe_fs.LinkError(target)
         where = f"{source} ({stage.label})"
         config = parse_config(_resolved_document(stage, outputs), where, strict=options.strict)
         stage_options = copy.deepcopy(options)  # build_plan may draw a seed: never share it across stages

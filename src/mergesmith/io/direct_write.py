@@ -122,8 +122,14 @@ class DirectWriter:
         if not direct_io_supported(path):
             return None
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            fd = os.open(path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_NOFOLLOW", 0))
         except OSError:
+            return None
+        # The second descriptor must be the file the caller created: a name swapped for a link or another
+        # file in between would otherwise receive the bulk bytes (see safe_fs).
+        mine, theirs = os.fstat(fd), os.fstat(buffered_fd)
+        if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+            os.close(fd)
             return None
         return cls(fd, buffered_fd)
 

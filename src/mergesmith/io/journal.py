@@ -9,11 +9,13 @@ the journal never claims more than what is on disk.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import OutputError
+from . import safe_fs
 from .safetensors_writer import write_file_atomic
 
 STATE_DIR = ".mergesmith"
@@ -43,17 +45,19 @@ class Journal:
             "partial": self.partial,
             "complete": self.complete,
         }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_file_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+        write_file_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode(), root=self.out_dir)
 
     @classmethod
     def load(cls, out_dir: Path) -> Journal | None:
-        """The journal in `out_dir`, or None if there is none; a corrupt one is treated as absent."""
-        path = journal_path(out_dir)
-        if not path.is_file():
+        """The journal in `out_dir`, or None if there is none; a corrupt one is treated as absent, and so
+        is one reached through a link (`.mergesmith` or the journal itself: never read as ours)."""
+        try:
+            with safe_fs.opened_dir(out_dir, (STATE_DIR,)) as dfd:
+                text = safe_fs.read_regular(dfd, JOURNAL_NAME, limit=1 << 30)
+        except (OSError, OutputError):
             return None
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(text.decode("utf-8"))
             return cls(
                 out_dir=out_dir,
                 fingerprint=str(data["fingerprint"]),
@@ -62,7 +66,7 @@ class Journal:
                 partial={k: {n: int(c) for n, c in v.items()} for k, v in (data.get("partial") or {}).items()},
                 complete=bool(data.get("complete")),
             )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return None
 
 
@@ -75,11 +79,14 @@ def partial_path(out_dir: Path, shard: str) -> Path:
 
 
 def ensure_writable_dir(out_dir: Path) -> None:
-    """Create the output directory, or say in one line why it cannot be used."""
+    """Create the output directory and its `.mergesmith`, or say in one line why it cannot be used
+    (`.mergesmith` a link included: see safe_fs; a link inside it is for `--overwrite` to remove or the
+    writer to refuse)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputError(f"{out_dir}: output path exists and is not a directory")
     try:
-        (out_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        out_dir.mkdir(parents=True, exist_ok=True)  # the directory the user named: links allowed there
+        os.close(safe_fs.open_dir(out_dir, (STATE_DIR,), create=True))
     except PermissionError:
         raise OutputError(f"{out_dir}: permission denied creating the output directory") from None
     except OSError as exc:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..dtypes import dtype_size, from_torch
+from . import safe_fs
 from ._test_hooks import kill_point
 from .direct_write import DirectWriter, pwrite_all
 
@@ -92,12 +93,18 @@ class ShardWriter:
         entries: Sequence[tuple[str, str, tuple[int, ...]]],
         metadata: dict[str, str] | None = None,
         resume: dict[str, int] | None = None,
+        root: Path | None = None,
     ) -> None:
         """Create the partial file, or with `resume` (name -> CRC of tensors a journal says are durable)
         reopen an existing one whose header matches, keeping each listed tensor whose bytes still
-        match its CRC; `done` then names the tensors that need no writing."""
+        match its CRC; `done` then names the tensors that need no writing.
+
+        `root` (default: the final file's directory) is trusted as given; the directories from it down
+        to both files are opened without following links (`safe_fs`), the partial file is created new
+        (a link in its place is removed, never written through) and renamed between those descriptors."""
         self.final_path = final_path
         self.temp_path = temp_path
+        root = final_path.parent if root is None else root
         header, slots = layout(entries, metadata)
         self.slots = {s.name: s for s in slots}
         self.size = slots[-1].end if slots else len(header)
@@ -106,11 +113,22 @@ class ShardWriter:
         self._fd_lock = threading.Lock()
         self._fd = -1
         self._direct: DirectWriter | None = None
-        temp_path.parent.mkdir(parents=True, exist_ok=True)
+        self._temp_dir = -1
+        self._final_dir = -1
+        self._temp_dir = safe_fs.dir_of(root, temp_path, create=True)
+        try:
+            self._final_dir = safe_fs.dir_of(root, final_path)
+        except BaseException:
+            self._close_dirs()
+            raise
         if resume and self._reopen(header, resume):
             self._direct = DirectWriter.open(temp_path, self._fd)
             return
-        self._fd = os.open(temp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            self._fd = safe_fs.create_new_file(self._temp_dir, temp_path.name)
+        except BaseException:
+            self._close_dirs()
+            raise
         try:
             _reserve(self._fd, self.size)
             pwrite_all(self._fd, memoryview(header), 0)
@@ -121,10 +139,11 @@ class ShardWriter:
 
     def _reopen(self, header: bytes, resume: dict[str, int]) -> bool:
         try:
-            if self.temp_path.stat().st_size != self.size:
-                return False
-            fd = os.open(self.temp_path, os.O_RDWR)
+            fd = safe_fs.open_regular(self._temp_dir, self.temp_path.name, os.O_RDWR)  # a link: not reused
         except OSError:
+            return False
+        if os.fstat(fd).st_size != self.size:
+            os.close(fd)
             return False
         if os.pread(fd, len(header), 0) != header:
             os.close(fd)
@@ -210,8 +229,9 @@ class ShardWriter:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
-        os.replace(self.temp_path, self.final_path)
-        fsync_dir(self.final_path.parent)
+        safe_fs.replace_atomically(self._temp_dir, self.temp_path.name, self._final_dir, self.final_path.name)
+        safe_fs.fsync_fd(self._final_dir)
+        self._close_dirs()
         kill_point("shard_renamed", self.final_path.name)
         return digest
 
@@ -222,6 +242,13 @@ class ShardWriter:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+    def _close_dirs(self) -> None:
+        for attr in ("_temp_dir", "_final_dir"):
+            fd = getattr(self, attr, -1)
+            if fd >= 0:
+                setattr(self, attr, -1)
+                os.close(fd)
 
     def _close_direct(self) -> None:
         direct, self._direct = self._direct, None
@@ -234,13 +261,19 @@ class ShardWriter:
         # multi-stage merge's), one per unfinished shard.
         try:
             self.close()
+            self._close_dirs()
         except (AttributeError, OSError, TypeError):  # half-built writer, or interpreter shutdown
             pass
 
     def abort(self) -> None:
         """Close and delete the partial file (used on error; a kill leaves it for the next run to discard)."""
         self.close()
-        self.temp_path.unlink(missing_ok=True)
+        if self._temp_dir >= 0:
+            try:
+                os.unlink(self.temp_path.name, dir_fd=self._temp_dir)
+            except FileNotFoundError:
+                pass
+        self._close_dirs()
 
 
 class TensorSink:
@@ -285,7 +318,7 @@ def file_checksum(path: Path) -> str:
 
     tensors, _meta, _raw = read_safetensors_header(path)
     ordered = sorted(tensors.values(), key=lambda i: i.data_offset)
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # a shard is never a link
     try:
         crcs = [(i.name, _crc_of_range(fd, i.data_offset, i.data_offset + i.nbytes)) for i in ordered]
     finally:
@@ -333,14 +366,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file_atomic(path: Path, data: bytes) -> None:
-    """Write a small file (index, config) under a temporary name, fsync, then rename into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    kill_point("atomic_tmp", path.name)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def write_file_atomic(path: Path, data: bytes, root: Path | None = None) -> None:
+    """Write a small file (index, config) under a temporary name, fsync, then rename into place.
+
+    The temporary file is created new (a link in its place is removed, never written through); the
+    directories from `root` (default: the file's own directory, trusted as given) down to the file are
+    opened without following links."""
+    tmp = f".{path.name}.tmp"
+    dfd = safe_fs.dir_of(path.parent if root is None else root, path, create=True)
+    try:
+        safe_fs.write_new_file(dfd, tmp, data)
+        kill_point("atomic_tmp", path.name)
+        safe_fs.replace_atomically(dfd, tmp, dfd, path.name)
+        safe_fs.fsync_fd(dfd)
+    finally:
+        os.close(dfd)
     kill_point("atomic_done", path.name)

@@ -19,7 +19,10 @@ cache directory, named by a hash of everything that decides them (mode, prompts,
 files, tokenizer, library versions for `hidden`), and the executor reads them like any input.
 The plan's fingerprint uses that hash, not the file, so a rerun resumes even if the cache was
 cleared, and any change of prompts or mode gives a different plan. The plan itself never needs the
-values: `mergesmith plan` runs no forward pass.
+values: `mergesmith plan` runs no forward pass. The cache directory is opened without following links
+(cache_root.open_cache_dir: a link planted as `moe-router/` is refused in one line), a cache entry that
+is a link is not trusted (recomputed, and the link replaced), and a new entry is created new under a
+unique temporary name and renamed between descriptors of that directory (io/safe_fs.py).
 
 transformers is imported here only, and only when a prompt mode needs it.
 """
@@ -29,7 +32,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -38,8 +42,9 @@ from typing import Any
 
 import torch
 
-from ..cache_root import cache_root
+from ..cache_root import cache_root, open_cache_dir
 from ..errors import CheckpointError
+from ..io import safe_fs
 from ..io.checkpoint import Checkpoint, TensorInfo, read_safetensors_header
 from ..planner import TOKENIZER_FILES, tensor_seed
 from .config import PROMPT_MODES, Expert
@@ -52,9 +57,12 @@ DEGENERATE_COND = 5.0
 GateProgress = Callable[[int, int], None]
 
 
+CACHE_SUBDIR = "moe-router"
+
+
 def cache_dir() -> Path:
     """Where router weights are kept: under mergesmith's cache directory (cache_root)."""
-    return cache_root() / "moe-router"
+    return cache_root() / CACHE_SUBDIR
 
 
 def router_tensor(layer: int) -> str:
@@ -156,7 +164,14 @@ class GateJob:
         so that some expert will hardly ever be chosen).
         """
         path = self.path
-        if path.is_file():
+        dfd = open_cache_dir(CACHE_SUBDIR)  # a link there: LinkError, one line
+        try:
+            cached = stat.S_ISREG(os.stat(path.name, dir_fd=dfd, follow_symlinks=False).st_mode)
+        except OSError:
+            cached = False
+        finally:
+            os.close(dfd)
+        if cached:
             try:
                 ckpt = Checkpoint.open(str(path))
                 _tensors, meta, _raw = read_safetensors_header(path)
@@ -178,20 +193,23 @@ class GateJob:
 
 
 def _save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata_: dict[str, str]) -> None:
-    """Write under a unique temporary name and rename, so concurrent runs never see half a file."""
+    """Write under a unique temporary name and rename, so concurrent runs never see half a file; both
+    inside a descriptor of the cache directory, never through a link (io/safe_fs.py)."""
     from safetensors.torch import save
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    dfd = open_cache_dir(CACHE_SUBDIR)
+    tmp = f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(save(tensors, metadata=metadata_))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        safe_fs.write_new_file(dfd, tmp, save(tensors, metadata=metadata_))
+        safe_fs.replace_atomically(dfd, tmp, dfd, path.name)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except OSError:
+            pass
         raise
+    finally:
+        os.close(dfd)
 
 
 def compute_gates(job: GateJob, on_progress: GateProgress | None = None) -> torch.Tensor:

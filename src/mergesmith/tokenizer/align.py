@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..io import safe_fs
 
 VOCAB_OP = "vocab_merge"
 MAP_PARAM = "vocab_map"
@@ -43,7 +44,10 @@ _OWN_PARAMS = (MAP_PARAM, DTYPE_PARAM)
 def staging_root() -> Path:
     """Where planned tokenizer files and alignment tables wait for the executor (content-addressed)."""
     uid = os.getuid() if hasattr(os, "getuid") else 0
-    return Path(os.environ.get("MERGESMITH_STAGING") or Path(tempfile.gettempdir()) / f"mergesmith-{uid}")
+    if os.environ.get("MERGESMITH_STAGING"):
+        return Path(os.environ["MERGESMITH_STAGING"])  # the user's choice, trusted as given
+    # A predictable name in a shared /tmp: someone else may have made it first (safe_fs.private_dir).
+    return safe_fs.private_dir(Path(tempfile.gettempdir()) / f"mergesmith-{uid}")
 
 
 def write_atomic(path: Path, data: bytes) -> None:
