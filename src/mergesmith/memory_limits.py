@@ -273,3 +273,42 @@ class MemoryWatch:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+def memory_report(peak: int, largest: int, read_ahead: int = 0) -> dict[str, object]:
+    """What `plan` shows about memory: what this process may use now (and where that figure comes from),
+    and whether the estimate fits it. `fits` False with `runs` True: the merge runs with fewer tensors in
+    flight than planned; `runs` False: not even the largest tensor's working set fits."""
+    room = memory_room()
+    usable = max(0, room.available - RESERVE_BYTES)
+    fits = peak <= usable
+    runs = largest + read_ahead <= usable
+    if fits:
+        warning = None
+    elif runs:
+        warning = (
+            f"the peak memory estimate ({human(peak)}) is more than this process may use now ({room.describe()}); "
+            "the merge will run fewer tensors at once"
+        )
+    else:
+        warning = (
+            f"the largest tensor's working set ({human(largest)} plus {human(read_ahead)} of read-ahead buffers) is "
+            f"more than this process may use now ({room.describe()}); the merge will stop at that tensor"
+        )
+    return {
+        "available_bytes": room.available,
+        "system_available_bytes": room.system_available,
+        "system_total_bytes": room.system_total,
+        "cgroup": None
+        if room.cgroup is None
+        else {
+            "path": str(room.cgroup.path),
+            "version": room.cgroup.version,
+            "limit_bytes": room.cgroup.limit,
+            "used_bytes": room.cgroup.used,
+        },
+        "description": room.describe(),
+        "fits": fits,
+        "runs": runs,
+        "warning": warning,
+    }
