@@ -95,7 +95,9 @@ class MemoryBudget:
     def _check_alone(self, cost: int) -> None:
         """A lone item runs even over `limit` (a budget, not the machine); but not over the memory there is."""
         assert self.watch is not None
-        if (self.room() or 0) >= cost or self.watch.wait_for(cost + self.held):
+        # sampled afresh, not the watch's last figure: memory may have gone since (the one case where a
+        # stale figure would admit a tensor into an out-of-memory kill)
+        if self.watch.wait_for(cost + self.held):
             return
         room = self.room() or 0
         raise MemoryShortage(
@@ -328,13 +330,15 @@ class LocalExecutor:
         self._emit(None)
 
         cost_of = {r.name: recipe_memory(r, self.plan.compute_dtype) for r in self.plan.recipes}
-        feed_bytes = pool_bytes(self.budget.limit)
+        # what this process may really use (cgroup limit, available memory), sampled while it runs
+        watch = MemoryWatch().start() if self.watch_memory and work else None
+        # the feed's read-ahead buffers: a quarter of the budget, or of the room there is when none was given
+        sizing = self.budget.limit if self.budget.limit is not None or watch is None else watch.capacity()
+        feed_bytes = pool_bytes(sizing)
         if self.budget.limit is None:
             self.budget.limit = automatic_budget(list(cost_of.values()), self.threads)
         costs = [cost_of[recipe.name] for _, recipe in work]
-        if self.watch_memory and work:
-            # what this process may really use (cgroup limit, available memory), sampled while it runs
-            self.budget.watch, self.budget.held = MemoryWatch().start(), feed_bytes
+        self.budget.watch, self.budget.held = watch, feed_bytes
         self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes)
         try:
             self._run_work(work, costs)

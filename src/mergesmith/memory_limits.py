@@ -217,15 +217,17 @@ class MemoryWatch:
 
     def __init__(
         self,
-        room: Callable[[], MemoryRoom] = memory_room,
-        own: Callable[[], int] = own_anonymous_bytes,
+        room: Callable[[], MemoryRoom] | None = None,
+        own: Callable[[], int] | None = None,
         interval: float = SAMPLE_INTERVAL_S,
         reserve: int = RESERVE_BYTES,
     ) -> None:
-        self._room_fn, self._own_fn = room, own
+        # looked up at each call, not bound here, so a test may stand in for the module's functions
+        self._room_fn = room or (lambda: memory_room())
+        self._own_fn = own or (lambda: own_anonymous_bytes())
         self.interval, self.reserve = interval, reserve
-        self._own0 = own()
-        self.last: MemoryRoom = room()
+        self._own0 = self._own_fn()
+        self.last: MemoryRoom = self._room_fn()
         self._capacity = self._compute(self.last)
         self.lowest = self._capacity
         self._done = threading.Event()
@@ -258,8 +260,10 @@ class MemoryWatch:
             except Exception:  # noqa: BLE001 - a failed sample keeps the last figure; the merge goes on
                 pass
 
-    def wait_for(self, cost: int, grace: float = SHORTAGE_GRACE_S) -> bool:
-        """Whether `cost` bytes fit, sampling again for up to `grace` seconds before saying no."""
+    def wait_for(self, cost: int, grace: float | None = None) -> bool:
+        """Whether `cost` bytes fit, sampling again for up to `grace` seconds (SHORTAGE_GRACE_S) before
+        saying no."""
+        grace = SHORTAGE_GRACE_S if grace is None else grace
         deadline = time.monotonic() + grace
         while True:
             if self.sample() >= cost:
