@@ -1,3 +1,117 @@
-"""mergesmith: merge language-model checkpoints as a plan of tensor recipes, streamed to disk."""
+"""mergesmith: merge language-model checkpoints as a plan of tensor recipes, streamed to disk.
 
+The public Python API (everything else in the package is internal):
+
+- `merge(config, out_dir, **options) -> MergeResult`, `plan(config, out_dir=None, **options)`,
+  `merge_raw`, `moe`, `multi`, `extract_lora`: the commands as functions, with the commands'
+  options as keyword arguments (same names and defaults); rerunning `merge` resumes.
+- `merge_state_dicts(method, state_dicts, base=None, parameters=..., model_parameters=...)` and
+  `merge_tensors(...)`: any merge method over tensors in memory (CPU or GPU), no files.
+- `memory_room()`: what this process may use now (cgroup limit, available memory).
+- the errors the command line prints: `MergesmithError` and its kinds.
+
+Names are imported on first use, so `import mergesmith` stays cheap (no torch) until one is called.
+"""
+
+import sys
+
+TYPE_CHECKING = False  # not `from typing import ...`: typing alone costs more than this whole module
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "merge": "python_api",
+    "merge_raw": "python_api",
+    "extract_lora": "python_api",
+    "PlanReport": "python_api",
+    "merge_state_dicts": "in_memory",
+    "merge_tensors": "in_memory",
+    "memory_room": "memory_limits",
+    "MemoryRoom": "memory_limits",
+    "MergeResult": "api",
+    "MergeConfiguration": "config",
+    "ProgressEvent": "executor",
+    "MethodError": "executor",
+    "MergesmithError": "errors",
+    "ConfigError": "errors",
+    "CheckpointError": "errors",
+    "OutputError": "errors",
+    "MergeInterrupted": "errors",
+    "MemoryShortage": "errors",
+}
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "MemoryRoom",
+    "MemoryShortage",
+    "MergeConfiguration",
+    "MergeInterrupted",
+    "MergeResult",
+    "MergesmithError",
+    "MethodError",
+    "OutputError",
+    "PlanReport",
+    "ProgressEvent",
+    "extract_lora",
+    "memory_room",
+    "merge",
+    "merge_raw",
+    "merge_state_dicts",
+    "merge_tensors",
+    "moe",
+    "multi",
+    "plan",
+]
+
+if TYPE_CHECKING:  # for type checkers and editors; at run time the names load lazily
+    from .api import MergeResult
+    from .config import MergeConfiguration
+    from .errors import CheckpointError, ConfigError, MemoryShortage, MergeInterrupted, MergesmithError, OutputError
+    from .executor import MethodError, ProgressEvent
+    from .in_memory import merge_state_dicts, merge_tensors
+    from .memory_limits import MemoryRoom, memory_room
+    from .python_api import PlanReport, extract_lora, merge, merge_raw, moe, multi, plan
+
+
+# `plan`, `moe` and `multi` are also the names of internal modules (plan.py, the moe/ package, multi.py),
+# and importing a submodule sets the package attribute of its name to that module. So these three stay
+# modules, made callable: `mergesmith.moe(config, out)` runs the API function, while
+# `import mergesmith.moe.router` and `from mergesmith.plan import Plan` go on working as before.
+_CALLABLE_MODULES = {"plan": "plan", "moe": "moe", "multi": "multi"}
+
+
+class _CallableModule(type(sys)):  # type: ignore[misc]
+    """A submodule that is also the API function of its name (see _CALLABLE_MODULES)."""
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        from . import python_api
+
+        return getattr(python_api, self.__name__.rsplit(".", 1)[-1])(*args, **kwargs)
+
+
+class _Package(type(sys)):  # type: ignore[misc]
+    def __getattribute__(self, name: str) -> object:
+        value = super().__getattribute__(name)
+        if name in _CALLABLE_MODULES and type(value) is type(sys):
+            value.__class__ = _CallableModule
+        return value
+
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    if name in _CALLABLE_MODULES:
+        return importlib.import_module(f".{name}", __name__)  # the submodule; _Package makes it callable
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mergesmith' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+sys.modules[__name__].__class__ = _Package

@@ -25,3 +25,17 @@ class MergeInterrupted(MergesmithError):
     """The user interrupted the merge; finished shards are journaled and a rerun resumes."""
 
     exit_code = 130
+
+
+class MemoryShortage(MergesmithError):
+    """Even one tensor's working set no longer fits the memory this process may use (its cgroup limit or
+    the system's available memory); the merge stopped between tensors, finished work is journaled and a
+    rerun with more memory resumes. `needed` and `available` are in bytes."""
+
+    def __init__(self, message: str, needed: int = 0, available: int = 0) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+    def __reduce__(self) -> tuple[object, ...]:  # picklable with its figures (Ray hands errors back)
+        return (self.__class__, (str(self), self.needed, self.available))

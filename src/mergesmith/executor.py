@@ -20,12 +20,13 @@ import torch
 from .blocks import row_blocks
 from .devices import resolve_device
 from .dtypes import to_torch
-from .errors import ConfigError, MergeInterrupted
+from .errors import ConfigError, MemoryShortage, MergeInterrupted
 from .input_stream import InputFeed, open_feed
 from .io.checkpoint import Checkpoint
 from .io.direct_read import pool_bytes
 from .io.journal import Journal, partial_path
 from .io.safetensors_writer import ShardWriter
+from .memory_limits import MemoryWatch, human
 from .memory_release import release_free_heap
 from .methods import MergeInputs, require_method
 from .plan import InputRef, Plan, ShardPlan, TensorRecipe
@@ -51,16 +52,30 @@ class ProgressEvent:
 
 
 class MemoryBudget:
-    """Admits work while the bytes in flight fit; an oversized item waits until it is alone."""
+    """Admits work while the bytes in flight fit; an oversized item waits until it is alone.
 
-    def __init__(self, limit: int | None) -> None:
+    With a `watch` (memory_limits.MemoryWatch), the bytes in flight must also fit what this process may
+    really use now (its cgroup's limit, the system's available memory) less `held` (the input feed's
+    buffers): when another process takes memory, less work is admitted; when even a lone item no
+    longer fits, `acquire_first` raises MemoryShortage instead of letting the kernel kill the merge."""
+
+    def __init__(self, limit: int | None, watch: MemoryWatch | None = None, held: int = 0) -> None:
         self.limit = limit
+        self.watch = watch
+        self.held = held
         self.in_flight = 0
         self.peak = 0  # the most bytes ever admitted at once: a statistic for tests and reports
         self._cond = threading.Condition()
 
+    def room(self) -> int | None:
+        """Bytes the work in flight may occupy now by the memory watch (None: not watched)."""
+        return None if self.watch is None else max(0, self.watch.capacity() - self.held)
+
     def fits(self, cost: int) -> bool:
-        return self.limit is None or self.in_flight == 0 or self.in_flight + cost <= self.limit
+        limit, room = self.limit, self.room()
+        if room is not None:
+            limit = room if limit is None else min(limit, room)
+        return limit is None or self.in_flight == 0 or self.in_flight + cost <= limit
 
     def acquire_first(self, costs: list[int], stop: threading.Event) -> int | None:
         """Admit the first of `costs` that fits, waiting until one does; its position, or None when stopped."""
@@ -68,12 +83,29 @@ class MemoryBudget:
             while True:
                 for position, cost in enumerate(costs):
                     if self.fits(cost):
+                        if self.in_flight == 0 and self.watch is not None:
+                            self._check_alone(cost)
                         self.in_flight += cost
                         self.peak = max(self.peak, self.in_flight)
                         return position
                 if stop.is_set():
                     return None
                 self._cond.wait(0.2)
+
+    def _check_alone(self, cost: int) -> None:
+        """A lone item runs even over `limit` (a budget, not the machine); but not over the memory there is."""
+        assert self.watch is not None
+        # sampled afresh, not the watch's last figure: memory may have gone since (the one case where a
+        # stale figure would admit a tensor into an out-of-memory kill)
+        if self.watch.wait_for(cost + self.held):
+            return
+        room = self.room() or 0
+        raise MemoryShortage(
+            f"needs {human(cost)} of working memory, only {human(room)} is free for it "
+            f"(this process may use {self.watch.last.describe()})",
+            needed=cost,
+            available=room,
+        )
 
     def release(self, cost: int) -> None:
         with self._cond:
@@ -244,8 +276,10 @@ class LocalExecutor:
         device: str = "cpu",
         on_progress: Callable[[ProgressEvent], None] | None = None,
         stop: threading.Event | None = None,
+        watch_memory: bool = True,
     ) -> None:
         self.plan = plan
+        self.watch_memory = watch_memory
         self.ckpts = checkpoints
         self.out_dir = out_dir
         self.journal = journal
@@ -297,10 +331,15 @@ class LocalExecutor:
         self._emit(None)
 
         cost_of = {r.name: recipe_memory(r, self.plan.compute_dtype) for r in self.plan.recipes}
-        feed_bytes = pool_bytes(self.budget.limit)
+        # what this process may really use (cgroup limit, available memory), sampled while it runs
+        watch = MemoryWatch().start() if self.watch_memory and work else None
+        # the feed's read-ahead buffers: a quarter of the budget, or of the room there is when none was given
+        sizing = self.budget.limit if self.budget.limit is not None or watch is None else watch.capacity()
+        feed_bytes = pool_bytes(sizing)
         if self.budget.limit is None:
             self.budget.limit = automatic_budget(list(cost_of.values()), self.threads)
         costs = [cost_of[recipe.name] for _, recipe in work]
+        self.budget.watch, self.budget.held = watch, feed_bytes
         self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes)
         try:
             self._run_work(work, costs)
@@ -308,7 +347,10 @@ class LocalExecutor:
             if self._feed is not None:
                 self._feed.close()
                 self._feed = None
-        self._journal_progress()
+            if self.budget.watch is not None:
+                self.budget.watch.stop()
+            # an interrupt or a memory shortage ends the run here too: what is durable gets journaled
+            self._journal_progress()
         if self._error is not None:
             raise self._error
         if self.stop.is_set():
@@ -327,25 +369,46 @@ class LocalExecutor:
         prefetched = 0
         waiting = list(range(len(work)))  # indices into work, in plan order, not yet admitted
         head_passed = 0  # recipes admitted ahead of waiting[0] since it first waited
-        with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="merge") as pool:
-            futures: list[Future[None]] = []
-            while waiting and not self._stopping():
-                if not slots.acquire(timeout=0.2):
-                    continue
-                window = waiting[: ADMISSION_WINDOW if head_passed < ADMISSION_WINDOW else 1]
-                position = self.budget.acquire_first([costs[i] for i in window], self.stop)
-                if position is None:
-                    slots.release()
-                    break
-                head_passed = head_passed + 1 if position else 0
-                index = waiting.pop(position)
-                shard, recipe = work[index]
-                prefetched = self._prefetch(work, index, prefetched)
-                futures.append(pool.submit(self._run_one, shard, recipe, costs[index], slots))
-            for f in futures:
-                f.exception()  # wait for everything in flight
-        flusher_done.set()
-        flusher.join()
+        try:
+            with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="merge") as pool:
+                futures: list[Future[None]] = []
+                try:
+                    while waiting and not self._stopping():
+                        if not slots.acquire(timeout=0.2):
+                            continue
+                        window = waiting[: ADMISSION_WINDOW if head_passed < ADMISSION_WINDOW else 1]
+                        try:
+                            position = self.budget.acquire_first([costs[i] for i in window], self.stop)
+                        except MemoryShortage as exc:
+                            raise self._shortage(exc, work[window[0]][1]) from None
+                        if position is None:
+                            slots.release()
+                            break
+                        head_passed = head_passed + 1 if position else 0
+                        index = waiting.pop(position)
+                        shard, recipe = work[index]
+                        prefetched = self._prefetch(work, index, prefetched)
+                        futures.append(pool.submit(self._run_one, shard, recipe, costs[index], slots))
+                except BaseException:
+                    # Ctrl-C in a notebook (KeyboardInterrupt lands in this thread) or a memory shortage:
+                    # the tensors in flight finish and are journaled, so a rerun resumes after them.
+                    self.stop.set()
+                    raise
+                finally:
+                    for f in futures:
+                        f.exception()  # wait for everything in flight
+        finally:
+            flusher_done.set()
+            flusher.join()
+
+    def _shortage(self, exc: MemoryShortage, recipe: TensorRecipe) -> MemoryShortage:
+        """The one-line error: which tensor, how much it needed and had, and what is saved for the rerun."""
+        return MemoryShortage(
+            f"not enough memory: tensor {recipe.name!r} {exc}; stopped with {self._done} of "
+            f"{len(self.plan.recipes)} tensors saved, rerun with more memory to resume",
+            exc.needed,
+            exc.available,
+        )
 
     def _stopping(self) -> bool:
         return self.stop.is_set() or self._error is not None

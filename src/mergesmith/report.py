@@ -169,7 +169,15 @@ def plan_report(
         "files_to_copy": [name for _src, name in plan.files_to_copy],
         "output_layers": plan.output_config.get("num_hidden_layers"),
         "warnings": list(plan.warnings),
+        "memory": _memory(est),
     }
+
+
+def _memory(est: Any) -> dict[str, Any]:
+    """What this process may use (cgroup limit, available memory) against the estimate (memory_limits)."""
+    from .memory_limits import memory_report
+
+    return memory_report(est.peak_memory, est.largest_tensor_bytes, est.read_ahead)
 
 
 def _h(n: float) -> str:
@@ -202,6 +210,11 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
             f"warning: tensor {o['tensor']} alone needs {_h(o['bytes'])}, over the --max-memory budget "
             f"of {_h(o['budget'])}; it will run by itself"
         )
+    memory = report.get("memory")
+    if memory:
+        lines.append(f"memory this process may use now: {memory['description']}")
+        if memory.get("warning"):
+            lines.append(f"warning: {memory['warning']}")
     for warning in report.get("warnings") or []:
         lines.append(f"warning: {warning}")
     if report["disk"]:

@@ -1,0 +1,403 @@
+"""The documented Python API behind `import mergesmith`: the commands as functions.
+
+Each function takes the command's options as keyword arguments with the command's names and defaults.
+Those are read from the click command itself (`command_options`), so the API cannot drift from the
+CLI, and the values go through the CLI's own conversion (`cli._options`: sizes like "8GB", devices,
+the Ray checks), so a bad value is the same ConfigError the command prints. Resume is the command's:
+the same output directory, config and options continue an interrupted merge, whichever of the two
+started it.
+
+The library prints nothing unless asked: `progress=True` shows a display fit for the place
+(notebook_progress), a callable gets every ProgressEvent; warnings go to the `mergesmith` logger
+(silent unless the program configures logging) and stay on the result's plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+log = logging.getLogger("mergesmith")
+
+
+def _command(name: str) -> Any:
+    from .cli import cli
+
+    return cli.commands[name]
+
+
+def command_options(name: str, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """{option name: default} of the CLI command `name` (e.g. "merge"), as Python keyword names."""
+    import click
+
+    command = _command(name)
+    ctx = click.Context(command)
+    return {
+        p.name: p.get_default(ctx)
+        for p in command.params
+        if isinstance(p, click.Option) and p.name and p.name not in exclude
+    }
+
+
+def _resolve(function: str, command: str, given: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The command's defaults updated with `given`; an unknown name is a TypeError (as for any Python
+    function), a value the command would refuse is its ConfigError naming the option."""
+    import click
+
+    defaults = command_options(command, exclude)
+    unknown = [k for k in given if k not in defaults]
+    if unknown:
+        names = ", ".join(sorted(defaults))
+        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r} (options: {names})")
+    command_obj = _command(command)
+    ctx = click.Context(command_obj)
+    params = {p.name: p for p in command_obj.params}
+    resolved = dict(defaults)
+    for key, value in given.items():
+        if value is not None:
+            try:
+                value = params[key].type_cast_value(ctx, value)
+            except click.BadParameter as exc:
+                raise ConfigError(f"`{key}`: {exc.message}") from None
+        resolved[key] = value
+    return resolved
+
+
+def _merge_options(kw: dict[str, Any]) -> Any:
+    from .cli import _options
+
+    return _options(kw)
+
+
+def as_merge_config(config: Any, what: str = "merge") -> tuple[Any, str]:
+    """(MergeConfiguration, source name) from a path, a YAML string, a dict or a MergeConfiguration."""
+    from .config import MergeConfiguration, load_config, parse_config
+
+    if isinstance(config, MergeConfiguration):
+        return config, "config"
+    data, source = _config_data(config)
+    if data is None:
+        if _is_moe_file(source) and what == "merge":
+            raise ConfigError(f"{source}: this is a mergekit-moe config (it has `experts`); use mergesmith.moe")
+        return load_config(source), source
+    from .moe.config import looks_like_moe
+
+    if looks_like_moe(data) and what == "merge":
+        raise ConfigError(f"{source}: this is a mergekit-moe config (it has `experts`); use mergesmith.moe")
+    return parse_config(data, source), source
+
+
+def _is_moe_file(path: str) -> bool:
+    from .moe.config import is_moe_config_file
+
+    return is_moe_config_file(path)
+
+
+def _config_data(config: Any) -> tuple[Any, str]:
+    """(parsed data, "config") for a dict or YAML text; (None, path) for a file to load."""
+    if isinstance(config, dict):
+        return config, "config"
+    if isinstance(config, Path):
+        return None, str(config)
+    if not isinstance(config, str):
+        raise ConfigError(
+            f"config: expected a path, a YAML string, a dict or a MergeConfiguration, got {type(config).__name__}"
+        )
+    if "\n" not in config and not config.lstrip().startswith("{") and ":" not in config.split("/")[-1]:
+        return None, config  # a file name (a missing one is the loader's one-line error)
+    if "\n" not in config and Path(config).is_file():
+        return None, config
+    import yaml
+
+    try:
+        data = yaml.safe_load(config)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"config: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {config!r} is neither a file nor a YAML mapping")
+    return data, "config"
+
+
+@dataclass
+class PlanReport:
+    """What `mergesmith.plan` found: the Plan (data), the report the CLI prints (`report`, also as
+    `str(report)`), and the memory this process may use (`memory`)."""
+
+    plan: Any
+    report: dict[str, Any]
+
+    @property
+    def text(self) -> str:
+        from .report import render_plan_text
+
+        return render_plan_text(self.report)
+
+    @property
+    def warnings(self) -> list[str]:
+        return list(self.report.get("warnings") or [])
+
+    @property
+    def memory(self) -> dict[str, Any] | None:
+        return self.report.get("memory")
+
+    def __str__(self) -> str:
+        return self.text
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # IPython shows the text
+        printer.text(self.text)
+
+
+def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> PlanReport:
+    """Plan a merge (or an MoE assembly) from headers alone: what it writes, its memory and disk needs.
+
+    `options`: those of `mergesmith plan` (`threads`, `max_memory`, `out_shard_size`, ...). With
+    `out_dir`, the disk there is checked and probed as the command does. Nothing is written.
+    """
+    from .report import check_plan_out_dir, plan_report
+
+    kw = _resolve("plan", "plan", options, exclude=("as_json", "tensors"))
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        check_plan_out_dir(out)
+    merge_options = _merge_options(kw)
+    moe_config = _maybe_moe(config)
+    if moe_config is not None:
+        from .moe import build_moe_plan
+
+        the_plan, checkpoints, _gates = build_moe_plan(moe_config, merge_options, out)
+    else:
+        from .api import build_plan
+
+        cfg, source = as_merge_config(config, what="plan")
+        the_plan, checkpoints = build_plan(cfg, merge_options, out, source=source)
+    report = plan_report(the_plan, checkpoints, out, merge_options)
+    moe = the_plan.options.get("moe")
+    if moe:
+        report["method"] = "moe"
+        report["moe"] = moe
+    return PlanReport(the_plan, report)
+
+
+def _maybe_moe(config: Any, allow_all_same: bool = False) -> Any:
+    """A MoEConfiguration when `config` is a mergekit-moe config, else None."""
+    from .config import MergeConfiguration
+    from .moe.config import MoEConfiguration, load_moe_config, looks_like_moe, parse_moe_config
+
+    if isinstance(config, MoEConfiguration):
+        return config
+    if isinstance(config, MergeConfiguration):
+        return None
+    data, source = _config_data(config)
+    if data is None:
+        return load_moe_config(source, allow_all_same=allow_all_same) if _is_moe_file(source) else None
+    return parse_moe_config(data, source, allow_all_same=allow_all_same) if looks_like_moe(data) else None
+
+
+def _show_warnings(display: Any, shown: bool) -> Callable[[Any], None]:
+    def on_plan(the_plan: Any) -> None:
+        for warning in the_plan.warnings:
+            log.warning("%s", warning)
+            if shown:
+                print(f"warning: {warning}")
+        display.start(the_plan)
+
+    return on_plan
+
+
+def merge(
+    config: Any,
+    out_dir: str | Path,
+    *,
+    progress: bool | Callable[[Any], None] | None = None,
+    stop: threading.Event | None = None,
+    **options: Any,
+) -> Any:
+    """Merge the models of `config` into `out_dir`; call it again to resume an interrupted merge.
+
+    `config`: a path, a YAML string, a dict or a MergeConfiguration. `options`: those of `mergesmith
+    merge`, same names and defaults (`threads`, `max_memory="8GB"`, `out_shard_size`, `random_seed`,
+    `device`, `overwrite`, `force`, `verify`, ...). `progress`: True for a display (a live bar in a
+    notebook), a callable for every ProgressEvent; `stop`: an Event another thread may set to stop after
+    the tensors in flight (MergeInterrupted). A KeyboardInterrupt (a notebook's stop button, or raised by
+    the progress callable) also stops after the tensors in flight, journals them and propagates; the
+    next call resumes. Returns a MergeResult (`out_dir`, `plan`, `shards_reused`, `already_complete`,
+    `seconds`). Errors are the CLI's: ConfigError, CheckpointError, OutputError, MemoryShortage, ...
+    """
+    from .api import run_merge
+    from .notebook_progress import choose_display, final_line
+
+    kw = _resolve("merge", "merge", options)
+    cfg, source = as_merge_config(config)
+    merge_options = _merge_options(kw)
+    shown = progress is True and not kw["quiet"]
+    display = choose_display(progress if not kw["quiet"] else None)
+    with display:
+        result = _run_with_source(
+            run_merge,
+            cfg,
+            source,
+            out_dir,
+            merge_options,
+            overwrite=kw["overwrite"],
+            force=kw["force"],
+            verify=kw["verify"],
+            on_plan=_show_warnings(display, shown),
+            on_progress=display.update,
+            stop=stop,
+        )
+    if shown:
+        print(final_line(Path(out_dir), result))
+    return result
+
+
+def _run_with_source(run: Callable[..., Any], cfg: Any, source: str, *args: Any, **kw: Any) -> Any:
+    """Run a merge of a parsed config whose messages name `source` (its path, when it came from one)."""
+    if source == "config":
+        return run(cfg, *args, **kw)
+    return run(source, *args, **kw)
+
+
+def merge_raw(
+    config: Any,
+    out_dir: str | Path,
+    *,
+    progress: bool | Callable[[Any], None] | None = None,
+    stop: threading.Event | None = None,
+    **options: Any,
+) -> Any:
+    """`mergesmith merge-raw` as a function: merge bare state-dict files (no config.json) into `out_dir`."""
+    from .notebook_progress import choose_display, final_line
+    from .raw import run_raw_merge
+
+    kw = _resolve("merge_raw", "merge-raw", options)
+    if kw["tensor_union"] and kw["tensor_intersection"]:
+        raise ConfigError("give tensor_union or tensor_intersection, not both")
+    cfg, source = as_merge_config(config)
+    merge_options = _merge_options(kw)
+    tensor_set = "union" if kw["tensor_union"] else "intersection" if kw["tensor_intersection"] else "exact"
+    shown = progress is True and not kw["quiet"]
+    display = choose_display(progress if not kw["quiet"] else None)
+    with display:
+        result = _run_with_source(
+            run_raw_merge,
+            cfg,
+            source,
+            out_dir,
+            merge_options,
+            tensor_set=tensor_set,
+            overwrite=kw["overwrite"],
+            force=kw["force"],
+            verify=kw["verify"],
+            on_plan=_show_warnings(display, shown),
+            on_progress=display.update,
+            stop=stop,
+        )
+    if shown:
+        print(final_line(Path(out_dir), result))
+    return result
+
+
+def moe(
+    config: Any,
+    out_dir: str | Path,
+    *,
+    progress: bool | Callable[[Any], None] | None = None,
+    stop: threading.Event | None = None,
+    **options: Any,
+) -> Any:
+    """`mergesmith moe` as a function: assemble a mixture of experts (a mergekit-moe config as a path,
+    YAML string, dict or MoEConfiguration) into `out_dir`; call again to resume."""
+    from .moe import run_moe
+    from .notebook_progress import choose_display, final_line
+
+    kw = _resolve("moe", "moe", options)
+    if kw["load_in_4bit"] or kw["load_in_8bit"]:
+        raise ConfigError("`load_in_4bit`/`load_in_8bit` are not supported")
+    cfg = _maybe_moe(config, allow_all_same=kw["allow_all_same"])
+    if cfg is None:
+        raise ConfigError("config: not a mergekit-moe config (it has no `experts`); use mergesmith.merge")
+    merge_options = _merge_options(kw)
+    shown = progress is True and not kw["quiet"]
+    display = choose_display(progress if not kw["quiet"] else None)
+    with display:
+        result = run_moe(
+            cfg,
+            out_dir,
+            merge_options,
+            overwrite=kw["overwrite"],
+            force=kw["force"],
+            allow_all_same=kw["allow_all_same"],
+            on_plan=display.start,
+            on_progress=display.update,
+            on_warning=lambda message: log.warning("%s", message),
+            stop=stop,
+        )
+    if shown:
+        print(final_line(Path(out_dir), result))
+    return result
+
+
+def multi(
+    config: str | Path,
+    out_dir: str | Path,
+    *,
+    progress: bool | Callable[[Any], None] | None = None,
+    stop: threading.Event | None = None,
+    **options: Any,
+) -> list[Any]:
+    """`mergesmith multi` as a function: run a multi-stage file (a path, or its YAML text) with each named
+    stage written to `out_dir/<name>`; returns one StageResult per stage (`name`, `out_dir`, `result`)."""
+    from .multi import run_multi
+    from .notebook_progress import choose_display
+
+    kw = _resolve("multi", "multi", options, exclude=("out_dir",))
+    merge_options = _merge_options(kw)
+    display = choose_display(progress if not kw["quiet"] else None)
+    with display, tempfile.TemporaryDirectory(prefix="mergesmith-multi-") as scratch:
+        path = Path(config) if isinstance(config, Path) or "\n" not in str(config) else None
+        if path is None:
+            path = Path(scratch) / "multi.yml"
+            path.write_text(str(config))
+        results = run_multi(
+            path,
+            out_dir,
+            merge_options,
+            out_path=kw["out_path"],
+            lazy=kw["lazy"],
+            overwrite=kw["overwrite"],
+            force=kw["force"],
+            verify=kw["verify"],
+            on_plan=display.start,
+            on_progress=display.update,
+            stop=stop,
+        )
+    return results
+
+
+def extract_lora(model: str, base: str, out: str | Path, **options: Any) -> Any:
+    """`mergesmith extract-lora` as a function: write a PEFT LoRA adapter approximating `model - base`
+    into `out` (`max_rank=128`, `sv_epsilon`, `embed_lora`, `device`, `overwrite`). Returns an
+    ExtractResult (`out_dir`, `ranks`, `modules_to_save`, `seconds`, `notes`)."""
+    from .devices import resolve_device
+    from .lora_extract import extract_lora as run_extract
+
+    kw = _resolve("extract_lora", "extract-lora", options, exclude=("model", "base", "out"))
+    return run_extract(
+        str(model),
+        str(base),
+        out,
+        kw["max_rank"],
+        sv_epsilon=kw["sv_epsilon"],
+        embed_lora=kw["embed_lora"],
+        device=resolve_device(kw["device"], what="device"),
+        overwrite=kw["overwrite"],
+    )
