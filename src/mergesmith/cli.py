@@ -732,6 +732,73 @@ def extract_lora_cmd(
     )
 
 
+# ----- tokensurgeon (issue 20): one command, all logic in tokensurgeon/ ---------------------------
+_MATCH = click.Choice(["no", "yes", "embed", "lm_head"])
+
+
+@cli.command("tokensurgeon", short_help="Give a model another model's tokenizer (training-free).")
+@click.argument("base")
+@click.argument("donor")
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option(
+    "--approximation-method",
+    "-a",
+    type=click.Choice(["omp", "common_interpolation", "subword", "mean", "zero", "randn"]),
+    default="omp",
+    show_default=True,
+    help="How rows of tokens BASE lacks are made.",
+)
+@click.option("--k", "-k", type=int, default=64, show_default=True, help="Shared tokens per approximation.")
+@click.option("--prefix-match", "-pm", type=_MATCH, default="no", is_flag=False, flag_value="yes", show_default=True,
+              help="Use BASE's row of a token's longest prefix (bare flag: yes).")
+@click.option("--byte-match", "-bm", type=_MATCH, default="no", is_flag=False, flag_value="yes", show_default=True,
+              help="Match single characters with <0xNN> byte tokens (bare flag: yes).")
+@click.option("--weight-scheme", "-w", type=click.Choice(["distance_proportional", "barycentric", "least_squares"]),
+              default="distance_proportional", show_default=True, help="Weights for common_interpolation.")
+@click.option("--cosine-similarity/--no-cosine-similarity", "-c/-nc", default=False,
+              help="Cosine distance for common_interpolation's neighbours.")
+@click.option("--subword-method", "-s", type=click.Choice(["mean", "sum", "weighted_mean", "first_last"]),
+              default="mean", show_default=True, help="How subword combines a token's pieces.")
+@click.option("--batch-size", type=int, default=None, help="Tokens approximated at once (default: by memory).")
+@click.option("--new-vocab-noise", "-nvn", type=float, default=None, help="Gaussian noise added to new rows.")
+@click.option("--new-vocab-scale", "-nvs", type=float, default=None, help="Scale applied to new rows.")
+@click.option("--magikarp/--no-magikarp", default=False, hidden=True)
+@_merge_options
+@click.option("--overwrite", is_flag=True, help="Replace a different model already in OUT_DIR.")
+@click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overwrite: bool, force: bool,
+                     quiet: bool, **kw: Any) -> None:
+    """Write BASE with DONOR's tokenizer into OUT_DIR (mergekit-tokensurgeon's options).
+
+    Tokens both tokenizers have keep BASE's rows exactly; the others are approximated (omp: the k shared
+    tokens that best rebuild the donor's embedding of the token, their weights applied to BASE's rows).
+    Rerun to resume an interrupted run.
+    """
+    from .tokensurgeon import SurgeryOptions, run_tokensurgeon
+    from .tokensurgeon.planner import describe_counts
+
+    if magikarp:
+        raise ConfigError("`--magikarp` is not supported by mergesmith tokensurgeon")
+    names = ("approximation_method", "k", "prefix_match", "byte_match", "weight_scheme", "cosine_similarity",
+             "subword_method", "batch_size", "new_vocab_noise", "new_vocab_scale")
+    surgery = SurgeryOptions(**{n: kw.pop(n) for n in names})
+    options = _options(kw)
+    with _Interrupts() as interrupts, _merge_progress(quiet) as progress:
+        result, counts = run_tokensurgeon(
+            base, donor, out_dir, surgery, options, overwrite=overwrite, force=force,
+            on_plan=_warn_then(quiet, progress.start), on_progress=progress.update, stop=interrupts.stop,
+        )
+    if result.already_complete:
+        click.echo(f"{out_dir}: already complete (same inputs and options); nothing to do")
+        return
+    summary = result.plan.options["tokensurgeon"]
+    click.echo(
+        f"wrote {out_dir} (vocabulary {summary['vocab_size']}, {surgery.approximation_method}; "
+        f"{describe_counts(counts)}) in {result.seconds:.1f}s"
+    )
+
+
 _NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", None)  # click >= 8.2
 
 

@@ -102,3 +102,13 @@ def vocab_merge_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
 
 
 register_op("vocab_merge", vocab_merge_op)
+
+
+def transplant_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
+    """An embedding/lm_head rebuilt for another tokenizer (tokensurgeon/table.py), imported lazily."""
+    from .tokensurgeon.table import transplant_op as run
+
+    return run(recipe, load)
+
+
+register_op("transplant", transplant_op)

@@ -1,0 +1,146 @@
+"""The tokensurgeon proof: transplant the donor's tokenizer onto the base with every method, report
+held-out perplexity with the donor tokenizer beside the base's with its own, and compare with
+mergekit-tokensurgeon 0.1.5 on the same pair and k.
+
+    PYTHONPATH=src:examples/tokensurgeon python examples/tokensurgeon/proof.py tests/fixtures/tokensurgeon \
+        /tmp/proof [--k 32] [--mergekit ~/.cache/mergesmith/mergekit-venv/bin/mergekit-tokensurgeon]
+
+Prints a markdown table (the README's numbers). Perplexity is next-token perplexity over windows of
+128 tokens of `corpus.heldout_text()` (text the models never saw), in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import corpus
+import torch
+
+METHODS = ("omp", "common_interpolation", "subword", "mean", "zero", "randn")
+
+
+def perplexity(model_dir: Path, text: str, seq: int = 128) -> float:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, ids.numel() - 1, seq):
+            x = ids[s : s + seq].unsqueeze(0)
+            if x.shape[1] < 2:
+                break
+            logits = model(input_ids=x).logits.float()
+            if not torch.isfinite(logits).all():
+                raise RuntimeError(f"{model_dir}: non-finite logits")
+            total += torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:], reduction="sum").item()
+            count += x.shape[1] - 1
+    return math.exp(total / count)
+
+
+def transplant(base: Path, donor: Path, out: Path, method: str, k: int) -> float:
+    from mergesmith.planner import MergeOptions
+    from mergesmith.tokensurgeon import SurgeryOptions, run_tokensurgeon
+
+    started = time.monotonic()
+    run_tokensurgeon(
+        base,
+        donor,
+        out,
+        SurgeryOptions(approximation_method=method, k=k),
+        MergeOptions(threads=1, random_seed=0, write_model_card=False),
+        overwrite=True,
+    )
+    return time.monotonic() - started
+
+
+def run_mergekit(exe: str, base: Path, donor: Path, out: Path, method: str, k: int) -> float:
+    started = time.monotonic()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    subprocess.run(
+        [exe, str(base), str(donor), str(out), "--approximation-method", method, "--k", str(k)],
+        check=True,
+        capture_output=True,
+        env=env,
+    )
+    return time.monotonic() - started
+
+
+def compare_rows(ours: Path, theirs: Path) -> dict[str, float]:
+    """Shared rows bit-equal? Approximated rows: max |diff| and mean cosine similarity, per tensor."""
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(ours / "model.safetensors")), load_file(str(theirs / "model.safetensors"))
+    out: dict[str, float] = {}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name not in a:
+            continue
+        x, y = a[name].float(), b[name].float()
+        assert x.shape == y.shape, (name, x.shape, y.shape)
+        same = (a[name] == b[name]).all(dim=1)
+        # rows that differ anywhere are the approximated ones (copied rows are base bytes in both)
+        diff = ~same
+        cos = torch.nn.functional.cosine_similarity(x[diff], y[diff], dim=1) if diff.any() else torch.ones(1)
+        out[f"{name}:equal_rows"] = int(same.sum())
+        out[f"{name}:max_abs_diff"] = float((x - y).abs().max())
+        out[f"{name}:min_cos"] = float(cos.min())
+        out[f"{name}:mean_cos"] = float(cos.mean())
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("fixture", type=Path)
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--k", type=int, default=32)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--mergekit", default=os.path.expanduser("~/.cache/mergesmith/mergekit-venv/bin/mergekit-tokensurgeon")
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    base, donor = args.fixture / "base", args.fixture / "donor"
+    text = corpus.heldout_text()
+    print(f"base with its own tokenizer: perplexity {perplexity(base, text):.3f}")
+    print(f"donor with its own tokenizer: perplexity {perplexity(donor, text):.3f}")
+    print()
+    print(
+        f"| method (k={args.k}) | mergesmith ppl | mergekit ppl | mergesmith s | mergekit s | rows equal "
+        "| approx. rows: min / mean cosine, max abs diff |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for method in args.methods.split(","):
+        ours = args.work / f"ms-{method}"
+        secs = transplant(base, donor, ours, method, args.k)
+        ppl = perplexity(ours, text)
+        mk_ppl = mk_secs = "-"
+        rows = ""
+        if args.mergekit and os.path.exists(args.mergekit):
+            theirs = args.work / f"mk-{method}"
+            mk_secs = f"{run_mergekit(args.mergekit, base, donor, theirs, method, args.k):.1f}"
+            mk_ppl = f"{perplexity(theirs, text):.3f}"
+            c = compare_rows(ours, theirs)
+            rows = "; ".join(
+                f"{n.split('.')[-2]} {int(c[n + ':equal_rows'])}"
+                for n in ("model.embed_tokens.weight", "lm_head.weight")
+                if n + ":equal_rows" in c
+            )
+            detail = "; ".join(
+                f"{n.split('.')[-2]} {c[n + ':min_cos']:.4f} / {c[n + ':mean_cos']:.4f}, {c[n + ':max_abs_diff']:.2g}"
+                for n in ("model.embed_tokens.weight", "lm_head.weight")
+                if n + ":min_cos" in c
+            )
+        else:
+            detail = ""
+        print(f"| {method} | {ppl:.3f} | {mk_ppl} | {secs:.1f} | {mk_secs} | {rows} | {detail} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

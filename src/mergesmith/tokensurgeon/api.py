@@ -1,0 +1,85 @@
+"""Run a tokenizer transplant: plan from headers and tokenizers, then write through `api.execute_plan`.
+
+Writing goes through the output protocol every planner shares, so a transplant resumes after an
+interruption, checks the disk and reports progress like a merge.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..api import MergeResult, execute_plan
+from ..errors import OutputError
+from ..executor import ProgressEvent
+from ..io.checkpoint import Checkpoint
+from ..io.journal import Journal
+from ..plan import Plan
+from ..planner import MergeOptions
+from .planner import SurgeryOptions, TokenSurgeonPlanner
+
+
+def build_tokensurgeon_plan(
+    base: str | Path,
+    donor: str | Path,
+    surgery: SurgeryOptions | None = None,
+    options: MergeOptions | None = None,
+    out_dir: str | Path | None = None,
+) -> tuple[Plan, dict[str, Checkpoint], dict[str, dict[str, int]]]:
+    """Plan the transplant (reads headers and tokenizers, no tensor). Returns the plan, the opened
+    checkpoints and per-tensor counts of exact/byte/prefix matches and approximated tokens.
+
+    For `randn` or `new_vocab_noise` without a seed, reuse the seed an interrupted run in `out_dir`
+    recorded (so it resumes), or draw a new one."""
+    surgery = surgery or SurgeryOptions()
+    options = options or MergeOptions()
+    surgery.check()
+    if surgery.needs_seed and options.random_seed is None:
+        previous = Journal.load(Path(out_dir)) if out_dir is not None and Path(out_dir).is_dir() else None
+        options.random_seed = (
+            previous.random_seed if previous and previous.random_seed is not None else secrets.randbelow(2**31)
+        )
+    base_ref, donor_ref = str(base), str(donor)
+    base_ck = Checkpoint.open(base_ref)
+    donor_ck = base_ck if donor_ref == base_ref else Checkpoint.open(donor_ref)
+    planner = TokenSurgeonPlanner(base_ck, donor_ck, options, surgery, base_ref, donor_ref)
+    plan, counts = planner.build()
+    return plan, {base_ref: base_ck, donor_ref: donor_ck}, counts
+
+
+def run_tokensurgeon(
+    base: str | Path,
+    donor: str | Path,
+    out_dir: str | Path,
+    surgery: SurgeryOptions | None = None,
+    options: MergeOptions | None = None,
+    *,
+    overwrite: bool = False,
+    force: bool = False,
+    on_plan: Callable[[Plan], None] | None = None,
+    on_progress: Callable[[ProgressEvent], None] | None = None,
+    stop: threading.Event | None = None,
+) -> tuple[MergeResult, dict[str, dict[str, int]]]:
+    """Write BASE with DONOR's tokenizer into `out_dir`; rerunning after an interruption resumes."""
+    started = time.monotonic()
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: output path exists and is not a directory")
+    options = options or MergeOptions()
+    plan, checkpoints, counts = build_tokensurgeon_plan(base, donor, surgery, options, out)
+    result = execute_plan(
+        plan,
+        checkpoints,
+        out,
+        options,
+        overwrite=overwrite,
+        force=force,
+        on_plan=on_plan,
+        on_progress=on_progress,
+        stop=stop,
+        started=started,
+    )
+    return result, counts
