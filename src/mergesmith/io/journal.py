@@ -62,7 +62,7 @@ class Journal:
                 partial={k: {n: int(c) for n, c in v.items()} for k, v in (data.get("partial") or {}).items()},
                 complete=bool(data.get("complete")),
             )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return None
 
 
