@@ -115,6 +115,23 @@ def find_layer_stack(names: Iterable[str], config: dict[str, Any] | None) -> Lay
     return LayerStack(best, len(indices[best]))
 
 
+def stack_in_tensors(names: Iterable[str]) -> LayerStack | None:
+    """The layer stack the tensor names show on their own, whatever config.json says: the stack with indices
+    0..n-1 holding the most tensors (for messages about a config whose layer count matches no stack)."""
+    indices: dict[str, set[int]] = defaultdict(set)
+    tensors: dict[str, int] = defaultdict(int)
+    for name in names:
+        m = _LAYER_RE.match(name)
+        if m:
+            indices[m.group("prefix")].add(int(m.group("index")))
+            tensors[m.group("prefix")] += 1
+    candidates = [p for p, idx in indices.items() if idx == set(range(len(idx)))]
+    if not candidates:
+        return None
+    best = max(candidates, key=lambda p: (tensors[p], -len(p)))
+    return LayerStack(best, len(indices[best]))
+
+
 def is_embedding(name: str) -> bool:
     """Non-layer tensors that sit before the layer stack (token and position embeddings).
 

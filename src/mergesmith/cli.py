@@ -143,6 +143,11 @@ def _merge_options(f: Any, hide: tuple[str, ...] = ()) -> Any:
             default=None,
             help="Ray cluster to join (`auto`, `HOST:6379`, `ray://HOST:10001`); default: RAY_ADDRESS or a local Ray.",
         ),
+        option(
+            "--strict",
+            is_flag=True,
+            help="Treat warnings as errors (suspicious parameters, NaN/inf in inputs, a plan's warnings).",
+        ),
         option("-v", "--verbose", is_flag=True, help="Show tracebacks and details."),
     ]
     for opt in reversed(opts):

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from .config_compat import Findings, Schema, copy_document, prune
 from .errors import ConfigError
+from .validation.safe_yaml import YamlLimitError, load_documents
 
 ScalarOrGradient = Union[bool, int, float, str, list[Union[bool, int, float, str]]]
 
@@ -316,6 +317,9 @@ def parse_config(data: Any, source: str = "config", *, strict: bool = False) -> 
     from .methods import validate_method_usage
 
     findings.warnings.extend(validate_method_usage(config, source))
+    from .validation.parameter_values import check_parameter_values
+
+    check_parameter_values(config, source)  # refusals here; the planner repeats it for the warnings
     findings.apply_strict(strict)
     config._warnings = findings.warnings
     return config
@@ -334,7 +338,9 @@ def read_yaml(path: str | Path, *, all_documents: bool = False) -> tuple[Any, st
     except (PermissionError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read config ({exc.__class__.__name__})") from None
     try:
-        data = list(yaml.safe_load_all(text)) if all_documents else yaml.safe_load(text)
+        data = load_documents(text, all_documents=all_documents)
+    except YamlLimitError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -19,7 +19,9 @@ from .architecture import (
     embedding_for_head,
     find_layer_stack,
     is_embedding,
+    layer_count_key,
     rewrite_config,
+    stack_in_tensors,
     ties_embeddings,
 )
 from .config import MergeConfiguration, Parameters, dump_config
@@ -61,7 +63,7 @@ class MergeOptions:
     device: str = "cpu"
     executor: str = "local"  # "local" (thread pool) or "ray" (one task per shard); never changes output bytes
     ray_address: str | None = None
-    strict: bool = False  # every config warning (an ignored key or parameter) is an error
+    strict: bool = False  # --strict: every warning (config keys and parameters, plan, non-finite inputs) is an error
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -125,7 +127,10 @@ class Planner:
             self._check_architectures()
         self.compute_dtype = parse_config_dtype(config.dtype, "dtype") if config.dtype else "F32"
         self.out_dtype = self._out_dtype()
-        self.warnings: list[str] = list(config.warnings)  # what reading the config ignored
+        from .validation.parameter_values import check_parameter_values
+
+        # what reading the config ignored, then parameter values worth a warning (the refusals ran at parsing)
+        self.warnings: list[str] = list(config.warnings) + check_parameter_values(config, config_source)
         # (per-model row counts, output rows) -> embedding/head tensors cut to the smallest vocabulary
         self._truncated: dict[tuple[tuple[tuple[str, int], ...], int], list[str]] = {}
 
@@ -171,6 +176,8 @@ class Planner:
                 for j, src in enumerate(s.sources):
                     stack = self.stacks[src.model]
                     n = stack.count if stack else 0
+                    if src.layer_range[1] > n and (mismatch := self._config_mismatch(src.model)) is not None:
+                        raise mismatch
                     if src.layer_range[1] > n:
                         raise ConfigError(
                             f"{self.source}: `slices[{i}].sources[{j}].layer_range`: [{src.layer_range[0]}, "
@@ -182,11 +189,28 @@ class Planner:
         assert cfg.models
         counts = {m.model: (self.stacks[m.model].count if self.stacks[m.model] else 0) for m in cfg.models}
         if len(set(counts.values())) > 1:
+            for m in counts:
+                if (mismatch := self._config_mismatch(m)) is not None:
+                    raise mismatch
             detail = ", ".join(f"{m} has {n}" for m, n in counts.items())
             raise ConfigError(f"{self.source}: `models`: the models have different numbers of layers ({detail})")
         n = next(iter(counts.values()))
         sources = tuple(SourceRange(m.model, 0, n, m.parameters) for m in cfg.models)
         return [NormalizedSlice(sources, cfg.base_model, None)]
+
+    def _config_mismatch(self, ref: str) -> CheckpointError | None:
+        """The error for a model whose config.json names a layer count that no layer stack of its tensors has
+        (naming the count they do have), or None. Raised only where the layers matter: a merge of models
+        that all disagree with their configs alike (a checkpoint with an extra MTP layer) plans as before."""
+        ck = self.ckpts[ref]
+        claimed = layer_count_key(ck.config)
+        found = stack_in_tensors(ck.tensors) if self.stacks[ref] is None else None
+        if claimed is None or found is None:
+            return None
+        return CheckpointError(
+            f"model {ref!r}: its config.json says {'.'.join(claimed[0])}: {claimed[1]}, but its tensors have "
+            f"{found.count} layers (`{found.prefix}.0` to `{found.prefix}.{found.count - 1}`)"
+        )
 
     # ----- parameters ----------------------------------------------------------------------
     def _model_levels(self, source: SourceRange | None, sl: NormalizedSlice) -> list[Parameters | None]:
@@ -522,6 +546,8 @@ class Planner:
             warnings=self.warnings,
             estimate=self.estimate(recipes),
         )
+        if self.options.strict and plan.warnings:
+            raise ConfigError(f"{plan.warnings[0]} (--strict turns warnings into errors)")
         return plan
 
 

@@ -54,9 +54,9 @@ def _holds_something(out_dir: Path) -> bool:
 
 def _read_ahead(config_file: Path) -> None:
     try:
-        import yaml
+        from .validation.safe_yaml import load_documents
 
-        config = yaml.safe_load(config_file.read_text())
+        config = load_documents(config_file.read_text(), all_documents=False)  # refuses alias bombs unwalked
         directories = list(dict.fromkeys(_local_model_dirs(config, config_file.parent)))
         each = _budget(len(directories))
         models = [_paged_files(directory) for directory in directories]

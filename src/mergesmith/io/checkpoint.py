@@ -78,6 +78,8 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise CheckpointError(f"{path}: safetensors header is not valid JSON") from None
+    except RecursionError:  # json recurses per nesting level
+        raise CheckpointError(f"{path}: safetensors header is nested too deeply to read") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -341,6 +343,8 @@ def _read_config(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: is nested too deeply to read") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return data
@@ -358,6 +362,8 @@ def _weight_files(root: Path) -> list[Path]:
                     raise TypeError
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
                 raise CheckpointError(f"{index_path}: not a valid index (needs a `weight_map` object)") from None
+            except RecursionError:
+                raise CheckpointError(f"{index_path}: is nested too deeply to read") from None
             ordered = list(dict.fromkeys(str(v) for v in weight_map.values()))
             return [_inside(root, rel, index_path) for rel in ordered]
     for single in (SAFETENSORS_SINGLE, BIN_SINGLE):

@@ -118,6 +118,8 @@ class LoraCheckpoint(Checkpoint):
             lora_config = json.loads(config_path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{config_path}: cannot read ({exc})") from None
+        except RecursionError:
+            raise CheckpointError(f"{config_path}: is nested too deeply to read") from None
         if not isinstance(lora_config, dict):
             raise CheckpointError(f"{config_path}: expected a JSON object")
         peft_type = str(lora_config.get("peft_type", "LORA")).upper()

@@ -284,7 +284,7 @@ def _stage_generation_config(planner: Planner, move: Callable[[Any], Any]) -> li
         return []
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return []  # copied as it is, like any other small file
     if not isinstance(data, dict):
         return []

@@ -1,0 +1,287 @@
+"""No silent garbage in, and errors that stay one clear line (issue 17): parameter values, nesting and alias
+bombs in configs and JSON files, a config.json that disagrees with its tensors, tensors only some models have,
+non-finite weights streaming through a merge, and an input truncated under a memory map.
+
+Each test fails on the code before these checks: a garbage value merged with exit 0, an internal
+RecursionError, a misleading count, a dropped tensor, a silent NaN, a SIGBUS.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mergesmith.config import parse_config, read_yaml
+from mergesmith.errors import ConfigError
+from tests.helpers import assert_one_line_error, run_cli, write_config
+
+
+@pytest.fixture(scope="module")
+def base(tiny_models: Any) -> Path:
+    return tiny_models("llama", seed=1, layers=2)
+
+
+@pytest.fixture(scope="module")
+def tuned(tiny_models: Any, base: Path) -> list[Path]:
+    return [tiny_models.derive(base, seed=s) for s in (2, 3)]
+
+
+def _ties(models: list[str], params: list[dict[str, Any]], **top: Any) -> dict[str, Any]:
+    return {
+        "merge_method": top.pop("merge_method", "ties"),
+        "base_model": "base",
+        "models": [{"model": m, "parameters": p} for m, p in zip(models, params)],
+        **top,
+    }
+
+
+# ----- parameter values ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        # non-finite values, in every shape a setting can take (the unused filter and gradient point included)
+        (_ties(["a"], [{"weight": math.nan}]), "models[0].parameters.weight"),
+        (_ties(["a"], [{"weight": math.inf}]), "models[0].parameters.weight"),
+        (_ties(["a"], [{"weight": 1.0}], parameters={"lambda": -math.inf}), "parameters.lambda"),
+        (_ties(["a"], [{"weight": 1.0, "density": [0.5, 0.7, math.nan]}]), "models[0].parameters.density[2]"),
+        (
+            _ties(["a"], [{"weight": [{"filter": "no_such_tensor", "value": math.nan}, {"value": 1.0}]}]),
+            "models[0].parameters.weight[0].value",
+        ),
+        (
+            _ties(["a"], [{"weight": [{"filter": "mlp", "value": [1.0, math.inf]}, {"value": 1.0}]}]),
+            "models[0].parameters.weight[0].value[1]",
+        ),
+        (
+            {
+                "merge_method": "slerp",
+                "base_model": "a",
+                "models": [{"model": "a"}, {"model": "b"}],
+                "parameters": {"t": math.nan},
+            },
+            "parameters.t",
+        ),
+        # out of range: what mergekit fails on (DARE) or silently turns into nothing (TIES)
+        (_ties(["a"], [{"weight": 1.0, "density": -0.5}]), "models[0].parameters.density"),
+        (_ties(["a"], [{"weight": 1.0, "density": -0.5}], merge_method="dare_ties"), "models[0].parameters.density"),
+        (_ties(["a"], [{"weight": 1.0, "density": [1.0, -0.1]}]), "models[0].parameters.density[1]"),
+        (
+            _ties(["a"], [{"weight": 1.0, "density": 0.5, "epsilon": -0.1}], merge_method="della"),
+            "models[0].parameters.epsilon",
+        ),
+        (_ties(["a", "b"], [{}, {}], merge_method="ram", parameters={"epsilon": -1e-5}), "parameters.epsilon"),
+    ],
+)
+def test_bad_parameter_values_are_refused_naming_the_key(config: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(config, "c.yml")
+    assert f"`{key}`" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_slice_residual_weight_must_be_finite() -> None:
+    config = {
+        "merge_method": "passthrough",
+        "slices": [{"sources": [{"model": "a", "layer_range": [0, 1]}], "residual_weight": math.nan}],
+    }
+    with pytest.raises(ConfigError, match=r"`slices\[0\].residual_weight`"):
+        parse_config(config, "c.yml")
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        (_ties(["a"], [{"weight": 1.0, "density": 0}]), "models[0].parameters.density"),
+        (_ties(["a"], [{"weight": 1.0, "density": 1.5}]), "models[0].parameters.density"),
+        (
+            {
+                "merge_method": "slerp",
+                "base_model": "a",
+                "models": [{"model": "a"}, {"model": "b"}],
+                "parameters": {"t": [0.0, 1.2]},
+            },
+            "parameters.t[1]",
+        ),
+    ],
+)
+def test_values_mergekit_accepts_warn_and_strict_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], base: Path, tuned: list[Path], config: dict[str, Any], key: str
+) -> None:
+    """mergekit 0.1.5 merges these (density 0 drops the task vector, above 1 keeps it whole, slerp extrapolates):
+    accepted with a warning naming the key; --strict turns it into the one-line error."""
+    real = {"a": str(tuned[0]), "b": str(tuned[1]), "base": str(base)}
+    config = json.loads(json.dumps(config))
+    config["base_model"] = real[config["base_model"]]
+    for m in config["models"]:
+        m["model"] = real[m["model"]]
+    path = write_config(tmp_path / "c.yml", config)
+    code, out, err = run_cli(capsys, "plan", path)
+    assert code == 0, err
+    assert [line for line in out.splitlines() if f"`{key}`" in line and line.startswith("warning:")], out
+    code, _out, err = run_cli(capsys, "merge", path, tmp_path / "out", "--strict", "-q")
+    assert_one_line_error(code, err, f"`{key}`", "--strict")
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_weight_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], base: Path, tuned: list[Path]
+) -> None:
+    """The reported case: `weight: .nan` merged with exit 0 into an all-NaN model."""
+    path = tmp_path / "c.yml"
+    path.write_text(
+        f"merge_method: linear\nmodels:\n  - model: {tuned[0]}\n    parameters: {{weight: .nan}}\n"
+        f"  - model: {tuned[1]}\n    parameters: {{weight: 1.0}}\n"
+    )
+    code, _out, err = run_cli(capsys, "merge", path, tmp_path / "out", "-q")
+    assert_one_line_error(code, err, "models[0].parameters.weight", "not a finite number")
+    assert not (tmp_path / "out").exists()
+
+
+def test_good_parameters_pass_without_warnings() -> None:
+    from mergesmith.validation.parameter_values import check_parameter_values
+
+    config = parse_config(
+        _ties(
+            ["a", "b"],
+            [{"weight": [1.0, 0.0], "density": [1.0, 0.1]}, {"weight": -0.5, "density": 1.0}],
+            merge_method="della",
+            parameters={"epsilon": 0.0, "lambda": 2.0},
+        ),
+        "c.yml",
+    )
+    assert check_parameter_values(config, "c.yml") == []
+
+
+# ----- nesting and alias bombs -----------------------------------------------------------------------------
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\nmerge_method: linear\nmodels:\n  - model: m\n    parameters: {weight: 1}\n"
+
+
+def test_alias_bomb_is_refused_in_well_under_a_second(tmp_path: Path) -> None:
+    path = tmp_path / "bomb.yml"
+    path.write_text(_alias_bomb())
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match="alias") as err:
+        read_yaml(path)
+    assert time.perf_counter() - started < 0.5
+    assert str(path) in str(err.value)
+
+
+def test_warm_start_thread_does_not_walk_an_alias_bomb(tmp_path: Path) -> None:
+    """The merge command's warm-start thread parses the config before anything else: it used to walk the
+    expanded bomb (387 million visits, holding the GIL) for 4-34 s before the main thread could refuse it."""
+    from mergesmith.warm_start import _read_ahead
+
+    path = tmp_path / "bomb.yml"
+    path.write_text(_alias_bomb())
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (_read_ahead(path), done.set()), daemon=True)
+    started = time.perf_counter()
+    thread.start()
+    assert done.wait(5), "the warm-start thread is still walking the config"
+    assert time.perf_counter() - started < 1.0
+
+
+def test_cli_refuses_an_alias_bomb_quickly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bomb.yml"
+    path.write_text(_alias_bomb())
+    run_cli(capsys, "plan", tmp_path / "missing.yml")  # imports done: time the refusal, not the start-up
+    started = time.perf_counter()
+    code, _out, err = run_cli(capsys, "merge", path, tmp_path / "out")
+    elapsed = time.perf_counter() - started
+    assert_one_line_error(code, err, str(path), "alias")
+    assert elapsed < 1.0, f"{elapsed:.1f}s"
+
+
+def test_recursive_alias_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "loop.yml"
+    path.write_text("merge_method: linear\nloop: &a [1, *a]\n")
+    with pytest.raises(ConfigError, match="recursive"):
+        read_yaml(path)
+
+
+def test_moderate_aliases_still_load(tmp_path: Path) -> None:
+    """Anchors that reuse a parameter block (what real configs do) are fine."""
+    path = tmp_path / "ok.yml"
+    path.write_text(
+        "merge_method: linear\nmodels:\n  - model: a\n    parameters: &p {weight: [0.1, 0.5, 0.9]}\n"
+        "  - model: b\n    parameters: *p\n"
+    )
+    data, _text = read_yaml(path)
+    assert data["models"][1]["parameters"] == {"weight": [0.1, 0.5, 0.9]}
+
+
+def test_config_5000_levels_deep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "deep.yml"
+    path.write_text("merge_method: linear\nparameters:\n  weight: " + "[" * 5000 + "]" * 5000 + "\n")
+    code, _out, err = run_cli(capsys, "merge", path, tmp_path / "out")
+    assert_one_line_error(code, err, str(path), "nested too deeply")
+
+
+def _deep_json(levels: int = 100_000) -> str:
+    return "[" * levels + "]" * levels
+
+
+def _linear(tmp_path: Path, *models: Path) -> Path:
+    return write_config(
+        tmp_path / "merge.yml",
+        {"merge_method": "linear", "models": [{"model": str(m), "parameters": {"weight": 1.0}} for m in models]},
+    )
+
+
+@pytest.mark.parametrize("where", ["config.json", "index", "header"])
+def test_deeply_nested_json_is_one_line_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], base: Path, where: str
+) -> None:
+    model = Path(shutil.copytree(base, tmp_path / "model"))
+    if where == "config.json":
+        target = model / "config.json"
+        config = json.loads(target.read_text())
+        target.write_text(json.dumps(config)[:-1] + ', "deep": ' + _deep_json() + "}")
+    elif where == "index":
+        target = model / "model.safetensors.index.json"
+        target.write_text('{"metadata": ' + _deep_json() + ', "weight_map": {}}')
+    else:
+        target = model / "model.safetensors"
+        raw = target.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + n])
+        blob = (json.dumps(header)[:-1] + ', "deep": ' + _deep_json() + "}").encode()
+        target.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n :])
+    code, _out, err = run_cli(capsys, "merge", _linear(tmp_path, model), tmp_path / "out")
+    assert_one_line_error(code, err, str(target), "nested too deeply")
+
+
+# ----- config.json against the tensors --------------------------------------------------------------------
+
+
+def test_config_claiming_more_layers_names_the_real_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], base: Path, tuned: list[Path]
+) -> None:
+    liar = Path(shutil.copytree(base, tmp_path / "liar"))
+    config = json.loads((liar / "config.json").read_text())
+    config["num_hidden_layers"] = 5
+    (liar / "config.json").write_text(json.dumps(config))
+    code, _out, err = run_cli(capsys, "merge", _linear(tmp_path, liar, tuned[0]), tmp_path / "out")
+    line = assert_one_line_error(code, err, "liar", "num_hidden_layers: 5", "2 layers")
+    assert "has 0" not in line
+    sliced = write_config(
+        tmp_path / "slices.yml",
+        {"merge_method": "passthrough", "slices": [{"sources": [{"model": str(liar), "layer_range": [0, 2]}]}]},
+    )
+    code, _out, err = run_cli(capsys, "merge", sliced, tmp_path / "out")
+    line = assert_one_line_error(code, err, "liar", "num_hidden_layers: 5", "2 layers")
+    assert "past the 0 layers" not in line
