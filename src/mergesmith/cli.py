@@ -803,6 +803,40 @@ def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overw
         f"{describe_counts(counts)}) in {result.seconds:.1f}s"
     )
 
+@cli.command("evolve", short_help="Search merge parameters with CMA-ES (mergekit-evolve genomes).")
+@click.argument("genome_file", type=click.Path(path_type=Path))
+@click.option(
+    "--storage-path", required=True, type=click.Path(path_type=Path), help="Journal, history, best config."
+)
+@click.option("--max-fevals", type=click.IntRange(min=1), default=100, show_default=True, help="Evaluations.")
+@click.option("--sigma0", type=float, default=1 / 6, show_default=True, help="Initial CMA-ES step size.")
+@click.option("--random-seed", type=int, default=0, show_default=True, help="Seed (same seed, same history).")
+@click.option("--popsize", type=click.IntRange(min=2), default=None, help="Candidates per generation.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True, help="Evaluation batch size.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Score each task on its first N records.")
+@click.option("--num-fewshot", type=click.IntRange(min=0), default=None, help="Few-shot examples (lm-eval tasks).")
+@click.option("--task-search-path", multiple=True, help="Directory of lm-eval task YAMLs (lm-eval tasks only).")
+@click.option("--in-memory/--no-in-memory", default=None, help="Merge candidates in memory (default: when they fit).")
+@click.option("--merge-cuda/--no-merge-cuda", default=False, help="Do the merge arithmetic on the GPU.")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
+              help="Where candidates are evaluated.")
+@click.option("--dtype", default="bfloat16", show_default=True, help="Candidates' dtype (mergekit-evolve: bfloat16).")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="ray: a generation's candidates are scored as Ray tasks.")
+@click.option("--ray-address", default=None, help="Ray cluster to join (default: RAY_ADDRESS or a local Ray).")
+@click.option("--vllm/--no-vllm", default=False, hidden=True)
+@click.option("--merge-best", type=click.Path(path_type=Path), default=None, help="Write the best merge here.")
+@click.option("--overwrite", is_flag=True, help="Start over when the storage path holds a different search.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow model code from checkpoints.")
+@click.option("--allow-crimes", is_flag=True, help="Merge models of different architectures.")
+@click.option("--quiet", "-q", is_flag=True, help="Only the summary.")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details.")
+def evolve_cmd(genome_file: Path, storage_path: Path, **kw: Any) -> None:
+    """Find merge parameters for GENOME_FILE (mergekit-evolve's format) by CMA-ES; resumable: rerun to continue."""
+    from .evolve.command import run_evolve_command
+
+    run_evolve_command(genome_file, storage_path, kw)
+
 
 _NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", None)  # click >= 8.2
 

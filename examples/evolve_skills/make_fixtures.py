@@ -1,0 +1,147 @@
+"""Build the evolve proof's fixtures: a tiny llama base and two fine-tunes on different skills.
+
+    python examples/evolve_skills/make_fixtures.py tests/fixtures/evolve
+
+- a character-level tokenizer built with the `tokenizers` library (digits, a-j, `+ = >`, specials);
+- `base`: a 4-layer llama (hidden 48) trained briefly on a mix of both skills (weak at both);
+- `add`: base fine-tuned on two-digit addition only ("37+45=" -> "82");
+- `rev`: base fine-tuned on reversing a short string only ("abcde>" -> "edcba");
+- `add_eval.jsonl`, `rev_eval.jsonl`: held-out prompts and answers (never trained on).
+Models are saved in bfloat16 so the three fit in a few hundred KB. A few minutes of CPU in all.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARS = list("0123456789abcdefghij+=>")
+SEED = 1234
+EVAL_SIZE = 150
+BASE_STEPS = 500
+TUNE_STEPS = 250
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def addition(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return f"{a}+{b}=", str(a + b)
+
+
+def reverse(rng: random.Random) -> tuple[str, str]:
+    s = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 6)))
+    return f"{s}>", s[::-1]
+
+
+def held_out(make, rng: random.Random) -> list[tuple[str, str]]:
+    seen, out = set(), []
+    while len(out) < EVAL_SIZE:
+        p, a = make(rng)
+        if p not in seen:
+            seen.add(p)
+            out.append((p, a))
+    return out
+
+
+def batch(tok, makers, held: set[str], rng: random.Random, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab = tok.get_vocab()  # one id per character: encoding by hand is much faster than calling the tokenizer
+    rows = []
+    while len(rows) < size:
+        p, a = rng.choice(makers)(rng)
+        if p in held:
+            continue
+        ids = [tok.bos_token_id] + [vocab[c] for c in p + a] + [tok.eos_token_id]
+        rows.append((ids, 1 + len(p)))
+    width = max(len(r) for r, _ in rows)
+    ids = torch.full((size, width), tok.pad_token_id)
+    labels = torch.full((size, width), -100)
+    for i, (r, n) in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        labels[i, n : len(r)] = torch.tensor(r[n:])  # loss on the answer and </s> only
+    return ids, labels
+
+
+def train(model, tok, makers, held, steps: int, lr: float, seed: int) -> None:
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    model.train()
+    for step in range(steps):
+        ids, labels = batch(tok, makers, held, rng, 256)
+        # right padding only, and the loss ignores it: causal attention needs no mask here
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"  step {step}: loss {loss.item():.3f}", flush=True)
+    model.eval()
+
+
+def accuracy(model, tok, pairs) -> float:
+    ok = 0
+    with torch.inference_mode():
+        for p, a in pairs:
+            ids = torch.tensor([tok(p)["input_ids"]])
+            out = model.generate(ids, max_new_tokens=len(a) + 2, do_sample=False, pad_token_id=tok.pad_token_id,
+                                 eos_token_id=tok.eos_token_id)
+            ok += tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip() == a
+    return ok / len(pairs)
+
+
+def main(out: Path) -> None:
+    torch.manual_seed(SEED)
+    torch.set_num_threads(1)  # the CPU is shared; more threads do not help a model this small
+    started = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    rng = random.Random(SEED)
+    add_eval, rev_eval = held_out(addition, rng), held_out(reverse, rng)
+    held = {p for p, _ in add_eval + rev_eval}
+    for name, pairs in (("add_eval.jsonl", add_eval), ("rev_eval.jsonl", rev_eval)):
+        (out / name).write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in pairs))
+    config = LlamaConfig(
+        vocab_size=len(SPECIALS) + len(CHARS), hidden_size=48, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    base = LlamaForCausalLM(config)
+    print("base: both skills", flush=True)
+    train(base, tok, [addition, reverse], held, steps=BASE_STEPS, lr=5e-3, seed=1)
+    results = {}
+    for name, makers, steps, seed in (("add", [addition], TUNE_STEPS, 2), ("rev", [reverse], TUNE_STEPS, 3)):
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(base.state_dict())
+        print(f"{name}: fine-tune", flush=True)
+        train(model, tok, makers, held, steps=steps, lr=3e-3, seed=seed)
+        results[name] = model
+    results["base"] = base
+    for name, model in results.items():
+        model.to(torch.bfloat16).save_pretrained(out / name)
+        tok.save_pretrained(out / name)
+        model.float()
+        print(f"{name}: add {accuracy(model, tok, add_eval):.3f} rev {accuracy(model, tok, rev_eval):.3f}", flush=True)
+    print(f"done in {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/evolve"))

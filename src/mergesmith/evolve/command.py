@@ -1,0 +1,76 @@
+"""`mergesmith evolve`: options to a search, the display, the summary and `--merge-best`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import ConfigError
+from .display import SearchDisplay
+from .search import SearchOptions, run_search
+
+
+def search_options(kw: dict[str, Any]) -> SearchOptions:
+    if kw.get("vllm"):
+        raise ConfigError("`--vllm` is not supported: candidates are scored with transformers")
+    from ..devices import resolve_device
+
+    device = resolve_device(kw.get("device", "cpu"), check=kw.get("executor") != "ray", what="--device")
+    merge_device = "cuda" if kw.get("merge_cuda") else "cpu"
+    if merge_device == "cuda":
+        resolve_device("cuda", check=kw.get("executor") != "ray", what="--merge-cuda")
+    return SearchOptions(
+        max_fevals=kw["max_fevals"],
+        sigma0=kw["sigma0"],
+        random_seed=kw["random_seed"],
+        popsize=kw.get("popsize"),
+        batch_size=kw["batch_size"],
+        dtype=_dtype(kw["dtype"]),
+        in_memory=kw.get("in_memory"),
+        device=device,
+        merge_device=merge_device,
+        executor=kw["executor"],
+        ray_address=kw.get("ray_address"),
+        overwrite=kw["overwrite"],
+        trust_remote_code=kw["trust_remote_code"],
+        allow_crimes=kw["allow_crimes"],
+        task_search_path=list(kw.get("task_search_path") or ()),
+        limit=kw.get("limit"),
+        num_fewshot=kw.get("num_fewshot"),
+    )
+
+
+def _dtype(name: str) -> str:
+    from ..config import known_dtype_name
+
+    try:
+        return known_dtype_name(name) or "bfloat16"
+    except ValueError as exc:
+        raise ConfigError(f"`--dtype`: {exc}") from None
+
+
+def run_evolve_command(genome_file: Path, storage_path: Path, kw: dict[str, Any]) -> None:
+    options = search_options(kw)
+    merge_best: Path | None = kw.get("merge_best")
+    display = SearchDisplay(quiet=kw["quiet"])
+    try:
+        result = run_search(genome_file, storage_path, options, display)
+    finally:
+        display.close()
+    best = result.best
+    scores = ", ".join(f"{t}: {', '.join(f'{m} {v:.4f}' for m, v in ms.items())}" for t, ms in best["scores"].items())
+    click.echo(
+        f"best fitness {best['fitness']:.4f} at evaluation {best['evaluation']} of {len(result.history)} "
+        f"({scores}); {result.seconds:.1f} s"
+    )
+    click.echo(f"wrote {result.storage / 'best_config.yml'}, history.jsonl, summary.json, search.png")
+    if merge_best is not None:
+        from ..api import run_merge
+        from ..config import parse_config
+        from ..planner import MergeOptions
+
+        cfg = parse_config(best["config"], str(result.storage / "best_config.yml"))
+        merged = run_merge(cfg, merge_best, MergeOptions(random_seed=options.random_seed), overwrite=kw["overwrite"])
+        click.echo(f"wrote the best merge to {merged.out_dir}")

@@ -1,0 +1,103 @@
+"""What a user sees during a search: a live rich table on a terminal, one line per candidate otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import click
+
+
+def _h(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def estimate_lines(est: dict[str, Any]) -> list[str]:
+    where = "in memory (nothing written)" if est["in_memory"] else "on disk, one reused directory"
+    return [
+        f"genome: {est['parameters']} parameters (layer groups x models x parameter sets x method parameters = "
+        f"{' x '.join(map(str, est['shape']))})",
+        f"per candidate: reads {_h(est['bytes_read'])}, merges {_h(est['merged_bytes'])} {where}; "
+        f"memory about {_h(est['memory_bytes'])}; disk {_h(est['disk_bytes'])}; merge about "
+        f"{est['merge_seconds']:.1f} s from the read speed (evaluation time is measured on the first candidate)",
+    ]
+
+
+class SearchDisplay:
+    """Receives the search's events; draws a rich Live table when stdout is a terminal."""
+
+    def __init__(self, quiet: bool = False, live: bool | None = None) -> None:
+        self.quiet = quiet
+        self.live_enabled = (sys.stdout.isatty() if live is None else live) and not quiet
+        self.live: Any = None
+        self.recent: list[dict[str, Any]] = []
+        self.best: dict[str, Any] | None = None
+        self.done = 0
+        self.max_fevals = 0
+        self.started = time.monotonic()
+        self.first_done = 0
+
+    def __call__(self, kind: str, data: dict[str, Any]) -> None:
+        if kind == "warning":
+            click.echo(f"warning: {data['text']}", err=True)
+        elif kind == "estimate" and not self.quiet:
+            for line in estimate_lines(data):
+                click.echo(line)
+        elif kind == "start":
+            self.done = self.first_done = data["done"]
+            self.best = data["best"]
+            self.max_fevals = data["max_fevals"]
+            if not self.quiet:
+                what = f"resuming after {data['done']} candidates" if data["resumed"] else "starting"
+                click.echo(f"{what}: population {data['popsize']}, up to {data['max_fevals']} evaluations")
+            if self.live_enabled:
+                from rich.live import Live
+
+                self.live = Live(self._table(), refresh_per_second=2, transient=False)
+                self.live.start()
+        elif kind == "candidate":
+            row = data["row"]
+            self.done, self.best = data["done"], data["best"]
+            self.recent = (self.recent + [row])[-6:]
+            if self.live is not None:
+                self.live.update(self._table())
+            elif not self.quiet:
+                click.echo(
+                    f"[{row['evaluation']:>4}] gen {row['generation']:>3} fitness {row['fitness']:.4f} "
+                    f"({row['seconds']:.1f} s)  best {self.best['fitness']:.4f} (#{self.best['evaluation']})"
+                )
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+    def _eta(self) -> str:
+        fresh = self.done - self.first_done
+        if fresh <= 0:
+            return "-"
+        per = (time.monotonic() - self.started) / fresh
+        return f"{max(0, self.max_fevals - self.done) * per:.0f} s"
+
+    def _table(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"evaluations {self.done}/{self.max_fevals}   ETA {self._eta()}")
+        table.add_column("#", justify="right")
+        table.add_column("gen", justify="right")
+        table.add_column("fitness", justify="right")
+        table.add_column("scores")
+        table.add_column("s", justify="right")
+        for row in self.recent:
+            scores = ", ".join(f"{t}: {next(iter(m.values())):.3f}" for t, m in row["scores"].items())
+            table.add_row(str(row["evaluation"]), str(row["generation"]), f"{row['fitness']:.4f}", scores,
+                          f"{row['seconds']:.1f}")
+        if self.best is not None:
+            params = ", ".join(f"{k}={v:.3f}" for k, v in list(self.best["named_params"].items())[:8])
+            table.caption = f"best {self.best['fitness']:.4f} (#{self.best['evaluation']}): {params}"
+        return table

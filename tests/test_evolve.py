@@ -1,0 +1,228 @@
+"""`mergesmith evolve`: genome -> merge configs, bad genomes in one line, a short seeded search, resume after an
+interruption with the same history, the in-memory and on-disk candidate paths, and Ray against local.
+
+Uses the committed fixtures in tests/fixtures/evolve (three tiny char-level llamas; see
+examples/evolve_skills/make_fixtures.py), so nothing is trained here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+pytest.importorskip("cma", reason="cma is not installed (pip install 'mergesmith[evolve]')")
+pytest.importorskip("transformers")
+
+from mergesmith.cli import main  # noqa: E402
+from mergesmith.config import parse_config  # noqa: E402
+from mergesmith.errors import MergeInterrupted  # noqa: E402
+from mergesmith.evolve import SearchOptions, run_search  # noqa: E402
+from mergesmith.evolve import scoring as scoring_mod  # noqa: E402
+from mergesmith.evolve.config import GenomeDefinition  # noqa: E402
+from mergesmith.evolve.genome import Genome  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "evolve"
+LIMIT = 12  # records per task: enough to tell candidates apart, fast on a shared CPU
+
+
+def genome_doc(**genome) -> dict:
+    g = {
+        "models": [str(FIXTURES / "add"), str(FIXTURES / "rev")],
+        "merge_method": "task_arithmetic",
+        "base_model": str(FIXTURES / "base"),
+        "layer_granularity": 2,
+    }
+    g.update(genome)
+    return {
+        "genome": g,
+        "tasks": [
+            {"name": "addition", "type": "exact_match", "data": str(FIXTURES / "add_eval.jsonl")},
+            {"name": "reverse", "type": "exact_match", "data": str(FIXTURES / "rev_eval.jsonl"), "metric": "acc,none"},
+        ],
+        "limit": LIMIT,
+    }
+
+
+def write_genome(tmp_path: Path, doc: dict, name: str = "genome.yml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def comparable(history: list[dict]) -> list[tuple]:
+    """A history without its timings."""
+    return [(r["evaluation"], r["generation"], r["index"], r["params"], json.dumps(r["config"], sort_keys=True),
+             json.dumps(r["scores"], sort_keys=True), r["fitness"]) for r in history]
+
+
+# -- genome -> merge config ---------------------------------------------------------------------------------
+
+
+def test_genome_vector_to_merge_config():
+    g = Genome.build(GenomeDefinition(**genome_doc()["genome"]), "g")
+    assert g.shape == (2, 2, 1, 1) and g.dimension == 4
+    x = np.array([0.5, -0.25, 1.5, 0.75])
+    cfg = g.merge_config(x)
+    parse_config(cfg, "candidate")  # what `mergesmith merge` runs
+    assert [s["sources"][0]["layer_range"] for s in cfg["slices"]] == [[0, 2], [2, 4]]
+    # weights are absolute values unless allow_negative_weights; the base joins every slice without parameters
+    assert cfg["slices"][0]["sources"][1]["parameters"] == {"weight": 0.25}
+    assert cfg["slices"][1]["sources"][2] == {"model": str(FIXTURES / "base"), "layer_range": [2, 4]}
+    neg = Genome.build(GenomeDefinition(**genome_doc(allow_negative_weights=True)["genome"]), "g")
+    assert neg.merge_config(x)["slices"][0]["sources"][1]["parameters"] == {"weight": -0.25}
+    np.testing.assert_allclose(g.initial(), [0.5] * 4)
+
+
+def test_genome_filters_smooth_density_and_slerp():
+    ties = Genome.build(GenomeDefinition(**genome_doc(merge_method="ties", filters=["mlp"], smooth=True,
+                                                      layer_granularity=1)["genome"]), "g")
+    assert ties.shape == (4, 2, 2, 2)
+    x = np.full(ties.shape, 0.3)
+    x[..., 1] = 1.7  # density is clipped to [0, 1]
+    x[:, 0, 0, 0] = [0.1, 0.2, 0.3, 0.4]  # add's weight for mlp tensors, per layer
+    cfg = ties.merge_config(x.reshape(-1))
+    parse_config(cfg, "candidate")
+    add = cfg["models"][0]["parameters"]
+    assert add["weight"][0] == {"filter": "mlp", "value": [0.1, 0.2, 0.3, 0.4]}
+    assert add["density"][1] == {"value": [1.0, 1.0, 1.0, 1.0]}
+    assert cfg["parameters"]["normalize"] is True and cfg["models"][2] == {"model": str(FIXTURES / "base")}
+    slerp = Genome.build(GenomeDefinition(**genome_doc(merge_method="slerp", base_model=None)["genome"]), "g")
+    cfg = slerp.merge_config(np.array([0.2, 0.9, 0.8, 0.1]))
+    parse_config(cfg, "candidate")
+    assert cfg["slices"][0]["base_model"].endswith("rev") and cfg["slices"][1]["base_model"].endswith("add")
+    assert cfg["slices"][0]["parameters"]["t"] == pytest.approx(1 / (1 + np.exp(0.7)))
+
+
+# -- bad genomes: one line, before the first merge --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda d: d["genome"].update(layer_granularity=3), "layer_granularity`: 3 does not divide the models' 4"),
+        (lambda d: d["tasks"].append({"name": "hellaswag"}), "task 'hellaswag': not a built-in task"),
+        (lambda d: d["tasks"][0].update(metric="perplexity"), "metric 'perplexity' is not reported"),
+        (lambda d: d["tasks"][0].update(data="/nonexistent/x.jsonl"), "data file not found"),
+        (lambda d: d["genome"].update(merge_method="tiess"), "tiess"),
+        (lambda d: d["genome"].update(base_model=None), "requires a base model"),
+        (lambda d: d["genome"].update(granularity=2), "unknown key `genome.granularity`"),
+    ],
+)
+def test_bad_genome_fails_in_one_line(tmp_path, capsys, change, expected):
+    doc = genome_doc()
+    change(doc)
+    path = write_genome(tmp_path, doc)
+    storage = tmp_path / "storage"
+    with pytest.raises(SystemExit) as exc:
+        main(["evolve", str(path), "--storage-path", str(storage)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert not storage.exists()  # refused before anything was written
+
+
+# -- the search ----------------------------------------------------------------------------------------------
+
+
+def options(**kw) -> SearchOptions:
+    return SearchOptions(**{"max_fevals": 6, "popsize": 3, "random_seed": 3, "sigma0": 0.3, **kw})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("evolve_full")
+    result = run_search(write_genome(tmp, genome_doc()), tmp / "s", options())
+    return result
+
+
+def test_short_search_writes_journal_and_best(uninterrupted):
+    s = uninterrupted.storage
+    assert len(uninterrupted.history) == 6
+    assert {p.name for p in s.iterdir()} >= {"history.jsonl", "best_config.yml", "summary.json", "search.png",
+                                              "optimizer.pkl", "evolve.json"}
+    assert not (s / "candidate").exists()
+    best = max(uninterrupted.history, key=lambda r: (r["fitness"], -r["evaluation"]))
+    assert yaml.safe_load((s / "best_config.yml").read_text()) == best["config"]
+    parse_config(best["config"], "best")
+    summary = json.loads((s / "summary.json").read_text())
+    assert summary["evaluations"] == 6 and summary["best"]["evaluation"] == best["evaluation"]
+    fits = {r["fitness"] for r in uninterrupted.history}
+    assert len(fits) > 1  # the candidates really differ
+
+
+def test_interrupted_search_resumes_to_the_same_history(uninterrupted, tmp_path, monkeypatch):
+    path = write_genome(tmp_path, genome_doc())
+    real = scoring_mod.score_candidate
+    calls = {"n": 0}
+
+    def dying(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 5:  # mid second generation, after the optimiser state of the first was journaled
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(scoring_mod, "score_candidate", dying)
+    with pytest.raises(MergeInterrupted):
+        run_search(path, tmp_path / "s", options())
+    lines = (tmp_path / "s" / "history.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+    with open(tmp_path / "s" / "history.jsonl", "a") as f:
+        f.write('{"evaluation": 5, "torn')  # a kill in the middle of an append
+    monkeypatch.setattr(scoring_mod, "score_candidate", real)
+    resumed = run_search(path, tmp_path / "s", options())
+    assert resumed.resumed
+    assert comparable(resumed.history) == comparable(uninterrupted.history)
+    # a changed task list is refused unless --overwrite
+    doc = genome_doc()
+    doc["tasks"][1]["weight"] = 2.0
+    with pytest.raises(Exception, match="different genome, tasks or options"):
+        run_search(write_genome(tmp_path, doc), tmp_path / "s", options())
+
+
+def test_memory_and_disk_paths_score_equally(tmp_path):
+    from mergesmith.evolve.candidates import CandidateLoader, CandidateSettings
+    from mergesmith.evolve.config import load_evolve_config
+    from mergesmith.evolve.evaluators import resolve_builtin
+    from mergesmith.evolve.scoring import TokenizerSpec, score_candidate
+
+    path = write_genome(tmp_path, genome_doc())
+    config, _ = load_evolve_config(path)
+    tasks = [resolve_builtin(t, LIMIT, "g") for t in config.tasks]
+    g = Genome.build(config.genome, "g")
+    candidate = g.merge_config(np.array([0.9, 0.6, 1.1, 0.4]))
+    tok = TokenizerSpec(tuple(config.genome.models), config.genome.base_model, None)
+    storage = tmp_path / "s"
+    storage.mkdir()
+    mem = CandidateSettings(str(storage), in_memory=True)
+    disk = CandidateSettings(str(storage), in_memory=False)
+    a = {k: v.clone() for k, v in CandidateLoader(mem).load(candidate).state_dict().items()}
+    loader = CandidateLoader(disk)
+    b = loader.load(candidate).state_dict()
+    assert (storage / "candidate" / "config.json").is_file()
+    loader.cleanup()
+    assert a.keys() == b.keys() and all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+    scores_mem, _ = score_candidate(candidate, tasks, mem, tok, 8)
+    scores_disk, _ = score_candidate(candidate, tasks, disk, tok, 8)
+    assert scores_mem == scores_disk
+    assert list(storage.iterdir()) == []  # the on-disk candidate is removed after scoring
+
+
+def test_merge_best_and_cli(tmp_path, capsys):
+    path = write_genome(tmp_path, genome_doc())
+    out = tmp_path / "best"
+    with pytest.raises(SystemExit) as exc:
+        main(["evolve", str(path), "--storage-path", str(tmp_path / "s"), "--max-fevals", "2", "--popsize", "2",
+              "--merge-best", str(out), "--no-in-memory", "-q"])
+    assert exc.value.code == 0, capsys.readouterr().err
+    assert "best fitness" in capsys.readouterr().out
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    import torch
+
+    assert torch.isfinite(model(torch.tensor([[1, 5, 6]])).logits).all()
+    assert not (tmp_path / "s" / "candidate").exists()
