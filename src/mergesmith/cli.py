@@ -115,8 +115,8 @@ def _merge_options(f: Any, hide: tuple[str, ...] = ()) -> Any:
         option(
             "--strict",
             is_flag=True,
-            help="Refuse the config on any warning (an unknown key, a parameter the method does not use) "
-            "instead of ignoring it as mergekit does.",
+            help="Treat every warning as an error: an unknown key or a parameter the method does not use (which "
+            "mergekit ignores), a suspicious parameter value, NaN/inf in the inputs, a plan's warnings.",
         ),
         option(
             "--device",
@@ -142,11 +142,6 @@ def _merge_options(f: Any, hide: tuple[str, ...] = ()) -> Any:
             "--ray-address",
             default=None,
             help="Ray cluster to join (`auto`, `HOST:6379`, `ray://HOST:10001`); default: RAY_ADDRESS or a local Ray.",
-        ),
-        option(
-            "--strict",
-            is_flag=True,
-            help="Treat warnings as errors (suspicious parameters, NaN/inf in inputs, a plan's warnings).",
         ),
         option("-v", "--verbose", is_flag=True, help="Show tracebacks and details."),
     ]
