@@ -202,10 +202,13 @@ class ModulePlanner(Planner):
         try:
             for layout in base_layouts:
                 if layout.name not in named:
-                    self.warnings.append(
+                    warning = (
                         f"{self.source}: `modules`: module {layout.name!r} is not listed, so its tensors are "
                         f"copied from the base model {self.base_ref!r} (mergekit would leave them out)"
                     )
+                    if self.options.strict:
+                        raise ConfigError(f"{warning} (an error under --strict)")
+                    self.warnings.append(warning)
                     recipes.extend(self._copied(layout))
                     continue
                 name, module = named[layout.name]
