@@ -152,8 +152,10 @@ def della_probabilities(rows: torch.Tensor, density: float, epsilon: float) -> t
     # rank as mergekit rounds it: the 0-based position converted to the work dtype, then + 1 in that dtype
     positions = (torch.arange(rows.shape[1], device=rows.device).to(dtype) + 1).expand_as(order)
     ranks = torch.empty(order.shape, dtype=dtype, device=rows.device).scatter_(1, order, positions)
-    lowest = ranks.min(dim=1, keepdim=True).values
-    highest = ranks.max(dim=1, keepdim=True).values
+    # Each row's ranks are a permutation of `positions`, whose smallest and largest are its first and last (the
+    # rounding to the work dtype is monotone): mergekit's min and max over the ranks, without two more passes.
+    lowest = positions[:, :1]
+    highest = positions[:, -1:]
     span = highest - lowest
     # A one-entry row has no spread of ranks; it is kept with probability `density` (mergekit would divide 0 by 0).
     position = torch.where(span > 0, (ranks - lowest) / torch.where(span > 0, span, 1), 0.5).clamp(0, 1)
