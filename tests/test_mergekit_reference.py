@@ -10,6 +10,13 @@ Two levels:
   (through `mergesmith.api.run_merge`, the CLI's engine), and every tensor of the output directory must be
   bit-identical to mergekit's, with the same tensor names.
 
+Randomised methods (DARE, DELLA): mergekit draws its masks from torch's global generator (the fixtures reseed
+it per tensor); mergesmith's executor draws them from a counter-based generator keyed by (seed, task vector,
+entry position) (methods/keyed_random.py), so that row blocks can be drawn independently. The unit level still
+replays them with a torch generator, which must give mergekit's bytes (the arithmetic around the masks is
+mergekit's); end to end, the expected output of those cases is that same replay with the keyed masks
+(`expected_output`), and a test shows that the keyed masks do differ from mergekit's.
+
 Bit-identical is the expectation throughout: same torch version, same operations in the same order. Known
 deviations are listed in DEVIATIONS below with their reason; a case there is expected to fail (strict
 xfail), so fixing the cause shows up as an unexpected pass. Cases whose mergekit output depends on the CPU
@@ -32,6 +39,7 @@ import torch
 from safetensors.torch import load_file
 
 from mergesmith.methods import get_method
+from mergesmith.methods.keyed_random import MaskStream
 from mergesmith.methods.registry import MergeInputs
 
 REFERENCE = Path(__file__).parent / "reference"
@@ -142,8 +150,11 @@ def test_fixtures_are_complete():
     }
 
 
-def replay(case: str, tensor: str, call: dict, models: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
-    """Run mergesmith's method on exactly the inputs and parameters mergekit used for one tensor."""
+def replay(
+    case: str, tensor: str, call: dict, models: dict[str, dict[str, torch.Tensor]], keyed: bool = False
+) -> torch.Tensor:
+    """Run mergesmith's method on exactly the inputs and parameters mergekit used for one tensor (`keyed`: with
+    masks from the keyed stream of the call's seed, as the executor draws them, instead of torch's generator)."""
     config = _case_config(case)
     spec = get_method(MANIFEST["cases"][case]["method"])
     compute = _dtype(config.get("dtype")) or torch.float32
@@ -155,7 +166,8 @@ def replay(case: str, tensor: str, call: dict, models: dict[str, dict[str, torch
     params = {p.name: p.default for p in spec.params} | call["params"]
     model_params = [{p.name: p.default for p in spec.model_params} | mp for mp in call["model_params"]]
     generator = torch.Generator().manual_seed(call["seed"]) if "seed" in call else None
-    out = spec.merge(MergeInputs(tensors, base_index, model_params, params, generator, tensor))
+    stream = MaskStream(call["seed"]) if keyed and "seed" in call else None
+    out = spec.merge(MergeInputs(tensors, base_index, model_params, params, generator, tensor, stream=stream))
     out_dtype = _dtype(config.get("out_dtype"))
     return out.to(out_dtype) if out_dtype is not None else out
 
@@ -190,6 +202,29 @@ def test_replay_detects_a_wrong_parameter(inputs):
 # ----- end to end ------------------------------------------------------------------------------------------------
 
 
+def keyed_case(case: str) -> bool:
+    """A case whose method draws its masks from the keyed stream in the executor."""
+    spec = get_method(MANIFEST["cases"][case]["method"])
+    return bool(spec and spec.keyed_random and MANIFEST["cases"][case]["random_seed"] is not None)
+
+
+def expected_output(case: str, models: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """mergekit's output, or for a keyed case mergekit's calls replayed with the keyed masks (see the docstring)."""
+    reference = load_reference(case)
+    if not keyed_case(case):
+        return reference
+    return {name: replay(case, name, CALLS[case][name], models, keyed=True) for name in reference}
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if keyed_case(c)))
+def test_keyed_masks_are_not_mergekits(case, inputs):
+    """The one place the end-to-end expectation is not mergekit's output: the keyed masks really differ from
+    those of torch's generator (so the replay above is not a disguised copy of mergekit's bytes)."""
+    reference = load_reference(case)
+    keyed = expected_output(case, inputs)
+    assert any(not torch.equal(keyed[k], reference[k]) for k in reference if CALLS[case][k].get("seed") is not None)
+
+
 def _run_mergesmith(case: str, out_dir: Path) -> dict[str, torch.Tensor]:
     from mergesmith.api import run_merge
     from mergesmith.planner import MergeOptions
@@ -208,8 +243,8 @@ def _run_mergesmith(case: str, out_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("case", list(_params(DEVIATIONS_E2E)))
-def test_cli_matches_mergekit(case, tmp_path):
-    reference = load_reference(case)
+def test_cli_matches_mergekit(case, tmp_path, inputs):
+    reference = expected_output(case, inputs)
     ours = _run_mergesmith(case, tmp_path / "out")
     assert set(ours) == set(reference), f"tensor names differ: {sorted(set(ours) ^ set(reference))}"
     mismatched = []
@@ -234,7 +269,7 @@ def test_no_dtype_computes_in_float32(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["della", "slerp_slices_gradient_filters"])
-def test_real_cli_matches_mergekit(case, tmp_path):
+def test_real_cli_matches_mergekit(case, tmp_path, inputs):
     """The `mergesmith merge` command itself, with 2 worker threads (the API runs above use 1)."""
     import subprocess
     import sys
@@ -254,7 +289,7 @@ def test_real_cli_matches_mergekit(case, tmp_path):
     ours: dict[str, torch.Tensor] = {}
     for f in sorted((tmp_path / "out").glob("*.safetensors")):
         ours.update(load_file(str(f)))
-    reference = load_reference(case)
+    reference = expected_output(case, inputs)
     assert set(ours) == set(reference)
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
 

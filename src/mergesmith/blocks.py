@@ -15,15 +15,27 @@ BLOCK_ELEMENTS = 1 << 20
 
 
 def blockable(recipe: TensorRecipe) -> bool:
-    """Whether the recipe may run in row blocks: copies, and merges by elementwise, non-random methods."""
+    """Whether the recipe may run in row blocks: copies, and merges by methods that are elementwise (maybe
+    after a totals pass), and either not random or drawing by entry position (`keyed_random`)."""
     if len(recipe.shape) == 0:
         return False
     if recipe.op == "copy":
         return True
-    if recipe.op != "merge" or recipe.seed is not None:
+    if recipe.op != "merge":
         return False
     spec = get_method(recipe.method or "")
-    return bool(spec and spec.elementwise)
+    if spec is None or (recipe.seed is not None and not spec.keyed_random):
+        return False
+    return spec.elementwise or spec.totals is not None
+
+
+def two_pass(recipe: TensorRecipe) -> bool:
+    """Whether the recipe runs in several row blocks and its method needs a totals pass over them first: its
+    inputs are then read twice, through the page cache (not the input feed, whose reads bypass it)."""
+    spec = get_method(recipe.method or "") if recipe.op == "merge" else None
+    if spec is None or spec.totals is None or not spec.totals.needed(dict(recipe.params)):
+        return False
+    return len(row_blocks(recipe)) > 1
 
 
 def row_blocks(recipe: TensorRecipe, block_elements: int | None = None) -> list[tuple[int, int]]:

@@ -14,10 +14,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from .blocks import row_blocks
+from .blocks import row_blocks, two_pass
 from .devices import resolve_device
 from .dtypes import to_torch
 from .errors import ConfigError, MemoryShortage, MergeInterrupted
@@ -29,6 +30,7 @@ from .io.safetensors_writer import ShardWriter
 from .memory_limits import MemoryWatch, human
 from .memory_release import release_free_heap
 from .methods import MergeInputs, require_method
+from .methods.keyed_random import MaskStream
 from .plan import InputRef, Plan, ShardPlan, TensorRecipe
 from .planner import automatic_budget, recipe_memory
 
@@ -153,13 +155,18 @@ def compute(
     rows: tuple[int, int] | None = None,
     loaded: Sequence[torch.Tensor | None] | None = None,
     spent: Callable[[int], None] | None = None,
-) -> torch.Tensor:
+    totals: Any = None,
+    gather: Gathered | None = None,
+) -> torch.Tensor | None:
     """The output tensor of one recipe (or of its rows [start, end)), in its output dtype, on the CPU.
 
     `loaded`: inputs of these rows already read (by the executor's input feed), per input in recipe order;
     the others (None) are read from their checkpoint's memory map. `spent(index)` is called once a loaded
     input will not be read again (converted to the compute dtype, or done with by the method), so that
-    its memory can go back early, as a mapped input's pages are dropped."""
+    its memory can go back early, as a mapped input's pages are dropped.
+
+    Two-pass methods (blocks.two_pass): with `gather` the rows are folded into `gather.state` by the method's
+    totals pass and nothing is returned; `totals` hands the finished totals to the second pass."""
     out_dtype = to_torch(recipe.dtype)
     shape = recipe.shape if rows is None else (rows[1] - rows[0], *recipe.shape[1:])
 
@@ -214,24 +221,40 @@ def compute(
         # not in the plan's fingerprint, so a resume on another device must draw the same masks).
         generator = torch.Generator(device="cpu")
         generator.manual_seed(recipe.seed)
+    # Methods that draw by entry position get the seed's keyed stream, and where these rows start.
+    stream = MaskStream(recipe.seed) if recipe.seed is not None and spec.keyed_random else None
+    offset = 0 if rows is None else rows[0] * (recipe.numel() // max(recipe.shape[0], 1))
+    inputs = MergeInputs(
+        tensors=tensors,
+        base_index=recipe.base_index,
+        model_params=[dict(p) for p in recipe.model_params],
+        params=dict(recipe.params),
+        generator=generator,
+        tensor_name=recipe.name,
+        release=release,
+        stream=stream,
+        offset=offset,
+        totals=totals,
+    )
     try:
-        merged = spec.merge(
-            MergeInputs(
-                tensors=tensors,
-                base_index=recipe.base_index,
-                model_params=[dict(p) for p in recipe.model_params],
-                params=dict(recipe.params),
-                generator=generator,
-                tensor_name=recipe.name,
-                release=release,
-            )
-        )
+        if gather is not None:
+            assert spec.totals is not None
+            gather.state = spec.totals.gather(gather.state, inputs)
+            return None
+        merged = spec.merge(inputs)
     except ValueError as exc:
         # A method refuses its inputs or parameters (the plan-time checks catch what they can): the user's
         # merge, not a bug; one line naming the tensor. Finished shards stay journaled for a rerun.
         raise MethodError.of(recipe, exc) from exc
     _check_shape(recipe, merged, shape)
     return merged.to(dtype=out_dtype).cpu()
+
+
+@dataclass
+class Gathered:
+    """The state of a method's totals pass between row blocks (see registry.TotalsPass)."""
+
+    state: Any = None
 
 
 def advise_inputs(
@@ -445,18 +468,42 @@ class LocalExecutor:
         if len(blocks) == 1:
             self._compute_block(recipe, blocks[0], lambda out: writer.write(recipe.name, out), whole=True)
         else:
+            totals = None
+            if two_pass(recipe):
+                totals = self._gather_totals(recipe, blocks)
+                if totals is None:
+                    return False
             sink = writer.open_tensor(recipe.name)
             for rows in blocks:
                 if self.stop.is_set():
                     return False  # the tensor is not committed; a resume computes it again
-                self._compute_block(recipe, rows, sink.write)
+                self._compute_block(recipe, rows, sink.write, totals=totals)
                 advise_inputs(recipe, self.ckpts, "dontneed", rows, skip=self._streamed(recipe))
             sink.close()
         advise_inputs(recipe, self.ckpts, "dontneed", skip=self._streamed(recipe))
         return True
 
+    def _gather_totals(self, recipe: TensorRecipe, blocks: list[tuple[int, int]]) -> Any:
+        """The totals pass of a two-pass recipe over its row blocks, in order, read through the memory maps
+        (so the second pass finds the bytes in the page cache); None when a stop request cut it short."""
+        spec = require_method(recipe.method or "")
+        assert spec.totals is not None
+        gathered = Gathered()
+        for rows in blocks:
+            if self.stop.is_set():
+                return None
+            args = (self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
+            compute(recipe, *args, rows=rows, gather=gathered)
+            advise_inputs(recipe, self.ckpts, "dontneed", rows)
+        return spec.totals.finish(gathered.state)
+
     def _compute_block(
-        self, recipe: TensorRecipe, rows: tuple[int, int], put: Callable[[torch.Tensor], None], whole: bool = False
+        self,
+        recipe: TensorRecipe,
+        rows: tuple[int, int],
+        put: Callable[[torch.Tensor], None],
+        whole: bool = False,
+        totals: Any = None,
     ) -> None:
         """Compute rows [start, end) of a recipe (`whole`: all of it, one block) and `put` the result, from
         the inputs the feed read for them where it did. The feed's buffers go back only after `put`: the
@@ -466,7 +513,9 @@ class LocalExecutor:
         try:
             args = (self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
             spent = None if feed is None else lambda index: feed.release(recipe, rows, index)
-            put(compute(recipe, *args, rows=None if whole else rows, loaded=loaded, spent=spent))
+            out = compute(recipe, *args, rows=None if whole else rows, loaded=loaded, spent=spent, totals=totals)
+            assert out is not None
+            put(out)
         finally:
             if loaded is not None and feed is not None:
                 feed.done(recipe, rows)

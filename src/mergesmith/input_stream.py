@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .blocks import row_blocks
+from .blocks import row_blocks, two_pass
 from .dtypes import SAFETENSORS_TO_TORCH
 from .io.checkpoint import Checkpoint
 from .io.direct_read import BufferPool, DirectReader, ReadBuffer, capacity_for
@@ -234,9 +234,15 @@ class InputFeed:
 
 
 def open_feed(recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint], pool_bytes: int) -> InputFeed | None:
-    """A started feed for the blocks of these recipes' copies and merges (rows as blocks.row_blocks cuts
-    them), in this order; None when no input of them can be streamed."""
-    blocks = [(recipe, rows) for recipe in recipes if recipe.op in STREAMED_OPS for rows in row_blocks(recipe)]
+    """A started feed for the blocks of these recipes' copies and merges (rows as blocks.row_blocks cuts them;
+    not those of two-pass merges, read twice through the page cache), in this order; None when no input of them
+    can be streamed."""
+    blocks = [
+        (recipe, rows)
+        for recipe in recipes
+        if recipe.op in STREAMED_OPS and not two_pass(recipe)
+        for rows in row_blocks(recipe)
+    ]
     if not blocks:
         return None
     feed = InputFeed(blocks, checkpoints, DirectReader(BufferPool(pool_bytes)))

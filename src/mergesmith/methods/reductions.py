@@ -94,3 +94,38 @@ def norm_along(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.T
             del shape[dim]
         return out.reshape(shape)
     return torch.linalg.vector_norm(x, dim=dim, keepdim=keepdim)
+
+
+class BlockedTotal:
+    """`total()` of a tensor handed over in consecutive pieces (row blocks, in order), with the same bits.
+
+    Why: a method that rescales by a whole-tensor norm (DARE, DELLA) but otherwise works row by row needs that
+    norm before its first block is written. Fed the blocks in order, this keeps the partial sums `total` would
+    make (one per BLOCK entries of the flattened tensor, wherever the pieces are cut) and a carry of fewer
+    than BLOCK entries between pieces, so the result does not depend on how the tensor was cut.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[torch.Tensor] = []
+        self._carry: torch.Tensor | None = None
+
+    def add(self, piece: torch.Tensor) -> None:
+        flat = piece.reshape(-1)
+        if self._carry is not None and self._carry.numel():
+            flat = torch.cat([self._carry, flat])
+        if not self._parts and flat.numel() < SERIAL_LIMIT:
+            self._carry = flat.clone() if flat.data_ptr() == piece.data_ptr() else flat
+            return  # the whole tensor may still be small enough for one serial sum
+        full = flat.numel() // BLOCK * BLOCK
+        if full:
+            self._parts.append(flat[:full].view(-1, BLOCK).sum(dim=1))
+        self._carry = flat[full:].clone()
+
+    def result(self) -> torch.Tensor:
+        carry = self._carry
+        if not self._parts:
+            return carry.sum() if carry is not None else torch.zeros(())
+        parts = self._parts
+        if carry is not None and carry.numel():
+            parts = [*parts, carry.sum().reshape(1)]
+        return total(torch.cat(parts))

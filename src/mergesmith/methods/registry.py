@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .keyed_random import MaskStream
+
 _SWITCH_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0", "t", "f", "y", "n"}
 
 
@@ -56,6 +58,12 @@ class MergeInputs:
     `generator` is seeded by (random seed, output tensor name) for randomised methods, else None. It is
     always a CPU generator: a method draws on the CPU and moves the draw to its tensors' device, so a seed
     gives the same bytes on every device.
+
+    `stream` (methods with `keyed_random`) is the same seed's position-keyed generator (keyed_random.py): a
+    method that has it draws from it instead of `generator`, entry j of `tensors` being entry `offset + j` of
+    the whole output tensor (in C order), so a row block draws what the whole tensor would at those entries.
+    `totals` is what the method's `totals` pass gathered over all row blocks of the tensor (None when the
+    tensor is merged whole, or the pass is not needed: the method then computes them itself).
     """
 
     tensors: Sequence[torch.Tensor]
@@ -65,6 +73,9 @@ class MergeInputs:
     generator: torch.Generator | None = None
     tensor_name: str = ""
     release: Callable[[int], None] | None = None
+    stream: MaskStream | None = None
+    offset: int = 0
+    totals: Any = None
 
     def done_with(self, index: int) -> None:
         """Say that `tensors[index]` will not be read again by this call.
@@ -90,6 +101,22 @@ MergeFn = Callable[[MergeInputs], torch.Tensor]
 
 
 @dataclass(frozen=True)
+class TotalsPass:
+    """A first pass over a tensor's row blocks for a method that is elementwise except for a few per-tensor
+    numbers (DARE's and DELLA's rescaling by the whole task vector's L1 norm).
+
+    `needed(params)` says, from the resolved global parameters, whether the pass is needed at all;
+    `gather(state, inputs)` folds one row block (handed over in row order; `state` is None for the first) and
+    returns the new state; `finish(state)` turns it into `MergeInputs.totals` for the second pass, which then
+    writes each block exactly as the whole-tensor merge would have written those rows.
+    """
+
+    needed: Callable[[dict[str, Any]], bool]
+    gather: Callable[[Any, MergeInputs], Any]
+    finish: Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     """How the planner and executor treat a method.
 
@@ -100,6 +127,10 @@ class MethodSpec:
     - `randomized`: the executor passes a generator seeded per output tensor;
     - `elementwise`: the output row block depends only on the same row block of the inputs, so
       huge tensors may be merged in row blocks to cap memory;
+    - `totals`: a first pass (see TotalsPass) after which the method is elementwise: such a method also runs
+      in row blocks, reading each block's inputs twice (the second time from the page cache);
+    - `keyed_random`: a randomised method that draws only from `MergeInputs.stream`, by entry position, so
+      its row blocks draw what the whole tensor would (randomised methods without it run whole);
     - `uses_base_in_models`: whether the base model contributes even when not listed in `models`;
     - `min_non_base`/`max_non_base`: bounds on the models other than the base (None: no bound), for
       methods whose base is optional, e.g. nuslerp takes exactly two models besides an optional base;
@@ -137,6 +168,8 @@ class MethodSpec:
     memory_chunked: tuple[float, float] = (0.0, 0.0)
     memory_chunk_elements: int = 0
     model_params_problem: Callable[[dict[str, Any]], str | None] | None = None
+    totals: TotalsPass | None = None
+    keyed_random: bool = False
 
     def model_problem(self, params: dict[str, Any]) -> str | None:
         """Why one model's resolved parameters, taken together, cannot be used (None when they can):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from .keyed_random import MaskStream
 from .reductions import total
 from .sort_select import sorted_window_mask
 
@@ -136,13 +137,49 @@ def della_magprune(
     dtype = _float_work(delta)
     shape = delta.shape
     rows = delta.unsqueeze(0) if delta.dim() < 2 else delta
-    # rank 1 = smallest magnitude in the row; argsort of argsort gives each entry's position in sorted order
-    ranks = torch.argsort(torch.argsort(rows.abs(), dim=1, descending=False), dim=1).to(dtype) + 1
-    lowest = ranks.min(dim=1, keepdim=True).values
-    highest = ranks.max(dim=1, keepdim=True).values
+    probs = della_probabilities(rows, density, epsilon)
+    mask = _cpu_bernoulli(probs, generator).to(dtype)
+    return keep_l1_norm(rows.to(dtype), mask, rescale).to(delta.dtype).reshape(shape)
+
+
+def della_probabilities(rows: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
+    """MagPrune's keep probability of every entry of `rows` (ranked along dim 1), in the work dtype.
+
+    The inverse of the sorting permutation gives each entry's rank; that is argsort(argsort(.)) (mergekit's
+    call) with one sort fewer, and the same ranks, since argsort of a permutation is its unique inverse."""
+    dtype = _float_work(rows)
+    order = torch.argsort(rows.abs(), dim=1, descending=False)
+    # rank as mergekit rounds it: the 0-based position converted to the work dtype, then + 1 in that dtype
+    positions = (torch.arange(rows.shape[1], device=rows.device).to(dtype) + 1).expand_as(order)
+    ranks = torch.empty(order.shape, dtype=dtype, device=rows.device).scatter_(1, order, positions)
+    # Each row's ranks are a permutation of `positions`, whose smallest and largest are its first and last (the
+    # rounding to the work dtype is monotone): mergekit's min and max over the ranks, without two more passes.
+    lowest = positions[:, :1]
+    highest = positions[:, -1:]
     span = highest - lowest
     # A one-entry row has no spread of ranks; it is kept with probability `density` (mergekit would divide 0 by 0).
     position = torch.where(span > 0, (ranks - lowest) / torch.where(span > 0, span, 1), 0.5).clamp(0, 1)
-    probs = (density - epsilon) + position * 2 * epsilon
-    mask = _cpu_bernoulli(probs, generator).to(dtype)
-    return keep_l1_norm(rows.to(dtype), mask, rescale).to(delta.dtype).reshape(shape)
+    return (density - epsilon) + position * 2 * epsilon
+
+
+def dare_keep(stream: MaskStream, index: int, offset: int, delta: torch.Tensor, density: float) -> torch.Tensor:
+    """DARE's keep mask (0/1 in the work dtype) for the entries of `delta`, which start at flat position
+    `offset` of their tensor, from stream `index` (one per task vector). The probability is `density` as the
+    work dtype holds it, as the whole-tensor draw uses it."""
+    work = _float_work(delta)
+    p = float(torch.tensor(density, dtype=work))
+    return stream.keep(index, offset, tuple(delta.shape), p).to(device=delta.device, dtype=work)
+
+
+def della_keep(
+    stream: MaskStream, index: int, offset: int, delta: torch.Tensor, density: float, epsilon: float
+) -> torch.Tensor:
+    """DELLA's keep mask (0/1 in the work dtype, shaped like `delta`) from the keyed stream; see dare_keep."""
+    rows = delta.unsqueeze(0) if delta.dim() < 2 else delta
+    probs = della_probabilities(rows, density, epsilon).cpu()
+    return stream.keep_with(index, offset, probs).to(device=delta.device, dtype=_float_work(delta)).reshape(delta.shape)
+
+
+def work_dtype_of(delta: torch.Tensor) -> torch.dtype:
+    """The dtype random sparsifiers compute in (see _float_work)."""
+    return _float_work(delta)

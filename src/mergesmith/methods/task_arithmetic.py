@@ -37,7 +37,9 @@ import torch
 
 from . import sparsify
 from .common import as_bool, check_same_shape, require_base, require_generator
-from .registry import MergeInputs, MethodSpec, ParamSpec, register
+from .keyed_random import MaskStream
+from .reductions import BlockedTotal
+from .registry import MergeInputs, MethodSpec, ParamSpec, TotalsPass, register
 
 CONSENSUS_METHODS = ("sum", "count")
 
@@ -158,6 +160,29 @@ def _della(delta, params, rescale, generator, name):
     return sparsify.della_magprune(delta, density, float(params["epsilon"]), generator, rescale)
 
 
+KeyedMask = Callable[[torch.Tensor, dict, MaskStream, int, int], "torch.Tensor | None"]
+"""(delta, model params, stream, stream index, flat offset) -> keep mask in the work dtype, or None: keep all."""
+
+
+def _dare_keyed(delta, params, stream, index, offset):
+    density = float(params["density"])
+    if density >= 1:
+        return None
+    return sparsify.dare_keep(stream, index, offset, delta, density)
+
+
+def _della_keyed(delta, params, stream, index, offset):
+    density, epsilon = float(params["density"]), float(params["epsilon"])
+    if density >= 1:
+        return None
+    if density <= 0:
+        return torch.zeros_like(delta, dtype=sparsify.work_dtype_of(delta))
+    problem = sparsify.della_problem(density, epsilon)
+    if problem:
+        raise ValueError(f"della: {problem}")
+    return sparsify.della_keep(stream, index, offset, delta, density, epsilon)
+
+
 @dataclass(frozen=True)
 class _Family:
     """One member of the family: which sparsifier, whether sign consensus, and default switches."""
@@ -173,8 +198,11 @@ class _Family:
     # working memory (see MethodSpec): whole tensor (per input, fixed, dtype-independent bytes) and one mix chunk
     memory: tuple[tuple[float, float, int], tuple[float, float]] = ((4.5, 1, 0), (0.0, 0.0))
     model_params_problem: Callable[[dict], str | None] | None = None
+    keyed: KeyedMask | None = None
 
     def merge(self, inputs: MergeInputs) -> torch.Tensor:
+        if inputs.stream is not None and self.keyed is not None:
+            return self._merge_keyed(inputs)
         check_same_shape(inputs, self.name)
         base_index = require_base(inputs, self.name)
         base = inputs.tensors[base_index]
@@ -191,6 +219,10 @@ class _Family:
             kept = self.sparsifier(delta, inputs.model_params[i], rescale, inputs.generator, inputs.tensor_name)
             if kept is not delta:  # without sparsification the difference is already in place
                 delta.copy_(kept)
+        return self._mix(inputs, base, deltas)
+
+    def _mix(self, inputs: MergeInputs, base: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        params = inputs.params
         consensus = None
         if self.consensus:
             consensus = str(params.get("consensus_method", "sum"))
@@ -201,12 +233,64 @@ class _Family:
         return merge_task_vectors(
             base,
             deltas,
-            [float(inputs.model_params[i]["weight"]) for i in others],
+            [float(inputs.model_params[i]["weight"]) for i in inputs.others()],
             consensus=consensus,
             normalize=as_bool(params["normalize"], "normalize"),
             lam=float(params["lambda"]),
             int8_mask=as_bool(params["int8_mask"], "int8_mask"),
         )
+
+    def _keyed_masks(self, inputs: MergeInputs):
+        """Per task vector, in order: (stream index, input index, delta in the compute dtype, its keep mask in
+        the work dtype or None), drawn from the keyed stream at this block's entries."""
+        check_same_shape(inputs, self.name)
+        base_index = require_base(inputs, self.name)
+        base = inputs.tensors[base_index]
+        assert inputs.stream is not None and self.keyed is not None
+        for row, i in enumerate(inputs.others()):
+            delta = inputs.tensors[i] - base
+            inputs.done_with(i)
+            yield row, i, delta, self.keyed(delta, inputs.model_params[i], inputs.stream, row, inputs.offset)
+
+    def _merge_keyed(self, inputs: MergeInputs) -> torch.Tensor:
+        """The merge with masks from the keyed stream: whole, or one row block of a tensor whose L1 norms the
+        totals pass gathered (`inputs.totals`); the same arithmetic as sparsify.keep_l1_norm either way."""
+        base = inputs.tensors[require_base(inputs, self.name)]
+        others = inputs.others()
+        if not others:
+            return base
+        rescale = as_bool(inputs.params["rescale"], "rescale")
+        deltas = base.new_empty((len(others), *base.shape))
+        for row, _i, delta, mask in self._keyed_masks(inputs):
+            if mask is not None:
+                work = delta.to(mask.dtype)
+                if rescale and inputs.totals is None:
+                    before = sparsify.total(work.abs())
+                work.mul_(mask)  # `work` is this call's own: the difference, or its conversion
+                if rescale:
+                    after = sparsify.total(work.abs()) if inputs.totals is None else inputs.totals[row][1]
+                    before = before if inputs.totals is None else inputs.totals[row][0]
+                    if not (before < sparsify.L1_EPS or after < sparsify.L1_EPS):
+                        work.mul_(before / after)
+                delta = work
+            deltas[row].copy_(delta)
+        return self._mix(inputs, base, deltas)
+
+    def gather_totals(self, state: list | None, inputs: MergeInputs) -> list:
+        """The totals pass over one row block: per task vector, |delta|_1 and |delta * mask|_1 so far."""
+        if state is None:
+            state = [(BlockedTotal(), BlockedTotal()) for _ in inputs.others()]
+        for row, _i, delta, mask in self._keyed_masks(inputs):
+            if mask is None:
+                continue
+            work = delta.to(mask.dtype)
+            state[row][0].add(work.abs())
+            state[row][1].add(work.mul_(mask).abs_())
+        return state
+
+    @staticmethod
+    def finish_totals(state: list) -> list:
+        return [(before.result(), after.result()) for before, after in state]
 
     def spec(self) -> MethodSpec:
         params = [
@@ -239,6 +323,14 @@ class _Family:
             memory_chunked=self.memory[1],
             memory_chunk_elements=MIX_CHUNK,
             model_params_problem=self.model_params_problem,
+            keyed_random=self.keyed is not None,
+            totals=None
+            if self.keyed is None
+            else TotalsPass(
+                needed=lambda params: as_bool(params.get("rescale", self.rescale), "rescale"),
+                gather=self.gather_totals,
+                finish=self.finish_totals,
+            ),
         )
 
 
@@ -280,6 +372,7 @@ FAMILY: tuple[_Family, ...] = (
         False,
         True,
         randomized=True,
+        keyed=_dare_keyed,
         description="DARE random drop, linear sum",
         memory=_SUM,
     ),
@@ -290,6 +383,7 @@ FAMILY: tuple[_Family, ...] = (
         False,
         True,
         randomized=True,
+        keyed=_dare_keyed,
         description="DARE random drop, TIES sign",
         memory=_CONSENSUS,
     ),
@@ -321,6 +415,7 @@ FAMILY: tuple[_Family, ...] = (
         True,
         (_EPSILON,),
         randomized=True,
+        keyed=_della_keyed,
         description="DELLA MagPrune, TIES sign",
         memory=_DELLA,
         model_params_problem=_della_params_problem,
@@ -333,6 +428,7 @@ FAMILY: tuple[_Family, ...] = (
         True,
         (_EPSILON,),
         randomized=True,
+        keyed=_della_keyed,
         description="DELLA, linear sum",
         memory=_RANKED,
         model_params_problem=_della_params_problem,

@@ -1,0 +1,87 @@
+"""Random keep-masks addressed by position: draw i of a tensor depends only on (seed, stream, i).
+
+Why: DARE and DELLA draw one Bernoulli per task-vector entry. Drawn from one sequential generator (torch's
+Mersenne Twister, as mergekit does) the mask of entry i depends on every draw before it, so a tensor must be
+drawn whole, in order, on one thread, and torch's `bernoulli` costs ~15 ns an entry on this CPU. A
+counter-based generator has no such chain: the draws of any row block are computed from the block's position
+alone, so a tensor can be merged block by block (in any order, on any thread) and its mask is the same bytes
+whatever the block size, the thread count, the `--max-memory` budget, a resume, or the compute device.
+
+The generator is numpy's Philox-4x64 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3"),
+keyed by the recipe's per-tensor seed (itself derived from `--random-seed` and the tensor name) and a stream
+number (one per task vector). Entries come in chunks of CHUNK: chunk c is the Philox stream whose counter
+starts at (0, c, s, 0) for stream s, so chunks never share a counter value. numpy guarantees a bit generator's
+output does not change across versions and platforms, and the draws are made on the CPU, so the bytes are the
+same on every machine and device. Measured on this machine (2 shared cores, bench/README.md): ~2.4 ns per
+entry against ~15 ns for torch's CPU `bernoulli`.
+
+Entry i is kept with probability p when u_i < p, u_i = (top 24 bits of the i-th 32-bit draw) / 2**24: the
+same 24-bit grid a float32 uniform has. For a scalar p this is the integer test draw < ceil(p * 2**24) * 256.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import torch
+
+CHUNK = 1 << 16
+"""Entries per keyed chunk: a block's draws cost one state change per chunk (~3 us) plus the draws."""
+
+_KEY_TAG = 0x6D65726765736D74  # "mergesmt": the second key word, so these streams differ from any other use
+_UNIT = float(1 << 24)
+_LITTLE = sys.byteorder == "little"
+
+
+class MaskStream:
+    """Uniform draws for the entries of one tensor, by flat (C-order) position, for `streams` task vectors.
+
+    Not thread-safe (it reuses one bit generator): the executor makes one per recipe computation."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed) & ((1 << 64) - 1)
+        self._bits = np.random.Philox(key=np.array([self.seed, _KEY_TAG], dtype=np.uint64))
+        self._state = self._bits.state
+
+    def draws(self, stream: int, start: int, count: int) -> np.ndarray:
+        """The 32-bit draws of entries [start, start + count) of stream `stream`, as a uint32 array."""
+        out = np.empty(count, dtype=np.uint32)
+        first = start // CHUNK
+        last = (start + count - 1) // CHUNK if count else first - 1
+        done = 0
+        for chunk in range(first, last + 1):
+            lo = max(start, chunk * CHUNK) - chunk * CHUNK
+            hi = min(start + count, (chunk + 1) * CHUNK) - chunk * CHUNK
+            raw = self._chunk(stream, chunk, hi)
+            out[done : done + hi - lo] = raw[lo:hi]
+            done += hi - lo
+        return out
+
+    def _chunk(self, stream: int, chunk: int, upto: int) -> np.ndarray:
+        """The first `upto` 32-bit draws of one chunk (draws come in pairs: one 64-bit output each)."""
+        state = self._state
+        state["state"]["counter"] = np.array([0, chunk, stream, 0], dtype=np.uint64)
+        state["buffer_pos"] = 4  # no buffered outputs: the next one is computed from the counter
+        state["has_uint32"] = 0
+        self._bits.state = state
+        raw = self._bits.random_raw((upto + 1) // 2)
+        if _LITTLE:
+            return raw.view(np.uint32)  # low then high half of each 64-bit output
+        halves = np.empty(raw.size * 2, dtype=np.uint32)
+        halves[0::2], halves[1::2] = raw & 0xFFFFFFFF, raw >> 32
+        return halves
+
+    def keep(self, stream: int, start: int, shape: tuple[int, ...], p: float) -> torch.Tensor:
+        """Bool mask of `shape` (entries start, start+1, ... in C order): True with probability p each."""
+        count = math.prod(shape)
+        threshold = min(1 << 32, math.ceil(p * _UNIT) * 256)
+        return torch.from_numpy(self.draws(stream, start, count) < threshold).reshape(shape)
+
+    def keep_with(self, stream: int, start: int, probs: torch.Tensor) -> torch.Tensor:
+        """Bool mask shaped like `probs` (on the CPU): entry j kept when u_j < probs[j] (compared in float32,
+        exact: u_j is on the 24-bit grid and probs * 2**24 only shifts the exponent)."""
+        draws = self.draws(stream, start, probs.numel())
+        grid = torch.from_numpy((draws >> 8).astype(np.float32)).reshape(probs.shape)
+        return grid < probs.to(torch.float32) * _UNIT

@@ -1,0 +1,207 @@
+"""DARE and DELLA masks from the keyed stream: right statistics, and the same bytes however the work is cut.
+
+The executor hands DARE/DELLA a counter-based stream (methods/keyed_random.py) instead of a sequential
+generator, so a tensor can be merged in row blocks: a totals pass gathers the task vectors' L1 norms, the
+second pass writes each block. What must hold: the drop keeps `density` of the entries (within sampling error),
+the rescale is the whole tensor's, and the output bytes do not depend on the block size, the thread count,
+`--max-memory` or an interruption and resume.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mergesmith import blocks
+from mergesmith.methods import get_method, sparsify
+from mergesmith.methods.keyed_random import CHUNK, MaskStream
+from mergesmith.methods.reductions import BlockedTotal, total
+from mergesmith.methods.registry import MergeInputs
+
+KEYED = ("dare_ties", "dare_linear", "della", "della_linear")
+
+
+# ----- the stream ---------------------------------------------------------------------------------------------
+
+
+def test_draws_depend_only_on_position_not_on_how_they_are_asked_for():
+    stream = MaskStream(123)
+    whole = stream.draws(1, 0, 3 * CHUNK + 17)
+    pieces = [(0, 5), (5, CHUNK - 3), (CHUNK + 2, 2 * CHUNK + 1), (3 * CHUNK + 3, 3 * CHUNK + 17)]
+    for start, end in pieces:
+        assert np.array_equal(MaskStream(123).draws(1, start, end - start), whole[start:end])
+    assert not np.array_equal(stream.draws(0, 0, 100), whole[:100])  # another task vector, another stream
+    assert not np.array_equal(MaskStream(124).draws(1, 0, 100), whole[:100])  # another seed
+
+
+def test_draws_are_pinned():
+    """The bytes are part of the output format (a resume on another machine or numpy must draw the same): numpy
+    guarantees Philox's stream; this pins our keying of it."""
+    assert MaskStream(7).draws(0, 0, 4).tolist() == PINNED_FIRST_DRAWS
+    assert MaskStream(7).draws(1, 5 * CHUNK + 3, 2).tolist() == PINNED_LATER_DRAWS
+
+
+PINNED_FIRST_DRAWS = [4144027521, 242046904, 2011631631, 2656154035]
+PINNED_LATER_DRAWS = [1396473438, 2731306328]
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dare_keeps_density_within_sampling_error(p):
+    n = 1 << 22
+    kept = MaskStream(5).keep(0, 0, (n,), p).sum().item() / n
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(kept - p) < 5 * sigma, (kept, p, sigma)
+
+
+def test_della_keeps_density_on_average_and_more_of_the_large_entries():
+    delta = torch.randn(512, 4096, generator=torch.Generator().manual_seed(0))
+    mask = sparsify.della_keep(MaskStream(9), 0, 0, delta, 0.4, 0.2)
+    n = delta.numel()
+    assert abs(mask.mean().item() - 0.4) < 5 * math.sqrt(0.4 * 0.6 / n)
+    large = delta.abs() > delta.abs().median(dim=1, keepdim=True).values
+    assert mask[large].mean().item() > 0.45 > 0.35 > mask[~large].mean().item()  # ~0.5 and ~0.3 expected
+
+
+# ----- the rescale and the blocks -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_blocked_total_equals_total_however_cut(dtype):
+    x = torch.randn(300_001, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for cuts in ([0, 300_001], [0, 17, 40_000, 40_001, 299_999, 300_001], [*range(0, 300_001, 999), 300_001]):
+        acc = BlockedTotal()
+        for a, b in zip(cuts, cuts[1:]):
+            acc.add(x[a:b])
+        assert torch.equal(acc.result(), total(x)), cuts
+    small = BlockedTotal()
+    small.add(x[:100])
+    small.add(x[100:20_000])
+    assert torch.equal(small.result(), x[:20_000].sum())
+
+
+def _models(shape, dtype, n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=g)
+    return [t.to(dtype) for t in [base] + [base + 0.01 * torch.randn(shape, generator=g) for _ in range(n - 1)]]
+
+
+MODEL_PARAMS = [{}, {"weight": 0.6, "density": 0.4, "epsilon": 0.1}, {"weight": 0.4, "density": 0.7, "epsilon": 0.2}]
+
+
+def _merge_in_blocks(method, tensors, step, seed=5):
+    spec = get_method(method)
+    params = {p.name: p.default for p in spec.params}
+    rows = tensors[0].shape[0]
+    width = tensors[0].numel() // rows
+
+    def inputs(r, totals=None):
+        block = [t[r : r + step] for t in tensors]
+        return MergeInputs(block, 0, MODEL_PARAMS, params, None, "t", stream=MaskStream(seed), offset=r * width,
+                           totals=totals)
+
+    state = None
+    for r in range(0, rows, step):
+        state = spec.totals.gather(state, inputs(r))
+    totals = spec.totals.finish(state)
+    return torch.cat([spec.merge(inputs(r, totals)) for r in range(0, rows, step)])
+
+
+@pytest.mark.parametrize("method", KEYED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_blocks_give_the_whole_tensors_bytes(method, dtype):
+    spec = get_method(method)
+    assert spec.keyed_random and spec.totals is not None
+    tensors = _models((120, 1000), dtype)
+    params = {p.name: p.default for p in spec.params}
+    whole = spec.merge(MergeInputs(tensors, 0, MODEL_PARAMS, params, None, "t", stream=MaskStream(5)))
+    for step in (1, 7, 64):
+        assert torch.equal(_merge_in_blocks(method, tensors, step), whole), step
+    other_seed = spec.merge(MergeInputs(tensors, 0, MODEL_PARAMS, params, None, "t", stream=MaskStream(6)))
+    assert not torch.equal(other_seed, whole)
+
+
+def test_rescale_keeps_each_task_vectors_l1_norm_exactly_as_the_formula_says():
+    """dare_linear of one task vector with weight 1: out - base is the rescaled kept delta, whose L1 norm is the
+    delta's (to float rounding), and whose entries are the delta's times one factor |d|_1 / |m d|_1."""
+    base, tuned = _models((256, 1024), torch.float32, n=2)
+    spec = get_method("dare_linear")
+    params = {p.name: p.default for p in spec.params}
+    mp = [{}, {"weight": 1.0, "density": 0.3}]
+    out = spec.merge(MergeInputs([base, tuned], 0, mp, params, None, "t", stream=MaskStream(2)))
+    delta = tuned - base
+    kept = out - base
+    mask = sparsify.dare_keep(MaskStream(2), 0, 0, delta, 0.3)
+    factor = total(delta.abs()) / total((delta * mask).abs())
+    assert torch.equal(out, base + delta * mask * factor)
+    assert kept.abs().sum().item() == pytest.approx(delta.abs().sum().item(), rel=1e-4)
+    assert (kept != 0).float().mean().item() == pytest.approx(0.3, abs=0.01)
+
+
+# ----- end to end: the executor ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def three_models(tiny_models):
+    base = tiny_models("llama", seed=21)
+    return base, tiny_models.derive(base, seed=22, scale=0.02), tiny_models.derive(base, seed=23, scale=0.02)
+
+
+def _run(method, models, out: Path, *, threads=1, max_memory=None, stop_after=None, shard=40_000):
+    from mergesmith.api import run_merge
+    from mergesmith.config import parse_config
+    from mergesmith.planner import MergeOptions
+
+    base, a, b = models
+    eps = method.startswith("della")
+    cfg = parse_config(
+        {
+            "merge_method": method,
+            "base_model": str(base),
+            "models": [
+                {"model": str(a), "parameters": {"weight": 0.6, "density": 0.4} | ({"epsilon": 0.1} if eps else {})},
+                {"model": str(b), "parameters": {"weight": 0.4, "density": 0.7} | ({"epsilon": 0.2} if eps else {})},
+            ],
+        }
+    )
+    options = MergeOptions(
+        random_seed=3, threads=threads, max_memory=max_memory, copy_tokenizer=False, write_model_card=False,
+        out_shard_size=shard,
+    )
+    stop = threading.Event()
+    done = [0]
+
+    def progress(event):
+        if event.recipe is not None:
+            done[0] += 1
+            if stop_after is not None and done[0] >= stop_after:
+                stop.set()
+
+    run_merge(cfg, out, options, on_progress=progress, stop=stop)
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+
+
+@pytest.mark.parametrize("method", ["dare_ties", "della"])
+def test_same_bytes_whole_blocked_threads_budget_and_resume(method, three_models, tmp_path, monkeypatch):
+    from mergesmith import executor
+    from mergesmith.errors import MergeInterrupted
+
+    whole = _run(method, three_models, tmp_path / "whole")
+    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 1024)  # the tiny embedding (256 x 32) now takes 8 blocks
+    passes: list[str] = []
+    gather = executor.LocalExecutor._gather_totals
+    monkeypatch.setattr(
+        executor.LocalExecutor, "_gather_totals", lambda self, r, b: passes.append(r.name) or gather(self, r, b)
+    )
+    assert _run(method, three_models, tmp_path / "blocked") == whole
+    assert "model.embed_tokens.weight" in passes  # it really ran in row blocks, with a totals pass
+    assert _run(method, three_models, tmp_path / "threads", threads=2) == whole
+    assert _run(method, three_models, tmp_path / "budget", threads=2, max_memory=200_000) == whole
+    resumed = tmp_path / "resumed"
+    with pytest.raises(MergeInterrupted):
+        _run(method, three_models, resumed, stop_after=3)
+    assert _run(method, three_models, resumed) == whole
