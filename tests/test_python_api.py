@@ -283,6 +283,18 @@ def test_merge_state_dicts_on_modules_with_tied_weights(tiny_models: Any, tmp_pa
         assert merged[name].numpy().tobytes() == tensor.numpy().tobytes(), name
 
 
+def test_warnings_go_to_the_logger_not_the_screen(capsys: Any, caplog: pytest.LogCaptureFixture) -> None:
+    a = {"model.embed_tokens.weight": torch.randn(10, 4)}
+    b = {"model.embed_tokens.weight": torch.randn(12, 4)}
+    with caplog.at_level("WARNING", logger="mergesmith"):
+        params = [{"weight": 1.0}] * 2
+        merged = mergesmith.merge_state_dicts("linear", [a, b], model_parameters=params, allow_crimes=True)
+    assert merged["model.embed_tokens.weight"].shape == (10, 4)
+    assert any("vocabulary sizes differ" in r.getMessage() for r in caplog.records)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_in_memory_on_the_gpu_gives_the_cpu_bytes() -> None:
     a, b = torch.randn(64, 32), torch.randn(64, 32)

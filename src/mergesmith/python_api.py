@@ -25,6 +25,8 @@ from typing import Any
 from .errors import ConfigError
 
 log = logging.getLogger("mergesmith")
+if not log.handlers:  # a library prints nothing unless the program configures logging (else lastResort would)
+    log.addHandler(logging.NullHandler())
 
 
 def _command(name: str) -> Any:
