@@ -90,6 +90,8 @@ def test_merge_accepts_every_config_form_with_the_cli_bytes(
     assert captured.out == "" and captured.err == "", "the library printed without being asked"
     again = mergesmith.merge(data, tmp_path / "dict", threads=2)
     assert again.already_complete
+    # the command's output is the API's: the same fingerprint, so calling `merge` on it has nothing to do
+    assert mergesmith.merge(path, tmp_path / "cli").already_complete
 
 
 def test_errors_are_the_cli_exception_types(models: dict[str, Path], tmp_path: Path) -> None:
@@ -132,6 +134,29 @@ def test_keyboard_interrupt_from_the_progress_callback_then_resume(models: dict[
     result = mergesmith.merge(data, tmp_path / "out", out_shard_size="50K", threads=1, progress=events.append)
     assert result.shards_reused >= 1 and not result.already_complete
     assert events[0].tensors_done >= total // 2, "the resumed run starts where the first stopped"
+    assert _files(tmp_path / "out") == _files(tmp_path / "ref")
+
+
+def test_a_stop_button_interrupt_in_the_main_thread_then_resume(models: dict[str, Path], tmp_path: Path) -> None:
+    """A notebook's stop button raises KeyboardInterrupt in the main thread wherever it is waiting; the
+    merge lets the tensors in flight finish, journals them, stops its threads, and resumes later."""
+    import _thread
+    import threading
+
+    data = _linear(models)
+    mergesmith.merge(data, tmp_path / "ref", out_shard_size="50K", threads=2)
+    fired = threading.Event()
+
+    def press_stop(event: Any) -> None:
+        if event.tensors_done >= event.tensors_total // 3 and not fired.is_set():
+            fired.set()
+            _thread.interrupt_main()  # what Jupyter's interrupt does to the kernel's main thread
+
+    with pytest.raises(KeyboardInterrupt):
+        mergesmith.merge(data, tmp_path / "out", out_shard_size="50K", threads=2, progress=press_stop)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("merge", "mergesmith"))]
+    result = mergesmith.merge(data, tmp_path / "out", out_shard_size="50K", threads=2)
+    assert not result.already_complete
     assert _files(tmp_path / "out") == _files(tmp_path / "ref")
 
 
