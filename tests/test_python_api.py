@@ -328,3 +328,41 @@ def test_in_memory_on_the_gpu_gives_the_cpu_bytes() -> None:
     gpu = mergesmith.merge_tensors("linear", [a.cuda(), b.cuda()], model_parameters=params)
     assert gpu.device.type == "cuda"
     torch.testing.assert_close(gpu.cpu(), cpu)
+
+
+def test_moe_and_multi_mirror_their_commands(models: dict[str, Path], tmp_path: Path, capsys: Any) -> None:
+    moe_config = {
+        "base_model": str(models["base"]),
+        "gate_mode": "random",
+        "experts": [{"source_model": str(models["a"])}, {"source_model": str(models["b"])}],
+    }
+    path = tmp_path / "moe.yml"
+    path.write_text(yaml.safe_dump(moe_config))
+    code, _out, err = run_cli(capsys, "moe", path, tmp_path / "moe-cli", "--random-seed", "3", "-q")
+    assert code == 0, err
+    result = mergesmith.moe(moe_config, tmp_path / "moe-api", random_seed=3)
+    assert result.plan.options["moe"]["experts"] == 2
+    assert _files(tmp_path / "moe-api") == _files(tmp_path / "moe-cli")
+    with pytest.raises(mergesmith.ConfigError, match="mergesmith.moe"):
+        mergesmith.merge(moe_config, tmp_path / "wrong")
+
+    stages = [
+        {"name": "first", **_linear(models)},
+        {
+            "name": "second",
+            "merge_method": "slerp",
+            "base_model": "first",
+            "models": [{"model": "first"}, {"model": str(models["base"])}],
+            "parameters": {"t": 0.25},
+        },
+    ]
+    text = yaml.safe_dump_all(stages, sort_keys=False)
+    (tmp_path / "multi.yml").write_text(text)
+    code, _out, err = run_cli(capsys, "multi", tmp_path / "multi.yml", "--out-dir", tmp_path / "multi-cli", "-q")
+    assert code == 0, err
+    results = mergesmith.multi(text, tmp_path / "multi-api")
+    assert [r.name for r in results] == ["first", "second"]
+    for stage in ("first", "second"):  # the weights; the recorded configs name each run's own stage paths
+        api, cli = (_files(tmp_path / run / stage) for run in ("multi-api", "multi-cli"))
+        assert api["model.safetensors"] == cli["model.safetensors"], stage
+    assert capsys.readouterr().out == ""
