@@ -53,6 +53,14 @@ def test_import_is_light_and_exports_the_api() -> None:
     for name in ("merge", "plan", "merge_state_dicts", "merge_tensors", "moe", "extract_lora", "multi"):
         assert callable(getattr(mergesmith, name)), name
         assert getattr(mergesmith, name).__doc__, name
+    import inspect
+
+    # plan, moe and multi are also internal module names: callable modules that document the function
+    assert "out_dir" in inspect.signature(mergesmith.plan).parameters
+    assert mergesmith.moe.__doc__.startswith("`mergesmith moe` as a function")
+    from mergesmith.plan import Plan  # noqa: F401 - the module is still importable as before
+
+    assert callable(mergesmith.plan)
     assert issubclass(mergesmith.ConfigError, mergesmith.MergesmithError)
     assert issubclass(mergesmith.MemoryShortage, mergesmith.MergesmithError)
     with pytest.raises(AttributeError):
