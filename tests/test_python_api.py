@@ -53,6 +53,14 @@ def test_import_is_light_and_exports_the_api() -> None:
     for name in ("merge", "plan", "merge_state_dicts", "merge_tensors", "moe", "extract_lora", "multi"):
         assert callable(getattr(mergesmith, name)), name
         assert getattr(mergesmith, name).__doc__, name
+    import inspect
+
+    # plan, moe and multi are also internal module names: callable modules that document the function
+    assert "out_dir" in inspect.signature(mergesmith.plan).parameters
+    assert mergesmith.moe.__doc__.startswith("`mergesmith moe` as a function")
+    from mergesmith.plan import Plan  # noqa: F401 - the module is still importable as before
+
+    assert callable(mergesmith.plan)
     assert issubclass(mergesmith.ConfigError, mergesmith.MergesmithError)
     assert issubclass(mergesmith.MemoryShortage, mergesmith.MergesmithError)
     with pytest.raises(AttributeError):
@@ -90,6 +98,8 @@ def test_merge_accepts_every_config_form_with_the_cli_bytes(
     assert captured.out == "" and captured.err == "", "the library printed without being asked"
     again = mergesmith.merge(data, tmp_path / "dict", threads=2)
     assert again.already_complete
+    # the command's output is the API's: the same fingerprint, so calling `merge` on it has nothing to do
+    assert mergesmith.merge(path, tmp_path / "cli").already_complete
 
 
 def test_errors_are_the_cli_exception_types(models: dict[str, Path], tmp_path: Path) -> None:
@@ -132,6 +142,29 @@ def test_keyboard_interrupt_from_the_progress_callback_then_resume(models: dict[
     result = mergesmith.merge(data, tmp_path / "out", out_shard_size="50K", threads=1, progress=events.append)
     assert result.shards_reused >= 1 and not result.already_complete
     assert events[0].tensors_done >= total // 2, "the resumed run starts where the first stopped"
+    assert _files(tmp_path / "out") == _files(tmp_path / "ref")
+
+
+def test_a_stop_button_interrupt_in_the_main_thread_then_resume(models: dict[str, Path], tmp_path: Path) -> None:
+    """A notebook's stop button raises KeyboardInterrupt in the main thread wherever it is waiting; the
+    merge lets the tensors in flight finish, journals them, stops its threads, and resumes later."""
+    import _thread
+    import threading
+
+    data = _linear(models)
+    mergesmith.merge(data, tmp_path / "ref", out_shard_size="50K", threads=2)
+    fired = threading.Event()
+
+    def press_stop(event: Any) -> None:
+        if event.tensors_done >= event.tensors_total // 3 and not fired.is_set():
+            fired.set()
+            _thread.interrupt_main()  # what Jupyter's interrupt does to the kernel's main thread
+
+    with pytest.raises(KeyboardInterrupt):
+        mergesmith.merge(data, tmp_path / "out", out_shard_size="50K", threads=2, progress=press_stop)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("merge", "mergesmith"))]
+    result = mergesmith.merge(data, tmp_path / "out", out_shard_size="50K", threads=2)
+    assert not result.already_complete
     assert _files(tmp_path / "out") == _files(tmp_path / "ref")
 
 
@@ -283,6 +316,18 @@ def test_merge_state_dicts_on_modules_with_tied_weights(tiny_models: Any, tmp_pa
         assert merged[name].numpy().tobytes() == tensor.numpy().tobytes(), name
 
 
+def test_warnings_go_to_the_logger_not_the_screen(capsys: Any, caplog: pytest.LogCaptureFixture) -> None:
+    a = {"model.embed_tokens.weight": torch.randn(10, 4)}
+    b = {"model.embed_tokens.weight": torch.randn(12, 4)}
+    with caplog.at_level("WARNING", logger="mergesmith"):
+        params = [{"weight": 1.0}] * 2
+        merged = mergesmith.merge_state_dicts("linear", [a, b], model_parameters=params, allow_crimes=True)
+    assert merged["model.embed_tokens.weight"].shape == (10, 4)
+    assert any("vocabulary sizes differ" in r.getMessage() for r in caplog.records)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_in_memory_on_the_gpu_gives_the_cpu_bytes() -> None:
     a, b = torch.randn(64, 32), torch.randn(64, 32)
@@ -291,3 +336,41 @@ def test_in_memory_on_the_gpu_gives_the_cpu_bytes() -> None:
     gpu = mergesmith.merge_tensors("linear", [a.cuda(), b.cuda()], model_parameters=params)
     assert gpu.device.type == "cuda"
     torch.testing.assert_close(gpu.cpu(), cpu)
+
+
+def test_moe_and_multi_mirror_their_commands(models: dict[str, Path], tmp_path: Path, capsys: Any) -> None:
+    moe_config = {
+        "base_model": str(models["base"]),
+        "gate_mode": "random",
+        "experts": [{"source_model": str(models["a"])}, {"source_model": str(models["b"])}],
+    }
+    path = tmp_path / "moe.yml"
+    path.write_text(yaml.safe_dump(moe_config))
+    code, _out, err = run_cli(capsys, "moe", path, tmp_path / "moe-cli", "--random-seed", "3", "-q")
+    assert code == 0, err
+    result = mergesmith.moe(moe_config, tmp_path / "moe-api", random_seed=3)
+    assert result.plan.options["moe"]["experts"] == 2
+    assert _files(tmp_path / "moe-api") == _files(tmp_path / "moe-cli")
+    with pytest.raises(mergesmith.ConfigError, match="mergesmith.moe"):
+        mergesmith.merge(moe_config, tmp_path / "wrong")
+
+    stages = [
+        {"name": "first", **_linear(models)},
+        {
+            "name": "second",
+            "merge_method": "slerp",
+            "base_model": "first",
+            "models": [{"model": "first"}, {"model": str(models["base"])}],
+            "parameters": {"t": 0.25},
+        },
+    ]
+    text = yaml.safe_dump_all(stages, sort_keys=False)
+    (tmp_path / "multi.yml").write_text(text)
+    code, _out, err = run_cli(capsys, "multi", tmp_path / "multi.yml", "--out-dir", tmp_path / "multi-cli", "-q")
+    assert code == 0, err
+    results = mergesmith.multi(text, tmp_path / "multi-api")
+    assert [r.name for r in results] == ["first", "second"]
+    for stage in ("first", "second"):  # the weights; the recorded configs name each run's own stage paths
+        api, cli = (_files(tmp_path / run / stage) for run in ("multi-api", "multi-cli"))
+        assert api["model.safetensors"] == cli["model.safetensors"], stage
+    assert capsys.readouterr().out == ""

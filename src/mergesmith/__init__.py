@@ -83,10 +83,23 @@ _CALLABLE_MODULES = {"plan": "plan", "moe": "moe", "multi": "multi"}
 class _CallableModule(type(sys)):  # type: ignore[misc]
     """A submodule that is also the API function of its name (see _CALLABLE_MODULES)."""
 
-    def __call__(self, *args: object, **kwargs: object) -> object:
+    def _function(self) -> object:
         from . import python_api
 
-        return getattr(python_api, self.__name__.rsplit(".", 1)[-1])(*args, **kwargs)
+        return getattr(python_api, self.__name__.rsplit(".", 1)[-1])
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        return self._function()(*args, **kwargs)  # type: ignore[operator]
+
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]  # help() and IDEs show the function's
+        return self._function().__doc__
+
+    @property
+    def __signature__(self) -> object:
+        import inspect
+
+        return inspect.signature(self._function())  # type: ignore[arg-type]
 
 
 class _Package(type(sys)):  # type: ignore[misc]

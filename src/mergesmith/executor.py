@@ -363,8 +363,8 @@ class LocalExecutor:
             self.budget.limit = automatic_budget(list(cost_of.values()), self.threads)
         costs = [cost_of[recipe.name] for _, recipe in work]
         self.budget.watch, self.budget.held = watch, feed_bytes
-        self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes)
         try:
+            self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes)
             self._run_work(work, costs)
         finally:
             if self._feed is not None:

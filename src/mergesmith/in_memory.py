@@ -27,6 +27,8 @@ from .errors import ConfigError
 from .io.checkpoint import Checkpoint, TensorInfo
 
 log = logging.getLogger("mergesmith")
+if not log.handlers:  # a library prints nothing unless the program configures logging (else lastResort would)
+    log.addHandler(logging.NullHandler())
 
 StateDict = Mapping[str, torch.Tensor]
 SOURCE = "merge_state_dicts"

@@ -20,11 +20,18 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 
+if TYPE_CHECKING:
+    from .api import MergeResult
+    from .lora_extract import ExtractResult
+    from .multi import StageResult
+
 log = logging.getLogger("mergesmith")
+if not log.handlers:  # a library prints nothing unless the program configures logging (else lastResort would)
+    log.addHandler(logging.NullHandler())
 
 
 def _command(name: str) -> Any:
@@ -220,7 +227,7 @@ def merge(
     progress: bool | Callable[[Any], None] | None = None,
     stop: threading.Event | None = None,
     **options: Any,
-) -> Any:
+) -> MergeResult:
     """Merge the models of `config` into `out_dir`; call it again to resume an interrupted merge.
 
     `config`: a path, a YAML string, a dict or a MergeConfiguration. `options`: those of `mergesmith
@@ -273,7 +280,7 @@ def merge_raw(
     progress: bool | Callable[[Any], None] | None = None,
     stop: threading.Event | None = None,
     **options: Any,
-) -> Any:
+) -> MergeResult:
     """`mergesmith merge-raw` as a function: merge bare state-dict files (no config.json) into `out_dir`."""
     from .notebook_progress import choose_display, final_line
     from .raw import run_raw_merge
@@ -313,7 +320,7 @@ def moe(
     progress: bool | Callable[[Any], None] | None = None,
     stop: threading.Event | None = None,
     **options: Any,
-) -> Any:
+) -> MergeResult:
     """`mergesmith moe` as a function: assemble a mixture of experts (a mergekit-moe config as a path,
     YAML string, dict or MoEConfiguration) into `out_dir`; call again to resume."""
     from .moe import run_moe
@@ -353,7 +360,7 @@ def multi(
     progress: bool | Callable[[Any], None] | None = None,
     stop: threading.Event | None = None,
     **options: Any,
-) -> list[Any]:
+) -> list[StageResult]:
     """`mergesmith multi` as a function: run a multi-stage file (a path, or its YAML text) with each named
     stage written to `out_dir/<name>`; returns one StageResult per stage (`name`, `out_dir`, `result`)."""
     from .multi import run_multi
@@ -383,7 +390,7 @@ def multi(
     return results
 
 
-def extract_lora(model: str, base: str, out: str | Path, **options: Any) -> Any:
+def extract_lora(model: str, base: str, out: str | Path, **options: Any) -> ExtractResult:
     """`mergesmith extract-lora` as a function: write a PEFT LoRA adapter approximating `model - base`
     into `out` (`max_rank=128`, `sv_epsilon`, `embed_lora`, `device`, `overwrite`). Returns an
     ExtractResult (`out_dir`, `ranks`, `modules_to_save`, `seconds`, `notes`)."""
