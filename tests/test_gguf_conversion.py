@@ -223,8 +223,9 @@ def test_merged_model_converts_to_gguf_tensor_for_tensor(converted, llama_cpp, a
         assert tensor.name in source, f"GGUF tensor {tensor.name} has no safetensors source"
         hf_name = source[tensor.name]
         seen.add(hf_name)
-        got = torch.from_numpy(tensor.data.copy()).reshape(state[hf_name].shape)
         want = state[hf_name]
+        assert tuple(tensor.data.shape) == tuple(want.shape), (tensor.name, tensor.data.shape, want.shape)
+        got = torch.from_numpy(tensor.data.copy())
         if arch == "llama" and hf_name.endswith("q_proj.weight"):
             got = _unpermute(got, heads)
         elif arch == "llama" and hf_name.endswith("k_proj.weight"):
