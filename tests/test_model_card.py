@@ -24,6 +24,8 @@ def front(card: str) -> dict:
 
 def test_hub_ids_leave_out_local_paths(tmp_path, monkeypatch):
     (tmp_path / "models" / "mine").mkdir(parents=True)
+    snapshot = tmp_path / "hub" / "models--google--gemma-2-2b" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     refs = [
         str(tmp_path / "models" / "mine"),  # absolute local path
@@ -34,8 +36,15 @@ def test_hub_ids_leave_out_local_paths(tmp_path, monkeypatch):
         "Qwen/Qwen2-0.5B@main",  # a revision names the repository
         "org/base+org/lora-adapter",  # model+lora: both are Hub repositories
         "meta-llama/Llama-2-7b-hf",  # once only
+        str(snapshot),  # a Hugging Face cache snapshot names its repository
     ]
-    assert hub_ids(refs) == ["meta-llama/Llama-2-7b-hf", "Qwen/Qwen2-0.5B", "org/base", "org/lora-adapter"]
+    assert hub_ids(refs) == [
+        "meta-llama/Llama-2-7b-hf",
+        "Qwen/Qwen2-0.5B",
+        "org/base",
+        "org/lora-adapter",
+        "google/gemma-2-2b",
+    ]
 
 
 def test_merge_card_lists_hub_ids_in_metadata_and_local_inputs_in_the_text(tmp_path):

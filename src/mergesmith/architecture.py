@@ -184,7 +184,7 @@ def rewrite_config(
     counts that decide a layer's kind by its index are rewritten (see _rewrite_layer_schedule).
     Raises LayerMapError where the config cannot describe the output's layers.
     Other lists are left alone even when their length happens to equal the layer count: token ids
-    (`eos_token_id: [2, 3]` in a 2-layer model), `architectures`, lists of layer indices.
+    (`eos_token_id: [2, 3]` in a 2-layer model), `architectures`.
     """
     out = copy.deepcopy(config)
     found = layer_count_key(out)

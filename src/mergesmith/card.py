@@ -18,17 +18,21 @@ from .config import MergeConfiguration, dump_config
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 """`owner/name` as the Hub spells repository ids (one slash, no leading dot, no path segments)."""
+_HF_CACHE_SNAPSHOT = re.compile(r"(?:^|/)models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+")
+"""A snapshot directory of the Hugging Face cache (`.../hub/models--owner--name/snapshots/<commit>`)."""
 
 
 def hub_id(ref: str) -> str | None:
     """The Hub repository id `ref` names, or None for a local path.
 
     A reference that exists on disk is local even when it looks like `owner/name` (a relative directory),
-    as io.checkpoint resolves it; `id@revision` names the repository `id`.
+    as io.checkpoint resolves it, unless it is a snapshot in the Hugging Face cache, whose path names its
+    repository; `id@revision` names the repository `id`.
     """
     bare = ref.split("@", 1)[0]
     if Path(ref).expanduser().exists() or Path(bare).expanduser().exists():
-        return None
+        cached = _HF_CACHE_SNAPSHOT.search(ref)
+        return f"{cached['owner']}/{cached['name']}" if cached else None
     return bare if _HUB_ID.match(bare) else None
 
 
