@@ -26,8 +26,9 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = list("0123456789abcdefghij+=>")
 SEED = 1234
 EVAL_SIZE = 150
-BASE_STEPS = 500
+BASE_STEPS = 250  # short: the base knows both formats but neither skill well
 TUNE_STEPS = 250
+TUNE_LR = 1e-3  # small fine-tunes stay near the base, where task vectors add up
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -47,7 +48,7 @@ def addition(rng: random.Random) -> tuple[str, str]:
 
 
 def reverse(rng: random.Random) -> tuple[str, str]:
-    s = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 6)))
+    s = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(4, 7)))
     return f"{s}>", s[::-1]
 
 
@@ -132,7 +133,7 @@ def main(out: Path) -> None:
         model = LlamaForCausalLM(config)
         model.load_state_dict(base.state_dict())
         print(f"{name}: fine-tune", flush=True)
-        train(model, tok, makers, held, steps=steps, lr=3e-3, seed=seed)
+        train(model, tok, makers, held, steps=steps, lr=TUNE_LR, seed=seed)
         results[name] = model
     results["base"] = base
     for name, model in results.items():
