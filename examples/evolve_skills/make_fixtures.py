@@ -4,7 +4,7 @@
 
 - a character-level tokenizer built with the `tokenizers` library (digits, a-j, `+ = >`, specials);
 - `base`: a 4-layer llama (hidden 48) trained briefly on a mix of both skills (weak at both);
-- `add`: base fine-tuned on two-digit addition only ("37+45=" -> "82");
+- `add`: base fine-tuned on adding a digit to a two-digit number only ("37+5=" -> "42");
 - `rev`: base fine-tuned on reversing a short string only ("abcde>" -> "edcba");
 - `add_eval.jsonl`, `rev_eval.jsonl`: held-out prompts and answers (never trained on).
 Models are saved in bfloat16 so the three fit in a few hundred KB. A few minutes of CPU in all.
@@ -26,8 +26,9 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = list("0123456789abcdefghij+=>")
 SEED = 1234
 EVAL_SIZE = 150
-BASE_STEPS = 500
-TUNE_STEPS = 250
+BASE_STEPS = 400  # short: the base knows both formats but neither skill well
+TUNE_STEPS = 300
+TUNE_LR = 1e-3  # small fine-tunes stay near the base, where task vectors add up
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -42,12 +43,12 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def addition(rng: random.Random) -> tuple[str, str]:
-    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    a, b = rng.randint(10, 99), rng.randint(0, 9)
     return f"{a}+{b}=", str(a + b)
 
 
 def reverse(rng: random.Random) -> tuple[str, str]:
-    s = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 6)))
+    s = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(4, 7)))
     return f"{s}>", s[::-1]
 
 
@@ -132,7 +133,7 @@ def main(out: Path) -> None:
         model = LlamaForCausalLM(config)
         model.load_state_dict(base.state_dict())
         print(f"{name}: fine-tune", flush=True)
-        train(model, tok, makers, held, steps=steps, lr=3e-3, seed=seed)
+        train(model, tok, makers, held, steps=steps, lr=TUNE_LR, seed=seed)
         results[name] = model
     results["base"] = base
     for name, model in results.items():

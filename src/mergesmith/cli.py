@@ -816,6 +816,7 @@ def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overw
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
               help="Where candidates are evaluated.")
 @click.option("--dtype", default="bfloat16", show_default=True, help="Candidates' dtype (mergekit-evolve: bfloat16).")
+@click.option("--threads", type=click.IntRange(1, 256), default=None, help="Torch threads (default: 1, tiny models).")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="ray: a generation's candidates are scored as Ray tasks.")
 @click.option("--ray-address", default=None, help="Ray cluster to join (default: RAY_ADDRESS or a local Ray).")

@@ -30,6 +30,10 @@ from ..plan import Plan
 from ..planner import MergeOptions, Planner
 
 CANDIDATE_DIR = "candidate"
+SMALL_MODEL_BYTES = 64 << 20
+"""Below this merged size a candidate is scored on one torch thread: a tiny model's matrix products are
+microseconds, and waking a thread pool costs more than that (measured 33 us vs 5.6 ms for a 96x48 linear
+on 2 busy cores: `torch.set_num_threads`)."""
 MEMORY_FRACTION = 0.6
 """In-memory merging is chosen when the merged weights, the evaluation model and the merge's working
 memory together fit in this fraction of the memory available at start."""
@@ -46,6 +50,7 @@ class CandidateSettings:
     trust_remote_code: bool = False
     allow_crimes: bool = False
     random_seed: int | None = None
+    threads: int | None = None  # torch threads while scoring (None: torch's default)
 
 
 def plan_candidate(

@@ -39,6 +39,7 @@ def search_options(kw: dict[str, Any]) -> SearchOptions:
         task_search_path=list(kw.get("task_search_path") or ()),
         limit=kw.get("limit"),
         num_fewshot=kw.get("num_fewshot"),
+        threads=kw.get("threads"),
     )
 
 

@@ -56,15 +56,21 @@ def score_candidate(
     import torch
 
     started = time.monotonic()
+    threads = torch.get_num_threads()
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
     loader, tokenizer = _loader_and_tokenizer(settings, tok)
     torch.manual_seed(0)  # nothing here should draw, but a model's init must not depend on history
-    model = loader.load(config)
     try:
-        scores = {t.name: score_builtin(t, model, tokenizer, batch_size) for t in tasks}
+        model = loader.load(config)
+        try:
+            scores = {t.name: score_builtin(t, model, tokenizer, batch_size) for t in tasks}
+        finally:
+            if not settings.in_memory:
+                del model
+                loader.cleanup()
     finally:
-        if not settings.in_memory:
-            del model
-            loader.cleanup()
+        torch.set_num_threads(threads)
     return scores, time.monotonic() - started
 
 

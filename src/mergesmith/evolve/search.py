@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, MergeInterrupted
-from .candidates import MEMORY_FRACTION, CandidateLoader, CandidateSettings, eval_dtype
+from .candidates import MEMORY_FRACTION, SMALL_MODEL_BYTES, CandidateLoader, CandidateSettings, eval_dtype
 from .config import EvolveConfiguration, load_evolve_config
 from .evaluators import LOWER_IS_BETTER, BuiltinTask, resolve_builtin
 from .genome import Genome
@@ -58,6 +58,7 @@ class SearchOptions:
     task_search_path: list[str] = field(default_factory=list)
     limit: int | None = None  # overrides the config's `limit`
     num_fewshot: int | None = None  # overrides the config's `num_fewshot`
+    threads: int | None = None  # torch threads while scoring (None: 1 for small models, else torch's default)
 
 
 @dataclass
@@ -193,6 +194,7 @@ def run_search(config_path: str | Path, storage_path: str | Path, options: Searc
     probe = CandidateLoader(settings)
     cost = estimate(genome, probe, x0, options)  # plans the first candidate: a bad merge fails here, before any
     settings.in_memory = cost["in_memory"]
+    settings.threads = options.threads or (1 if cost["merged_bytes"] < SMALL_MODEL_BYTES else None)
     tok = TokenizerSpec(tuple(config.genome.models), config.genome.base_model, config.genome.tokenizer_source)
     from .candidates import load_tokenizer
 
