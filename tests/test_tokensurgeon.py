@@ -262,3 +262,27 @@ def test_merge_config_transplant(transplanted: dict[str, Path], tmp_path: Path, 
     capsys.readouterr()
     code, _, err = run_cli(capsys, "plan", config)
     assert_one_line_error(code, err, "tokenizer_source", "not one of the config's models")
+
+
+def test_row_assignment_exact_byte_prefix() -> None:
+    """Exact matches first, then (when allowed) byte tokens and the longest prefix; shared tokens (the OMP
+    atoms) are the exact matches only, in donor id order; specials match by role."""
+    from mergesmith.tokensurgeon.vocab import Vocabulary, assign_rows, normalize
+
+    def vocab(tokens: list[str], roles: dict[str, str]) -> Vocabulary:
+        by = {normalize(t, roles, "Ġ"): i for i, t in enumerate(tokens)}
+        return Vocabulary(by, len(tokens), None, {})
+
+    base = vocab(["<s>", "<0x41>", "Ġhel", "lo", "Ġworld"], {"<s>": "bos_token"})
+    donor = vocab(["<|bos|>", "Ġworld", "A", "Ġhello", "zz"], {"<|bos|>": "bos_token"})
+    plain = assign_rows(base, donor, 5, 5, byte_match=False, prefix_match=False)
+    assert plain.source.tolist() == [0, 4, -1, -1, -1]
+    assert plain.target_rows.tolist() == [2, 3, 4]
+    assert plain.shared_donor.tolist() == [0, 1] and plain.shared_base.tolist() == [0, 4]
+    both = assign_rows(base, donor, 5, 5, byte_match=True, prefix_match=True)
+    assert both.source.tolist() == [0, 4, 1, 2, -1]  # A -> <0x41>, Ġhello -> Ġhel
+    assert both.counts == {"exact": 2, "byte": 1, "prefix": 1, "approximated": 1, "zero": 0}
+    assert both.shared_donor.tolist() == [0, 1]
+    # rows past a tensor's end do not exist: a base row past it is no match, a donor row past it stays zero
+    cut = assign_rows(base, donor, 4, 4, byte_match=False, prefix_match=False)
+    assert cut.source.tolist() == [0, -1, -1, -1, -1] and cut.counts["zero"] == 1

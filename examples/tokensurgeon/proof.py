@@ -44,7 +44,8 @@ def perplexity(model_dir: Path, text: str, seq: int = 128) -> tuple[float, float
                 raise RuntimeError(f"{model_dir}: non-finite logits")
             total += torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:], reduction="sum").item()
             count += x.shape[1] - 1
-    return math.exp(total / count), total / math.log(2) / len(text)
+    nats = total / count
+    return (math.exp(nats) if nats < 700 else math.inf), total / math.log(2) / len(text)
 
 
 def transplant(base: Path, donor: Path, out: Path, method: str, k: int) -> float:
