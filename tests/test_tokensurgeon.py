@@ -89,7 +89,7 @@ def _heldout() -> str:
         import corpus
     finally:
         sys.path.remove(str(EXAMPLES))
-    return corpus.Language().text(150, corpus.HELDOUT_SEED)
+    return corpus.Language().text(60, corpus.HELDOUT_SEED)
 
 
 def _perplexity(model_dir: Path, text: str) -> float:
@@ -223,3 +223,66 @@ def test_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert code == 0, err
     for name in ("o1", "o2", "o3", "o4", "o5"):
         assert not (tmp_path / name / "config.json").exists()
+
+
+# ----- inside a merge config ---------------------------------------------------------------------
+def test_merge_config_transplant(transplanted: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """BASE (tokenizer A) merged with a model that speaks tokenizer B (the base transplanted onto B) in one
+    step: `tokenizer_source: transplant:<that model>`. The output speaks B; tokens both know keep their rows
+    (a linear merge of a row with itself), the others come from OMP over the donor's embeddings."""
+    other = transplanted["omp"]
+    config = tmp_path / "merge.yml"
+    config.write_text(
+        "merge_method: linear\n"
+        f"base_model: {BASE}\n"
+        "models:\n"
+        f"  - model: {BASE}\n    parameters: {{weight: 0.5}}\n"
+        f"  - model: {other}\n    parameters: {{weight: 0.5}}\n"
+        f"tokenizer_source: transplant:{other}\n"
+    )
+    code, stdout, err = run_cli(capsys, "plan", config, "--tensors")
+    assert code == 0, err
+    assert f"tokenizer: transplant:{other} (the donor's 1759 tokens" in stdout and "500 approximated" in stdout
+    assert "model.embed_tokens.weight [1759, 64] BF16 transplant_merge" in stdout
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "merge", config, out, "-q")
+    assert code == 0, err
+    sd, other_sd = read_state_dict(out), read_state_dict(other)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vocab_size"] == 1759 and cfg["bos_token_id"] == 1 and cfg["eos_token_id"] == 2
+    assert (out / "tokenizer.json").read_bytes() == (DONOR / "tokenizer.json").read_bytes()
+    base_vocab = json.loads((BASE / "tokenizer.json").read_text())["model"]["vocab"]
+    donor_vocab = json.loads((DONOR / "tokenizer.json").read_text())["model"]["vocab"]
+    d = torch.tensor([donor_vocab[t] for t in base_vocab if t in donor_vocab])
+    for name in (EMBED, HEAD):
+        assert torch.equal(sd[name][d], other_sd[name][d]), name
+    finite_logits(load_causal_lm(out), (1, 5, 600, 1700, 2))
+    # the donor must be one of the merged models
+    config.write_text(config.read_text().replace(f"transplant:{other}", f"transplant:{DONOR}"))
+    capsys.readouterr()
+    code, _, err = run_cli(capsys, "plan", config)
+    assert_one_line_error(code, err, "tokenizer_source", "not one of the config's models")
+
+
+def test_row_assignment_exact_byte_prefix() -> None:
+    """Exact matches first, then (when allowed) byte tokens and the longest prefix; shared tokens (the OMP
+    atoms) are the exact matches only, in donor id order; specials match by role."""
+    from mergesmith.tokensurgeon.vocab import Vocabulary, assign_rows, normalize
+
+    def vocab(tokens: list[str], roles: dict[str, str]) -> Vocabulary:
+        by = {normalize(t, roles, "Ġ"): i for i, t in enumerate(tokens)}
+        return Vocabulary(by, len(tokens), None, {})
+
+    base = vocab(["<s>", "<0x41>", "Ġhel", "lo", "Ġworld"], {"<s>": "bos_token"})
+    donor = vocab(["<|bos|>", "Ġworld", "A", "Ġhello", "zz"], {"<|bos|>": "bos_token"})
+    plain = assign_rows(base, donor, 5, 5, byte_match=False, prefix_match=False)
+    assert plain.source.tolist() == [0, 4, -1, -1, -1]
+    assert plain.target_rows.tolist() == [2, 3, 4]
+    assert plain.shared_donor.tolist() == [0, 1] and plain.shared_base.tolist() == [0, 4]
+    both = assign_rows(base, donor, 5, 5, byte_match=True, prefix_match=True)
+    assert both.source.tolist() == [0, 4, 1, 2, -1]  # A -> <0x41>, Ġhello -> Ġhel
+    assert both.counts == {"exact": 2, "byte": 1, "prefix": 1, "approximated": 1, "zero": 0}
+    assert both.shared_donor.tolist() == [0, 1]
+    # rows past a tensor's end do not exist: a base row past it is no match, a donor row past it stays zero
+    cut = assign_rows(base, donor, 4, 4, byte_match=False, prefix_match=False)
+    assert cut.source.tolist() == [0, -1, -1, -1, -1] and cut.counts["zero"] == 1

@@ -24,7 +24,9 @@ import torch
 METHODS = ("omp", "common_interpolation", "subword", "mean", "zero", "randn")
 
 
-def perplexity(model_dir: Path, text: str, seq: int = 128) -> float:
+def perplexity(model_dir: Path, text: str, seq: int = 128) -> tuple[float, float]:
+    """(per-token perplexity, bits per character) of `text`: per-token perplexities of two tokenizers are
+    not comparable (a longer token carries more text), bits per character are."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -42,7 +44,8 @@ def perplexity(model_dir: Path, text: str, seq: int = 128) -> float:
                 raise RuntimeError(f"{model_dir}: non-finite logits")
             total += torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:], reduction="sum").item()
             count += x.shape[1] - 1
-    return math.exp(total / count)
+    nats = total / count
+    return (math.exp(nats) if nats < 700 else math.inf), total / math.log(2) / len(text)
 
 
 def transplant(base: Path, donor: Path, out: Path, method: str, k: int) -> float:
@@ -64,12 +67,15 @@ def transplant(base: Path, donor: Path, out: Path, method: str, k: int) -> float
 def run_mergekit(exe: str, base: Path, donor: Path, out: Path, method: str, k: int) -> float:
     started = time.monotonic()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    subprocess.run(
+    done = subprocess.run(
         [exe, str(base), str(donor), str(out), "--approximation-method", method, "--k", str(k)],
-        check=True,
         capture_output=True,
         env=env,
+        text=True,
     )
+    if done.returncode:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        raise RuntimeError(lines[-1] if lines else f"exit {done.returncode}")
     return time.monotonic() - started
 
 
@@ -108,24 +114,30 @@ def main() -> None:
     torch.set_num_threads(1)
     base, donor = args.fixture / "base", args.fixture / "donor"
     text = corpus.heldout_text()
-    print(f"base with its own tokenizer: perplexity {perplexity(base, text):.3f}")
-    print(f"donor with its own tokenizer: perplexity {perplexity(donor, text):.3f}")
+    for name, where in (("base", base), ("donor", donor)):
+        own, bpc = perplexity(where, text)
+        print(f"{name} with its own tokenizer: perplexity {own:.3f}, {bpc:.4f} bits per character")
     print()
     print(
-        f"| method (k={args.k}) | mergesmith ppl | mergekit ppl | mergesmith s | mergekit s | rows equal "
-        "| approx. rows: min / mean cosine, max abs diff |"
+        f"| method (k={args.k}) | mergesmith ppl (bits/char) | mergekit ppl (bits/char) | mergesmith s "
+        "| mergekit s | rows equal | approx. rows: min / mean cosine, max abs diff |"
     )
     print("|---|---|---|---|---|---|---|")
     for method in args.methods.split(","):
         ours = args.work / f"ms-{method}"
         secs = transplant(base, donor, ours, method, args.k)
-        ppl = perplexity(ours, text)
+        ppl_value, bpc = perplexity(ours, text)
+        ppl = f"{ppl_value:.3f} ({bpc:.4f})"
         mk_ppl = mk_secs = "-"
         rows = ""
         if args.mergekit and os.path.exists(args.mergekit):
             theirs = args.work / f"mk-{method}"
-            mk_secs = f"{run_mergekit(args.mergekit, base, donor, theirs, method, args.k):.1f}"
-            mk_ppl = f"{perplexity(theirs, text):.3f}"
+            try:
+                mk_secs = f"{run_mergekit(args.mergekit, base, donor, theirs, method, args.k):.1f}"
+            except RuntimeError as exc:
+                print(f"| {method} | {ppl} | fails: {exc} | {secs:.1f} | | | |", flush=True)
+                continue
+            mk_ppl = "{:.3f} ({:.4f})".format(*perplexity(theirs, text))
             c = compare_rows(ours, theirs)
             rows = "; ".join(
                 f"{n.split('.')[-2]} {int(c[n + ':equal_rows'])}"
@@ -139,7 +151,7 @@ def main() -> None:
             )
         else:
             detail = ""
-        print(f"| {method} | {ppl:.3f} | {mk_ppl} | {secs:.1f} | {mk_secs} | {rows} | {detail} |", flush=True)
+        print(f"| {method} | {ppl} | {mk_ppl} | {secs:.1f} | {mk_secs} | {rows} | {detail} |", flush=True)
 
 
 if __name__ == "__main__":

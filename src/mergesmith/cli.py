@@ -408,10 +408,20 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
     if moe:
         report["method"] = "moe"
         report["moe"] = moe
+    transplant = plan.options.get("tokensurgeon")  # `tokenizer_source: transplant:<donor>`
+    if transplant:
+        report["tokensurgeon"] = transplant
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
         click.echo(render_plan_text(report, show_tensors=tensors))
+        if transplant:
+            from .tokensurgeon.planner import describe_counts
+
+            click.echo(
+                f"tokenizer: transplant:{transplant['donor']} (the donor's {transplant['vocab_size']} tokens; "
+                f"{describe_counts(transplant['tensors'])}; approximated by OMP)"
+            )
         if moe:
             click.echo(
                 f"moe: {moe['architecture']}, {moe['experts']} experts, {moe['experts_per_token']} per token, "

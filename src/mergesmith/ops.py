@@ -112,3 +112,13 @@ def transplant_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
 
 
 register_op("transplant", transplant_op)
+
+
+def transplant_merge_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
+    """Inputs transplanted onto a donor's vocabulary, then merged (`tokenizer_source: transplant:<donor>`)."""
+    from .tokensurgeon.merge import transplant_merge_op as run
+
+    return run(recipe, load)
+
+
+register_op("transplant_merge", transplant_merge_op)

@@ -131,6 +131,7 @@ class Planner:
 
         # what reading the config ignored, then parameter values worth a warning (the refusals ran at parsing)
         self.warnings: list[str] = list(config.warnings) + check_parameter_values(config, config_source)
+        self.transplant_summary: dict[str, Any] = {}  # filled by tokensurgeon/merge.py for `transplant:<donor>`
         # (per-model row counts, output rows) -> embedding/head tensors cut to the smallest vocabulary
         self._truncated: dict[tuple[tuple[tuple[str, int], ...], int], list[str]] = {}
 
@@ -472,6 +473,11 @@ class Planner:
             )
         return out
 
+    def _transplant_source(self) -> str | None:
+        """A `transplant:<donor>` tokenizer source (in `tokenizer_source` or `tokenizer.source`), else None."""
+        source = self.config.tokenizer.source if self.config.tokenizer is not None else self.config.tokenizer_source
+        return source if isinstance(source, str) and source.startswith("transplant:") else None
+
     def _tokenizer_source(self) -> str:
         """The model whose tokenizer files are copied when no tokenizer is built (see tokenizer/)."""
         source = self.config.tokenizer_source
@@ -493,7 +499,14 @@ class Planner:
     def build(self) -> Plan:
         recipes, layer_sources = self.recipes()
         tokenizer_plan = None
-        if self.config.tokenizer is not None or self.config.tokenizer_source or self.config.chat_template:
+        transplant = self._transplant_source()  # `transplant:<donor>` (tokensurgeon/merge.py)
+        if transplant is not None:
+            from .tokensurgeon.merge import plan_transplant
+
+            tokenizer_plan = plan_transplant(self, recipes, transplant)
+            recipes = tokenizer_plan.recipes
+            self._vocab_rows = tokenizer_plan.vocab_rows
+        elif self.config.tokenizer is not None or self.config.tokenizer_source or self.config.chat_template:
             from .tokenizer.planning import plan_tokenizer  # imports transformers only for such configs
 
             tokenizer_plan = plan_tokenizer(self, recipes)
@@ -541,6 +554,7 @@ class Planner:
                 "out_shard_size": self.options.out_shard_size,
                 "random_seed": self.options.random_seed if self.spec.randomized else None,
                 "explicit_dtype": self.config.dtype,
+                **({"tokensurgeon": self.transplant_summary} if transplant is not None else {}),
             },
             random_seed=self.options.random_seed if self.spec.randomized else None,
             warnings=self.warnings,

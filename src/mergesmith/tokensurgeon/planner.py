@@ -334,25 +334,8 @@ class TokenSurgeonPlanner:
     def _files(self, output_config: dict[str, Any]) -> list[tuple[str, str]]:
         root = _tokenizer_root(self.donor)
         files = [(str(root / n), n) for n in TOKENIZER_FILES if (root / n).is_file()]
-        gen = self.base.root / "generation_config.json"
-        if gen.is_file():
-            try:
-                data = json.loads(gen.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-                data = None
-            if isinstance(data, dict):
-                for key in _GENERATION_KEYS:
-                    if key in data or key in output_config:
-                        if output_config.get(key) is None:
-                            data.pop(key, None)
-                        else:
-                            data[key] = output_config[key]
-                text = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
-                target = staging_root() / "generation" / hashlib.sha256(text).hexdigest() / "generation_config.json"
-                if not target.is_file():
-                    write_atomic(target, text)
-                files.append((str(target), "generation_config.json"))
-        return files
+        ids = {k: output_config.get(k) for k in _GENERATION_KEYS if k in output_config}
+        return files + staged_generation_config(self.base.root, ids)
 
     def _config_yaml(self) -> str:
         s = self.surgery
@@ -393,6 +376,31 @@ class TokenSurgeonPlanner:
             parts = ", ".join(f"{v} {k}" for k, v in a.counts.items() if v)
             lines.append(f"- `{name}`: {parts}")
         return "\n".join(lines) + "\n"
+
+
+def staged_generation_config(root: Path, ids: dict[str, Any]) -> list[tuple[str, str]]:
+    """The generation_config.json of `root` with its token ids replaced by `ids` (a key whose new id is None
+    is dropped; the decoder start id too, as it pointed into the old vocabulary), staged content-addressed
+    to replace the copied file; nothing when there is none or it cannot be read."""
+    gen = root / "generation_config.json"
+    if not gen.is_file():
+        return []
+    try:
+        data = json.loads(gen.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return []
+    if not isinstance(data, dict):
+        return []
+    for key in _GENERATION_KEYS:
+        if ids.get(key) is None:
+            data.pop(key, None)
+        else:
+            data[key] = ids[key]
+    text = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+    target = staging_root() / "generation" / hashlib.sha256(text).hexdigest() / "generation_config.json"
+    if not target.is_file():
+        write_atomic(target, text)
+    return [(str(target), "generation_config.json")]
 
 
 def _tokenizer_root(ck: Checkpoint) -> Path:

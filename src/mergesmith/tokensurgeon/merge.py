@@ -1,0 +1,165 @@
+"""`tokenizer_source: transplant:<donor>` in a merge config: models with foreign tokenizers join a merge.
+
+The output takes the donor's tokenizer (the donor is one of the config's models). Each model feeding
+the token embedding or the output head is first transplanted onto the donor's vocabulary, exactly as
+`mergesmith tokensurgeon MODEL DONOR` would (its own rows for the tokens it shares with the donor, OMP
+with k=64 over the donor's embeddings for the others; k is lowered to the shared count when fewer
+tokens are shared), and the merge method then runs on rows that mean the same token in every model.
+The donor's own rows pass through unchanged.
+
+The merge planner calls `plan_transplant` instead of the tokenizer step when it sees the prefix, and
+gets back the same kind of TokenizerPlan (recipes, files, vocabulary rows, token ids), so config.json,
+the copied files and `mergesmith plan` follow as for any tokenizer source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..architecture import LM_HEAD_NAMES, embedding_for_head
+from ..errors import CheckpointError, ConfigError
+from ..plan import InputRef, TensorRecipe
+from ..tokenizer.planning import TokenizerPlan
+from .planner import _tokenizer_root, staged_generation_config
+from .table import TransplantTable, register, transplant_rows
+from .vocab import Vocabulary, assign_rows, load_vocabulary
+
+if TYPE_CHECKING:
+    from ..planner import Planner
+
+PREFIX = "transplant:"
+MERGE_OP = "transplant_merge"
+DEFAULT_K = 64
+
+
+def transplant_donor(source: str | None) -> str | None:
+    """The donor of a `transplant:<donor>` tokenizer source, else None."""
+    if isinstance(source, str) and source.startswith(PREFIX):
+        return source[len(PREFIX) :]
+    return None
+
+
+def plan_transplant(planner: Planner, recipes: list[TensorRecipe], source: str) -> TokenizerPlan:
+    """Rewrite the embedding and lm_head recipes of a merge to transplant every input onto the donor's
+    vocabulary before merging; the output gets the donor's tokenizer files, vocab size and token ids."""
+    from ..planner import TOKENIZER_FILES
+
+    donor_ref = transplant_donor(source) or ""
+    key = f"{planner.source}: `tokenizer_source`"
+    refs = planner.config.referenced_models()
+    if donor_ref not in planner.ckpts:
+        listed = ", ".join(repr(r) for r in refs)
+        raise ConfigError(f"{key}: donor {donor_ref!r} of {source!r} is not one of the config's models ({listed})")
+    trust = planner.options.trust_remote_code
+    donor = planner.ckpts[donor_ref]
+    vocabs: dict[str, Vocabulary] = {}
+    for ref in refs:
+        vocabs[ref] = load_vocabulary(_tokenizer_root(planner.ckpts[ref]), f"{key}: model {ref!r}", trust)
+    donor_vocab = vocabs[donor_ref]
+    donor_embed = embedding_for_head(donor.tensors, planner.stacks[donor_ref])
+    if donor_embed is None:
+        raise CheckpointError(f"{key}: donor {donor_ref!r} has no token embedding (OMP reads it)")
+    donor_head = next((n for n in LM_HEAD_NAMES if n in donor.tensors), donor_embed)
+    embed = embedding_for_head(planner.base.tensors, planner.stacks[planner.base_ref])
+    names = {n: n in LM_HEAD_NAMES for n in (*LM_HEAD_NAMES, embed) if n is not None}
+
+    out: list[TensorRecipe] = []
+    rows = donor_vocab.size
+    counts: dict[str, dict[str, int]] = {}
+    for recipe in recipes:
+        if recipe.name not in names:
+            out.append(recipe)
+            continue
+        head = names[recipe.name]
+        donor_tensor = donor_head if head else donor_embed
+        donor_rows = donor.info(donor_tensor).shape[0]
+        digests: list[str] = []
+        ks: list[int] = []
+        inputs = [InputRef(i.model, i.tensor) for i in recipe.inputs]
+        if recipe.op == "copy":
+            inputs = inputs[:1]
+        for ref in inputs:
+            model_rows = planner.ckpts[ref.model].info(ref.tensor).shape[0]
+            found = assign_rows(vocabs[ref.model], donor_vocab, model_rows, donor_rows, False, False)
+            shared = found.shared_base.numel()
+            if shared == 0:
+                raise ConfigError(f"{key}: model {ref.model!r} shares no token with donor {donor_ref!r}")
+            counts[f"{recipe.name} <- {ref.model}"] = found.counts
+            empty = found.target_rows.new_empty((found.target_rows.numel(), 0))
+            table = TransplantTable(
+                found.rows,
+                found.source,
+                found.target_rows,
+                found.target_donor,
+                found.shared_base,
+                found.shared_donor,
+                empty,
+            )
+            digests.append(register(table))
+            ks.append(min(DEFAULT_K, shared))
+        params = (
+            *recipe.params,
+            ("transplant_tables", tuple(digests)),
+            ("transplant_k", tuple(ks)),
+            ("transplant_device", planner.options.device),
+            ("transplant_dtype", planner.compute_dtype),
+        )
+        out.append(
+            replace(
+                recipe,
+                shape=(rows, *recipe.shape[1:]),
+                op=MERGE_OP,
+                inputs=(*inputs, InputRef(donor_ref, donor_tensor)),
+                method=recipe.method if recipe.op != "copy" else None,
+                base_index=recipe.base_index if recipe.op != "copy" else None,
+                model_params=recipe.model_params[: len(inputs)] if recipe.op != "copy" else (),
+                params=params,
+            )
+        )
+    root = _tokenizer_root(donor)
+    files = [(str(root / n), n) for n in TOKENIZER_FILES if (root / n).is_file()]
+    ids = {k: v for k, v in donor_vocab.special_ids.items() if v is not None}
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if k in (donor.config or {}):
+            ids[k] = (donor.config or {})[k]
+    files.extend(staged_generation_config(planner.base.root, ids))
+    plan = TokenizerPlan(out, files, rows, ids)
+    planner.transplant_summary = {"donor": donor_ref, "vocab_size": rows, "tensors": counts}
+    return plan
+
+
+def transplant_merge_op(recipe: Any, load: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+    """The registered op: transplant each input onto the donor's vocabulary, then merge (or copy)."""
+    from ..dtypes import to_torch
+    from ..methods import MergeInputs, require_method
+    from .table import lookup
+
+    params = dict(recipe.params)
+    digests, ks = params.pop("transplant_tables"), params.pop("transplant_k")
+    device = params.pop("transplant_device")
+    dtype = to_torch(str(params.pop("transplant_dtype")))
+    donor = load(recipe.inputs[-1])
+    aligned = []
+    for ref, digest, k in zip(recipe.inputs[:-1], digests, ks):
+        table = lookup(str(digest))
+        rows = transplant_rows(table, load(ref), donor, {"method": "omp", "k": k, "device": device})
+        aligned.append(rows.to(dtype))
+    if recipe.method is None:
+        return aligned[0]
+    generator = None
+    if recipe.seed is not None:
+        generator = torch.Generator().manual_seed(recipe.seed)
+    return require_method(recipe.method).merge(
+        MergeInputs(
+            tensors=aligned,
+            base_index=recipe.base_index,
+            model_params=[dict(p) for p in recipe.model_params],
+            params=params,
+            generator=generator,
+            tensor_name=recipe.name,
+        )
+    )
