@@ -30,6 +30,7 @@ from .memory_release import release_free_heap
 from .methods import MergeInputs, require_method
 from .plan import InputRef, Plan, ShardPlan, TensorRecipe
 from .planner import automatic_budget, recipe_memory
+from .validation.nonfinite import NonFiniteMonitor
 
 JOURNAL_INTERVAL_S = 1.0
 PREFETCH_BYTES = 512 << 20
@@ -121,13 +122,15 @@ def compute(
     rows: tuple[int, int] | None = None,
     loaded: Sequence[torch.Tensor | None] | None = None,
     spent: Callable[[int], None] | None = None,
+    monitor: NonFiniteMonitor | None = None,
 ) -> torch.Tensor:
     """The output tensor of one recipe (or of its rows [start, end)), in its output dtype, on the CPU.
 
     `loaded`: inputs of these rows already read (by the executor's input feed), per input in recipe order;
     the others (None) are read from their checkpoint's memory map. `spent(index)` is called once a loaded
     input will not be read again (converted to the compute dtype, or done with by the method), so that
-    its memory can go back early, as a mapped input's pages are dropped."""
+    its memory can go back early, as a mapped input's pages are dropped. `monitor` counts the non-finite values
+    of every input as it is loaded and of the output before it is returned (validation.nonfinite)."""
     out_dtype = to_torch(recipe.dtype)
     shape = recipe.shape if rows is None else (rows[1] - rows[0], *recipe.shape[1:])
 
@@ -136,21 +139,31 @@ def compute(
 
     def load(ref: InputRef, index: int | None = None) -> torch.Tensor:
         if index is not None and streamed(index):
-            return loaded[index]  # type: ignore[index]
-        tensor = load_input(checkpoints[ref.model], ref)
-        return tensor if rows is None else tensor[rows[0] : rows[1]]
+            tensor = loaded[index]  # type: ignore[index]
+        else:
+            tensor = load_input(checkpoints[ref.model], ref)
+            tensor = tensor if rows is None else tensor[rows[0] : rows[1]]
+        if monitor is not None:
+            monitor.check_input(ref.model, ref.tensor, tensor, None if rows is None else rows[0])
+        return tensor
+
+    def checked(out: torch.Tensor) -> torch.Tensor:
+        if monitor is not None:
+            monitor.check_output(recipe.name, [(ref.model, ref.tensor) for ref in recipe.inputs], out)
+        return out
 
     if recipe.op == "copy":
         tensor = load(recipe.inputs[0], 0)
+        same = tensor.dtype == out_dtype and not explicit_dtype
         if explicit_dtype and tensor.is_floating_point():
             tensor = tensor.to(compute_dtype)  # mergekit loads in `dtype` first; the rounding must match
-        return tensor.to(out_dtype)
+        return tensor.to(out_dtype) if same else checked(tensor.to(out_dtype))  # a conversion may overflow
     if recipe.op != "merge":
         from .ops import get_op
 
         out = get_op(recipe.op)(recipe, load).to(out_dtype).cpu().contiguous()
         _check_shape(recipe, out, shape)
-        return out
+        return checked(out)
     spec = require_method(recipe.method or "")
 
     def release_input(index: int, ref: InputRef) -> None:
@@ -199,7 +212,7 @@ def compute(
         # merge, not a bug; one line naming the tensor. Finished shards stay journaled for a rerun.
         raise MethodError.of(recipe, exc) from exc
     _check_shape(recipe, merged, shape)
-    return merged.to(dtype=out_dtype).cpu()
+    return checked(merged.to(dtype=out_dtype).cpu())
 
 
 def advise_inputs(
@@ -244,6 +257,7 @@ class LocalExecutor:
         device: str = "cpu",
         on_progress: Callable[[ProgressEvent], None] | None = None,
         stop: threading.Event | None = None,
+        strict: bool = False,
     ) -> None:
         self.plan = plan
         self.ckpts = checkpoints
@@ -263,6 +277,7 @@ class LocalExecutor:
         self._bytes = 0
         self._error: BaseException | None = None
         self._feed: InputFeed | None = None
+        self.monitor = NonFiniteMonitor(strict)  # NaN/inf in inputs and outputs; `warnings()` after run
 
     def _open_writer(self, shard: ShardPlan) -> ShardWriter:
         writer = ShardWriter(
@@ -402,7 +417,8 @@ class LocalExecutor:
         try:
             args = (self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
             spent = None if feed is None else lambda index: feed.release(recipe, rows, index)
-            put(compute(recipe, *args, rows=None if whole else rows, loaded=loaded, spent=spent))
+            rows_arg = None if whole else rows
+            put(compute(recipe, *args, rows=rows_arg, loaded=loaded, spent=spent, monitor=self.monitor))
         finally:
             if loaded is not None and feed is not None:
                 feed.done(recipe, rows)
