@@ -285,3 +285,180 @@ def test_config_claiming_more_layers_names_the_real_count(
     code, _out, err = run_cli(capsys, "merge", sliced, tmp_path / "out")
     line = assert_one_line_error(code, err, "liar", "num_hidden_layers: 5", "2 layers")
     assert "past the 0 layers" not in line
+
+
+# ----- tensors only some models have ---------------------------------------------------------------------
+
+
+def _edit_weights(model: Path, edit: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = model / "model.safetensors"
+    tensors = load_file(weights)
+    edit(tensors)
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
+def test_tensor_the_base_has_and_the_lead_lacks_is_refused_not_dropped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], base: Path, tuned: list[Path]
+) -> None:
+    """TIES with the base listed after a model that lacks one of its layer tensors: the layer tensors used to
+    come from the first model alone, so the tensor was silently missing from the output."""
+    lacking = Path(shutil.copytree(tuned[0], tmp_path / "lacking"))
+    _edit_weights(lacking, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    path = write_config(
+        tmp_path / "c.yml",
+        {
+            "merge_method": "ties",
+            "base_model": str(base),
+            "models": [
+                {"model": str(lacking), "parameters": {"weight": 0.5, "density": 0.5}},
+                {"model": str(tuned[1]), "parameters": {"weight": 0.5, "density": 0.5}},
+            ],
+        },
+    )
+    code, _out, err = run_cli(capsys, "merge", path, tmp_path / "out")
+    assert_one_line_error(code, err, "mlp.down_proj.weight", "not found", str(lacking), str(base), str(tuned[1]))
+    assert not (tmp_path / "out").exists()
+
+
+def test_tensor_missing_from_several_models_names_them_all(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], base: Path, tuned: list[Path]
+) -> None:
+    a = Path(shutil.copytree(tuned[0], tmp_path / "a"))
+    b = Path(shutil.copytree(tuned[1], tmp_path / "b"))
+    for m in (a, b):
+        _edit_weights(m, lambda t: t.pop("model.norm.weight"))
+    code, _out, err = run_cli(capsys, "merge", _linear(tmp_path, base, a, b), tmp_path / "out")
+    assert_one_line_error(code, err, "model.norm.weight", "not found", str(a), str(b))
+
+
+def test_tensor_only_other_models_have_is_named_in_a_warning_and_strict_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], base: Path, tuned: list[Path]
+) -> None:
+    """The output follows the first model (as mergekit's follows its architecture), so a tensor only a later
+    model has is left out: said in a warning naming the tensor and the model, refused under --strict."""
+    import torch
+
+    extra = Path(shutil.copytree(tuned[0], tmp_path / "extra"))
+
+    def add(t: dict[str, Any]) -> None:
+        t["model.layers.0.mlp.extra.weight"] = torch.ones(4, 4)
+        t["model.extra_norm.weight"] = torch.ones(32)
+
+    _edit_weights(extra, add)
+    config = _linear(tmp_path, base, extra)
+    code, _out, err = run_cli(capsys, "merge", config, tmp_path / "out")
+    assert code == 0, err
+    warning = [line for line in err.splitlines() if line.startswith("warning:") and "left out" in line]
+    assert warning and "model.extra_norm.weight" in warning[0] and "mlp.extra.weight" in warning[0]
+    assert str(extra) in warning[0]
+    code, _out, err = run_cli(capsys, "merge", config, tmp_path / "out2", "--strict")
+    assert_one_line_error(code, err, "model.extra_norm.weight", "--strict")
+
+
+def test_optional_buffers_some_models_lack_are_copied_from_the_base(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], base: Path, tuned: list[Path]
+) -> None:
+    """A rotary inv_freq buffer (older Llama saves) in the base but not in the other model: copied, not refused."""
+    import torch
+    from safetensors.torch import load_file
+
+    with_buffer = Path(shutil.copytree(base, tmp_path / "with_buffer"))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    _edit_weights(with_buffer, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": inv_freq}))
+    code, _out, err = run_cli(capsys, "merge", _linear(tmp_path, with_buffer, tuned[0]), tmp_path / "out")
+    assert code == 0, err
+    assert "left out" not in err
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(merged["model.layers.0.self_attn.rotary_emb.inv_freq"], inv_freq)
+    code, _out, err = run_cli(capsys, "merge", _linear(tmp_path, tuned[0], with_buffer), tmp_path / "out2")
+    assert code == 0, err
+    assert "left out" not in err  # the output follows the first model, which has no such buffer
+
+
+# ----- non-finite weights ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory: pytest.TempPathFactory, tuned: list[Path]) -> Path:
+    """A model with one NaN in an MLP weight and one inf in an attention weight."""
+    path = Path(shutil.copytree(tuned[0], tmp_path_factory.mktemp("poisoned") / "model"))
+
+    def poison(t: dict[str, Any]) -> None:
+        t["model.layers.0.mlp.up_proj.weight"][3, 5] = math.nan
+        t["model.layers.1.self_attn.q_proj.weight"][0, 0] = math.inf
+
+    _edit_weights(path, poison)
+    return path
+
+
+@pytest.mark.parametrize("direct_io", ["1", "0"])
+def test_nan_and_inf_in_an_input_are_warned_once_per_tensor(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    poisoned: Path,
+    tuned: list[Path],
+    direct_io: str,
+) -> None:
+    monkeypatch.setenv("MERGESMITH_DIRECT_IO", direct_io)  # read through the feed, and through the memory map
+    code, _out, err = run_cli(
+        capsys, "merge", _linear(tmp_path, poisoned, tuned[1]), tmp_path / "out", "--threads", "2"
+    )
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2, err
+    assert any(
+        "model.layers.0.mlp.up_proj.weight" in w and str(poisoned) in w and "1 non-finite" in w for w in warnings
+    )
+    assert any("model.layers.1.self_attn.q_proj.weight" in w and str(poisoned) in w for w in warnings)
+    assert "where its inputs had none" not in err
+
+
+def test_strict_refuses_nan_in_an_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], poisoned: Path, tuned: list[Path]
+) -> None:
+    out = tmp_path / "out"
+    code, _out, err = run_cli(capsys, "merge", _linear(tmp_path, poisoned, tuned[1]), out, "--strict")
+    assert_one_line_error(code, err, str(poisoned), "model.layers.0.mlp.up_proj.weight", "--strict")
+    assert not (out / "config.json").exists()
+
+
+def test_output_made_non_finite_by_the_merge_is_reported_at_the_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tuned: list[Path]
+) -> None:
+    """Finite inputs, a float16 output that overflows: said once at the end, naming the tensors."""
+    config = write_config(
+        tmp_path / "c.yml",
+        {
+            "merge_method": "linear",
+            "out_dtype": "float16",
+            "parameters": {"normalize": False},
+            "models": [
+                {"model": str(tuned[0]), "parameters": {"weight": 100000.0}},
+                {"model": str(tuned[1]), "parameters": {"weight": 1.0}},
+            ],
+        },
+    )
+    code, _out, err = run_cli(capsys, "merge", config, tmp_path / "out")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "where its inputs had none" in line]
+    assert len(lines) == 1 and "model.norm.weight" in lines[0], err
+    code, _out, err = run_cli(capsys, "merge", config, tmp_path / "out2", "--strict")
+    assert_one_line_error(code, err, "non-finite", "--strict")
+
+
+def test_count_nonfinite_is_exact() -> None:
+    import torch
+
+    from mergesmith.validation.nonfinite import count_nonfinite
+
+    x = torch.zeros(1000)
+    assert count_nonfinite(x) == 0
+    x[[1, 7, 9]] = torch.tensor([math.nan, math.inf, -math.inf])
+    assert count_nonfinite(x) == 3
+    big = torch.full((1000,), 3.0e38)  # finite values whose sum overflows: counted exactly, as none
+    assert count_nonfinite(big) == 0
+    assert count_nonfinite(torch.full((10,), 60000.0, dtype=torch.float16)) == 0
+    assert count_nonfinite(torch.arange(10)) == 0

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,7 @@ class MergeResult:
     shards_reused: int
     already_complete: bool
     seconds: float
+    warnings: list[str] = field(default_factory=list)  # found while merging: NaN/inf in inputs or outputs
 
 
 def as_config(config: str | Path | MergeConfiguration, strict: bool = False) -> tuple[MergeConfiguration, str]:
@@ -433,12 +434,12 @@ def _write_plan(
     journal.save()
     _check_space(out, plan, journal, force)
     executor_cls: Any = LocalExecutor
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"strict": options.strict}
     if options.executor == "ray":
         from .executors.ray import RayExecutor  # Ray is optional: imported only when asked for
 
         executor_cls, extra = RayExecutor, {"address": options.ray_address}
-    executor_cls(
+    executor = executor_cls(
         plan,
         checkpoints,
         out,
@@ -449,10 +450,13 @@ def _write_plan(
         on_progress=on_progress,
         stop=stop,
         **extra,
-    ).run()
+    )
+    executor.run()
+    monitor = getattr(executor, "monitor", None)
+    warnings = monitor.warnings() if monitor is not None else []
     _write_small_files(out, plan)
     _write_index_and_config(out, plan)
     _record_mtimes(out, journal)
     journal.complete = True
     journal.save()
-    return MergeResult(out, plan, reused, False, time.monotonic() - started)
+    return MergeResult(out, plan, reused, False, time.monotonic() - started, warnings)

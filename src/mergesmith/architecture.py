@@ -132,6 +132,18 @@ def stack_in_tensors(names: Iterable[str]) -> LayerStack | None:
     return LayerStack(best, len(indices[best]))
 
 
+OPTIONAL_TENSOR_SUFFIXES = ("inv_freq", "masked_bias", "position_ids")
+"""Buffers some checkpoints save and others do not (transformers recomputes them): rotary `inv_freq`
+(older Llama/Mistral saves), GPT-2's `attn.masked_bias`, BERT-style `embeddings.position_ids`. A merge whose
+models disagree about one copies it from the model the output follows, or leaves it out if that model lacks it."""
+
+
+def is_optional_tensor(name: str) -> bool:
+    """Whether a tensor (or a layer tensor's tail) is a buffer that may be missing from some models."""
+    last = name.rsplit(".", 1)[-1]
+    return last in OPTIONAL_TENSOR_SUFFIXES
+
+
 def is_embedding(name: str) -> bool:
     """Non-layer tensors that sit before the layer stack (token and position embeddings).
 

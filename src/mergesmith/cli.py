@@ -366,6 +366,7 @@ def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet:
             stop=interrupts.stop,
         )
     import_manifest.record()  # for the next merge's start
+    _print_merge_warnings(result, quiet)
     plan = result.plan
     if result.already_complete:
         click.echo(f"{out_dir}: already complete (same config and inputs); nothing to do")
@@ -498,7 +499,15 @@ def _refuse_moe_config(config_file: Path) -> None:
         )
 
 
+def _print_merge_warnings(result: Any, quiet: bool, prefix: str = "") -> None:
+    """What the merge found while running (NaN/inf in inputs or output), as the plan's warnings are printed."""
+    if not quiet:
+        for warning in getattr(result, "warnings", ()):
+            click.echo(f"{prefix}warning: {warning}", err=True)
+
+
 def _report_result(out_dir: Path, result: Any, prefix: str = "") -> None:
+    _print_merge_warnings(result, False, prefix)
     plan = result.plan
     if result.already_complete:
         click.echo(f"{prefix}{out_dir}: already complete (same config and inputs); nothing to do")

@@ -33,6 +33,7 @@ from .methods import MergeInputs, require_method
 from .methods.keyed_random import MaskStream
 from .plan import InputRef, Plan, ShardPlan, TensorRecipe
 from .planner import automatic_budget, recipe_memory
+from .validation.nonfinite import NonFiniteMonitor
 
 JOURNAL_INTERVAL_S = 1.0
 PREFETCH_BYTES = 512 << 20
@@ -157,13 +158,15 @@ def compute(
     spent: Callable[[int], None] | None = None,
     totals: Any = None,
     gather: Gathered | None = None,
+    monitor: NonFiniteMonitor | None = None,
 ) -> torch.Tensor | None:
     """The output tensor of one recipe (or of its rows [start, end)), in its output dtype, on the CPU.
 
     `loaded`: inputs of these rows already read (by the executor's input feed), per input in recipe order;
     the others (None) are read from their checkpoint's memory map. `spent(index)` is called once a loaded
     input will not be read again (converted to the compute dtype, or done with by the method), so that
-    its memory can go back early, as a mapped input's pages are dropped.
+    its memory can go back early, as a mapped input's pages are dropped. `monitor` counts the non-finite values
+    of every input as it is loaded and of the output before it is returned (validation.nonfinite).
 
     Two-pass methods (blocks.two_pass): with `gather` the rows are folded into `gather.state` by the method's
     totals pass and nothing is returned; `totals` hands the finished totals to the second pass."""
@@ -175,21 +178,31 @@ def compute(
 
     def load(ref: InputRef, index: int | None = None) -> torch.Tensor:
         if index is not None and streamed(index):
-            return loaded[index]  # type: ignore[index]
-        tensor = load_input(checkpoints[ref.model], ref)
-        return tensor if rows is None else tensor[rows[0] : rows[1]]
+            tensor = loaded[index]  # type: ignore[index]
+        else:
+            tensor = load_input(checkpoints[ref.model], ref)
+            tensor = tensor if rows is None else tensor[rows[0] : rows[1]]
+        if monitor is not None:
+            monitor.check_input(ref.model, ref.tensor, tensor, None if rows is None else rows[0])
+        return tensor
+
+    def checked(out: torch.Tensor) -> torch.Tensor:
+        if monitor is not None:
+            monitor.check_output(recipe.name, [(ref.model, ref.tensor) for ref in recipe.inputs], out)
+        return out
 
     if recipe.op == "copy":
         tensor = load(recipe.inputs[0], 0)
+        same = tensor.dtype == out_dtype and not explicit_dtype
         if explicit_dtype and tensor.is_floating_point():
             tensor = tensor.to(compute_dtype)  # mergekit loads in `dtype` first; the rounding must match
-        return tensor.to(out_dtype)
+        return tensor.to(out_dtype) if same else checked(tensor.to(out_dtype))  # a conversion may overflow
     if recipe.op != "merge":
         from .ops import get_op
 
         out = get_op(recipe.op)(recipe, load).to(out_dtype).cpu().contiguous()
         _check_shape(recipe, out, shape)
-        return out
+        return checked(out)
     spec = require_method(recipe.method or "")
 
     def release_input(index: int, ref: InputRef) -> None:
@@ -247,7 +260,7 @@ def compute(
         # merge, not a bug; one line naming the tensor. Finished shards stay journaled for a rerun.
         raise MethodError.of(recipe, exc) from exc
     _check_shape(recipe, merged, shape)
-    return merged.to(dtype=out_dtype).cpu()
+    return checked(merged.to(dtype=out_dtype).cpu())
 
 
 @dataclass
@@ -300,6 +313,7 @@ class LocalExecutor:
         on_progress: Callable[[ProgressEvent], None] | None = None,
         stop: threading.Event | None = None,
         watch_memory: bool = True,
+        strict: bool = False,
     ) -> None:
         self.plan = plan
         self.watch_memory = watch_memory
@@ -320,6 +334,7 @@ class LocalExecutor:
         self._bytes = 0
         self._error: BaseException | None = None
         self._feed: InputFeed | None = None
+        self.monitor = NonFiniteMonitor(strict)  # NaN/inf in inputs and outputs; `warnings()` after run
 
     def _open_writer(self, shard: ShardPlan) -> ShardWriter:
         writer = ShardWriter(
@@ -513,7 +528,10 @@ class LocalExecutor:
         try:
             args = (self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
             spent = None if feed is None else lambda index: feed.release(recipe, rows, index)
-            out = compute(recipe, *args, rows=None if whole else rows, loaded=loaded, spent=spent, totals=totals)
+            out = compute(
+                recipe, *args, rows=None if whole else rows, loaded=loaded, spent=spent, totals=totals,
+                monitor=self.monitor,
+            )
             assert out is not None
             put(out)
         finally:

@@ -19,6 +19,7 @@ from .architecture import (
     embedding_for_head,
     find_layer_stack,
     is_embedding,
+    is_optional_tensor,
     layer_count_key,
     rewrite_config,
     stack_in_tensors,
@@ -294,15 +295,16 @@ class Planner:
 
         inputs: list[InputRef] = []
         infos = []
+        lacking: list[tuple[str, int | None]] = []
         for ref, _src, layer in refs:
             name = self._tensor_name_for(ref, canonical, layer, rest)
             if name is None:
-                raise CheckpointError(
-                    f"model {ref!r}: tensor {canonical if layer is None else f'layer {layer} {rest}'!r}"
-                    f" not found (needed for output tensor {out_name!r})"
-                )
+                lacking.append((ref, layer))
+                continue
             inputs.append(InputRef(ref, name))
             infos.append(self.ckpts[ref].info(name))
+        if lacking:
+            return self._lacking(out_name, canonical, rest, refs, lacking, inputs, infos, base_ref)
 
         shapes = {i.shape for i in infos}
         shape = infos[base_index if base_index is not None else 0].shape
@@ -371,6 +373,89 @@ class Planner:
             seed,
         )
 
+    def _lacking(
+        self,
+        out_name: str,
+        canonical: str,
+        rest: str | None,
+        refs: list[tuple[str, SourceRange | None, int | None]],
+        lacking: list[tuple[str, int | None]],
+        inputs: list[InputRef],
+        infos: list[Any],
+        base_ref: str | None,
+    ) -> TensorRecipe:
+        """The recipe of a tensor some of its models lack: a copy of the base's (or the first model's) when the
+        tensor is known to be optional (architecture.is_optional_tensor), else the one-line refusal naming the
+        tensor and every model that lacks it, as mergekit refuses a model without a tensor its merge needs."""
+        if inputs and is_optional_tensor(canonical):
+            pick = next((k for k, i in enumerate(inputs) if i.model == base_ref), 0)
+            info = infos[pick]
+            dtype = self.out_dtype if is_float(info.dtype) else info.dtype
+            return TensorRecipe(out_name, tuple(info.shape), dtype, "copy", (inputs[pick],))
+        first_ref, first_layer = lacking[0]
+        what = canonical if rest is None else f"layer {first_layer} {rest}"
+        same_layer = all(layer == first_layer for _ref, layer in lacking)
+        missing = ", ".join(f"{ref!r}" + ("" if same_layer else f" (layer {layer})") for ref, layer in lacking)
+        models = "models" if len(lacking) > 1 else "model"
+        have = ", ".join(f"{i.model!r}" for i in inputs)
+        note = f"; {'models' if len(inputs) > 1 else 'model'} {have} {'have' if len(inputs) > 1 else 'has'} it"
+        raise CheckpointError(
+            f"tensor {what!r} not found in {models} {missing} (needed for output tensor {out_name!r}"
+            f"{note if inputs else ''})"
+        )
+
+    def _layer_rests(self, ref: str, layer: int) -> list[str]:
+        """The tensor-name tails of one layer of a model, in file order (indexed once per model)."""
+        index = self._rests_index.get(ref)
+        if index is None:
+            index = {}
+            stack = self.stacks[ref]
+            for n in self.ckpts[ref].tensors if stack is not None else ():
+                hit = stack.split(n)
+                if hit is not None:
+                    index.setdefault(hit[0], []).append(hit[1])
+            self._rests_index[ref] = index
+        return index.get(layer, [])
+
+    def _note_extras(self, sl: NormalizedSlice, offset: int | None, template: list[str]) -> None:
+        """Record tensors that other models of an output layer (offset) or of the non-layer tensors (None) have
+        and the model the output follows does not: they are left out (warned about once, in build)."""
+        refs = [(m.model, None if offset is None else m.start + offset) for m in sl.sources]
+        if sl.base_model and self.spec.uses_base_in_models and sl.base_model not in [r for r, _ in refs]:
+            refs.append((sl.base_model, None if offset is None else sl.sources[0].start + offset))
+        known = set(template)
+        for ref, layer in refs:
+            ck = self.ckpts[ref]
+            if layer is None:
+                stack = self.stacks[ref]
+                names = [n for n in ck.tensors if stack is None or stack.split(n) is None]
+                tails = [n for n in names if n not in LM_HEAD_NAMES]  # the output's head follows the base's tying
+            else:
+                tails = self._layer_rests(ref, layer)
+            for tail in tails:
+                if tail not in known and not is_optional_tensor(tail):
+                    key = tail if layer is None else f"{{layers}}.{tail}"
+                    self._extras.setdefault(key, {}).setdefault(ref, 0)
+                    self._extras[key][ref] += 1
+
+    def _extras_warning(self) -> list[str]:
+        if not self._extras:
+            return []
+        prefix = self.stacks[self.base_ref].prefix if self.stacks[self.base_ref] is not None else "layers"
+        shown = []
+        for key, owners in list(self._extras.items())[:5]:
+            name = key.replace("{layers}", f"{prefix}.N")
+            who = ", ".join(
+                f"{ref!r}" + (f" ({n} layers)" if "{layers}" in key and n > 1 else "") for ref, n in owners.items()
+            )
+            shown.append(f"{name} (in {who})")
+        more = f" and {len(self._extras) - 5} more" if len(self._extras) > 5 else ""
+        return [
+            f"tensors that only some models have are left out of the output, which follows model "
+            f"{self.base_ref!r} (mergekit leaves out tensors its architecture does not list): "
+            f"{'; '.join(shown)}{more}"
+        ]
+
     def recipes(self) -> tuple[list[TensorRecipe], list[int] | None]:
         """All output recipes in file order (embeddings, layers, head) and each output layer's source."""
         slices = self._slices()
@@ -384,9 +469,14 @@ class Planner:
         post = [n for n in non_layer if not is_embedding(n)]
         self._vocab_rows: int | None = None
         self._truncated.clear()
+        self._rests_index: dict[str, dict[int, list[str]]] = {}
+        self._extras: dict[str, dict[str, int]] = {}
 
         recipes: list[TensorRecipe] = []
         first, last = slices[0], slices[-1]
+        self._note_extras(first, None, non_layer)
+        if last is not first:
+            self._note_extras(last, None, non_layer)
         for name in pre:
             recipes.append(self._recipe(name, name, first, list(first.sources), None, None, 0.0))
 
@@ -405,12 +495,13 @@ class Planner:
                 for i in range(sl.length):
                     t = 1.0 if sl.length == 1 else i / (sl.length - 1)
                     src_layer = lead.start + i
-                    rests = [
-                        r
-                        for n in self.ckpts[lead.model].tensors
-                        if (hit := lead_stack.split(n)) is not None and hit[0] == src_layer
-                        for r in [hit[1]]
-                    ]
+                    rests = self._layer_rests(lead.model, src_layer)
+                    base_ref = sl.base_model if sl.base_model and self.spec.uses_base_in_models else None
+                    if base_ref is not None and self.stacks[base_ref] is not None:
+                        base_layer = next((m.start for m in sl.sources if m.model == base_ref), lead.start) + i
+                        # the base's tensors too: one the lead lacks is refused (in _recipe), not dropped
+                        rests = list(dict.fromkeys([*rests, *self._layer_rests(base_ref, base_layer)]))
+                    self._note_extras(sl, i, rests)
                     for rest in rests:
                         out_name = out_stack.name(out_index, rest)
                         recipes.append(
@@ -514,6 +605,7 @@ class Planner:
             self.warnings.extend(tokenizer_plan.warnings)
             if tokenizer_plan.vocab_rows is not None:
                 self._vocab_rows = tokenizer_plan.vocab_rows
+        self.warnings.extend(self._extras_warning())
         if tokenizer_plan is None or tokenizer_plan.vocab_rows is None:  # nothing re-indexes the rows by token
             self.warnings.extend(self._truncation_warnings())
         vocab = self._vocab_rows
