@@ -2,10 +2,11 @@
 
 For each architecture the tiny-model factory builds a random-init base (3 layers, hidden size 32) and two
 "fine-tunes" of it, all offline from the real transformers config class. Each is merged with a 3-model
-`linear`, a `ties`, a `slerp` and a passthrough frankenmerge that changes the depth (3 -> 5 layers: all of
-one fine-tune, then layers 1-2 of the other). Every output must load in transformers with no missing or unexpected keys and give finite
-logits; its config.json must have every per-layer list rewritten for the new depth; and one layer tensor is
-recomputed here from the method's definition (written out below, independently of mergesmith's code).
+`linear`, a `ties`, a `slerp` and a passthrough frankenmerge that changes the depth (3 -> 5 layers: all of one
+fine-tune, then layers 1-2 of the other). Every output must load in transformers with no missing or unexpected
+keys and give finite logits; its config.json must have every per-layer list rewritten for the new depth; and
+one layer tensor is recomputed here from the method's definition (written out below, independently of
+mergesmith's code).
 """
 
 from __future__ import annotations
