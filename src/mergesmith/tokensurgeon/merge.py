@@ -82,6 +82,13 @@ def plan_transplant(planner: Planner, recipes: list[TensorRecipe], source: str) 
         inputs = [InputRef(i.model, i.tensor) for i in recipe.inputs]
         if recipe.op == "copy":
             inputs = inputs[:1]
+        widths = {ref.model: planner.ckpts[ref.model].info(ref.tensor).shape[1:] for ref in inputs}
+        if len(set(widths.values())) > 1:
+            detail = ", ".join(f"{m} {list(w)}" for m, w in widths.items())
+            raise CheckpointError(
+                f"{key}: tensor {recipe.name!r} has different widths in the merged models ({detail}); "
+                "a transplant changes rows, not widths"
+            )
         for ref in inputs:
             model_rows = planner.ckpts[ref.model].info(ref.tensor).shape[0]
             found = assign_rows(vocabs[ref.model], donor_vocab, model_rows, donor_rows, False, False)
