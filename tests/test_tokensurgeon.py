@@ -244,6 +244,7 @@ def test_merge_config_transplant(transplanted: dict[str, Path], tmp_path: Path, 
     assert code == 0, err
     assert f"tokenizer: transplant:{other} (the donor's 1759 tokens" in stdout and "500 approximated" in stdout
     assert "model.embed_tokens.weight [1759, 64] BF16 transplant_merge" in stdout
+    assert "transplant_k=[32, 32]" in stdout  # 64, lowered to half the donor's width
     out = tmp_path / "out"
     code, _, err = run_cli(capsys, "merge", config, out, "-q")
     assert code == 0, err

@@ -1,6 +1,6 @@
 """Build the tokensurgeon proof fixture: two BPE tokenizers and two tiny llamas trained on one corpus.
 
-    PYTHONPATH=src python examples/tokensurgeon/make_fixture.py tests/fixtures/tokensurgeon [--minutes 3]
+    PYTHONPATH=examples/tokensurgeon python examples/tokensurgeon/make_fixture.py OUT [--minutes 4 | --steps 424 630]
 
 - tokenizer A: byte-level BPE with 1,000 merges, special tokens <s> </s> <pad> (ids 0, 1, 2);
 - tokenizer B: byte-level BPE with 1,500 merges, special tokens <|pad|> <|bos|> <|eos|> (ids 0, 1, 2: other
@@ -10,7 +10,10 @@
 - `donor`: a llama (hidden 48, 2 layers, tied embeddings) trained with B (a different width on purpose:
   OMP's coefficients live in the donor's space and are applied to the base's rows, so widths may differ).
 Both are saved in bfloat16 (a few hundred KB each) with their tokenizers. Training is plain next-token
-cross-entropy with AdamW on one CPU thread, `--minutes` each (the machine is shared).
+cross-entropy with AdamW on one CPU thread, `--minutes` each (the machine is shared): the committed
+fixture was made with `--minutes 4` (424 and 630 steps, see its training.json); `--steps 424 630` repeats
+that many steps. The donor's chat template was set on the saved donor tokenizer right after (the run
+predates `DONOR_CHAT_TEMPLATE` in this script); the script now sets it itself.
 """
 
 from __future__ import annotations
@@ -76,12 +79,15 @@ def token_stream(tokenizer: PreTrainedTokenizerFast, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def train(model: LlamaForCausalLM, ids: torch.Tensor, seconds: float, seq: int = 64, batch: int = 32) -> int:
+def train(
+    model: LlamaForCausalLM, ids: torch.Tensor, seconds: float, steps: int | None = None, seq: int = 64, batch: int = 32
+) -> int:
+    """Train for `seconds` of wall time, or exactly `steps` steps when given (reproducible on one machine)."""
     gen = torch.Generator().manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     model.train()
     step, started = 0, time.monotonic()
-    while time.monotonic() - started < seconds:
+    while (step < steps) if steps is not None else (time.monotonic() - started < seconds):
         starts = torch.randint(0, ids.numel() - seq - 1, (batch,), generator=gen)
         x = torch.stack([ids[s : s + seq] for s in starts])
         loss = model(input_ids=x, labels=x).loss
@@ -114,18 +120,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--minutes", type=float, default=3.0, help="training time per model")
+    parser.add_argument(
+        "--steps", type=int, nargs=2, default=None, metavar=("BASE", "DONOR"),
+        help="train exactly this many steps instead (the committed fixture: 424 630, its training.json)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     text = corpus.train_text()
     heldout = corpus.heldout_text()
     report = {}
-    for name, kind, hidden, tied in (("base", "a", 64, False), ("donor", "b", 48, True)):
+    for index, (name, kind, hidden, tied) in enumerate((("base", "a", 64, False), ("donor", "b", 48, True))):
         tokenizer = build_tokenizer(kind, text)
         ids = token_stream(tokenizer, text)
         model = LlamaForCausalLM(model_config(tokenizer, hidden, tied))
         print(f"{name}: vocab {len(tokenizer)}, {ids.numel()} training tokens", flush=True)
-        steps = train(model, ids, args.minutes * 60)
+        steps = train(model, ids, args.minutes * 60, args.steps[index] if args.steps else None)
         ppl = perplexity(model, token_stream(tokenizer, heldout))
         print(f"{name}: {steps} steps, held-out perplexity {ppl:.3f}", flush=True)
         report[name] = {"vocab": len(tokenizer), "steps": steps, "heldout_ppl_fp32": ppl}

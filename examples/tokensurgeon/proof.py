@@ -79,7 +79,22 @@ def run_mergekit(exe: str, base: Path, donor: Path, out: Path, method: str, k: i
     return time.monotonic() - started
 
 
-def compare_rows(ours: Path, theirs: Path) -> dict[str, float]:
+def shared_rows(base: Path, out: Path) -> torch.Tensor:
+    """Output rows of the tokens the base's and the donor's tokenizers share (by string, specials by role)."""
+    from transformers import AutoTokenizer
+
+    base_tok = AutoTokenizer.from_pretrained(str(base))
+    out_tok = AutoTokenizer.from_pretrained(str(out))
+    base_vocab, out_vocab = base_tok.get_vocab(), out_tok.get_vocab()
+    rows = [out_vocab[t] for t in base_vocab if t in out_vocab]
+    for role in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(base_tok, role) is not None and getattr(out_tok, role) is not None:
+            rows.append(getattr(out_tok, role))
+    return torch.tensor(sorted(set(rows)))
+
+
+
+def compare_rows(base: Path, ours: Path, theirs: Path) -> dict[str, float]:
     """Shared rows bit-equal? Approximated rows: max |diff| and mean cosine similarity, per tensor."""
     from safetensors.torch import load_file
 
@@ -91,6 +106,7 @@ def compare_rows(ours: Path, theirs: Path) -> dict[str, float]:
         x, y = a[name].float(), b[name].float()
         assert x.shape == y.shape, (name, x.shape, y.shape)
         same = (a[name] == b[name]).all(dim=1)
+        out[f"{name}:shared_equal"] = bool(same[shared_rows(base, ours)].all())
         # rows that differ anywhere are the approximated ones (copied rows are base bytes in both)
         diff = ~same
         cos = torch.nn.functional.cosine_similarity(x[diff], y[diff], dim=1) if diff.any() else torch.ones(1)
@@ -138,9 +154,10 @@ def main() -> None:
                 print(f"| {method} | {ppl} | fails: {exc} | {secs:.1f} | | | |", flush=True)
                 continue
             mk_ppl = "{:.3f} ({:.4f})".format(*perplexity(theirs, text))
-            c = compare_rows(ours, theirs)
+            c = compare_rows(base, ours, theirs)
             rows = "; ".join(
                 f"{n.split('.')[-2]} {int(c[n + ':equal_rows'])}"
+                + ("" if c[n + ":shared_equal"] else " (SHARED ROWS DIFFER)")
                 for n in ("model.embed_tokens.weight", "lm_head.weight")
                 if n + ":equal_rows" in c
             )

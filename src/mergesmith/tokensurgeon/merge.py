@@ -4,8 +4,9 @@ The output takes the donor's tokenizer (the donor is one of the config's models)
 the token embedding or the output head is first transplanted onto the donor's vocabulary, exactly as
 `mergesmith tokensurgeon MODEL DONOR` would (its own rows for the tokens it shares with the donor, OMP
 with k=64 over the donor's embeddings for the others; k is lowered to the shared count when fewer
-tokens are shared), and the merge method then runs on rows that mean the same token in every model.
-The donor's own rows pass through unchanged.
+tokens are shared, and to half the donor's hidden size when that is smaller: a k near the width fits
+every token exactly and carries little over, see the README), and the merge method then runs on rows
+that mean the same token in every model. The donor's own rows pass through unchanged.
 
 The merge planner calls `plan_transplant` instead of the tokenizer step when it sees the prefix, and
 gets back the same kind of TokenizerPlan (recipes, files, vocabulary rows, token ids), so config.json,
@@ -82,6 +83,13 @@ def plan_transplant(planner: Planner, recipes: list[TensorRecipe], source: str) 
         inputs = [InputRef(i.model, i.tensor) for i in recipe.inputs]
         if recipe.op == "copy":
             inputs = inputs[:1]
+        widths = {ref.model: planner.ckpts[ref.model].info(ref.tensor).shape[1:] for ref in inputs}
+        if len(set(widths.values())) > 1:
+            detail = ", ".join(f"{m} {list(w)}" for m, w in widths.items())
+            raise CheckpointError(
+                f"{key}: tensor {recipe.name!r} has different widths in the merged models ({detail}); "
+                "a transplant changes rows, not widths"
+            )
         for ref in inputs:
             model_rows = planner.ckpts[ref.model].info(ref.tensor).shape[0]
             found = assign_rows(vocabs[ref.model], donor_vocab, model_rows, donor_rows, False, False)
@@ -100,7 +108,7 @@ def plan_transplant(planner: Planner, recipes: list[TensorRecipe], source: str) 
                 empty,
             )
             digests.append(register(table))
-            ks.append(min(DEFAULT_K, shared))
+            ks.append(max(1, min(DEFAULT_K, shared, donor.info(donor_tensor).shape[1] // 2)))
         params = (
             *recipe.params,
             ("transplant_tables", tuple(digests)),

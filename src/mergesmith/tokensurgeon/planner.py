@@ -176,6 +176,14 @@ class TokenSurgeonPlanner:
                 f"`--k`: {s.k} is larger than the {shared} tokens BASE and DONOR share (for {vt.name!r}); "
                 f"use --k {shared} or less"
             )
+        if vt.donor_tensor is not None and found.target_rows.numel():
+            hidden = self.donor.info(vt.donor_tensor).shape[1]
+            warning = (
+                f"--k {s.k} is not below the hidden size of DONOR's {vt.donor_tensor!r} ({hidden}): the fit "
+                "of each token is exact and its coefficients carry over poorly; use a k well below it"
+            )
+            if s.k >= hidden and warning not in self.warnings:
+                self.warnings.append(warning)
         if found.counts["zero"]:
             self.warnings.append(
                 f"{found.counts['zero']} donor token(s) have ids past the rows of DONOR's {vt.donor_tensor!r}; "
