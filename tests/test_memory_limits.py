@@ -138,6 +138,7 @@ def test_a_merge_stops_cleanly_when_memory_runs_out_and_resumes(
 
     monkeypatch.setattr(memory_limits, "memory_room", shrinking)
     monkeypatch.setattr(memory_limits, "SHORTAGE_GRACE_S", 0.0)
+    monkeypatch.setattr(memory_limits, "FRESH_S", 0.0)  # every lone admission samples: the count is the clock
     out = tmp_path / "out"
     code, _out, err = run_cli(capsys, "merge", config, out, "--out-shard-size", "50K", "--threads", "1")
     line = assert_one_line_error(code, err, "not enough memory", "needs", "rerun with more memory")

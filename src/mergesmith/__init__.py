@@ -114,7 +114,16 @@ def __getattr__(name: str) -> object:
     import importlib
 
     if name in _CALLABLE_MODULES:
-        return importlib.import_module(f".{name}", __name__)  # the submodule; _Package makes it callable
+        try:
+            return importlib.import_module(f".{name}", __name__)  # the submodule; _Package makes it callable
+        except ModuleNotFoundError as exc:  # no such module (any more): the function itself
+            if exc.name != f"{__name__}.{name}":
+                raise
+            from . import python_api
+
+            value = getattr(python_api, name)
+            globals()[name] = value
+            return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'mergesmith' has no attribute {name!r}")

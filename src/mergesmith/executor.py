@@ -387,8 +387,13 @@ class LocalExecutor:
                 self._feed = None
             if self.budget.watch is not None:
                 self.budget.watch.stop()
-            # an interrupt or a memory shortage ends the run here too: what is durable gets journaled
-            self._journal_progress()
+            try:  # an interrupt or a memory shortage ends the run here too: what is durable gets journaled
+                self._journal_progress()
+            finally:
+                # and the unfinished shards' files and writer threads close now, not when a traceback
+                # that holds this executor (a notebook keeps the last one) is finally dropped
+                for writer in list(self._writers.values()):
+                    writer.close()
         if self._error is not None:
             raise self._error
         if self.stop.is_set():

@@ -23,6 +23,7 @@ limits (psutil reports the machine's memory only).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -33,7 +34,10 @@ from pathlib import Path
 RESERVE_BYTES = 64 << 20
 """Kept free beyond the tensors' working sets: Python objects, writer buffers and allocator slack grow
 during a merge without being counted in any recipe's estimate."""
-SAMPLE_INTERVAL_S = 0.25
+SAMPLE_INTERVAL_S = 0.5
+FRESH_S = 0.25
+"""A lone tensor is admitted on a sample at most this old (else the watch samples again first): one sample
+costs 1-4 ms here (the cgroup's files are read through the kernel), too much to take per tensor."""
 SHORTAGE_GRACE_S = 2.0
 """How long a tensor that does not fit even alone waits for memory to come back (another process
 finishing, freed heap going back to the OS) before the merge stops."""
@@ -115,9 +119,13 @@ def _mounts(mountinfo: str) -> list[tuple[str, str, str, set[str]]]:
     return out
 
 
+@functools.lru_cache(maxsize=8)
 def cgroup_dirs(proc: Path = Path("/proc/self")) -> list[tuple[int, Path, Path]]:
     """(version, the process's group directory, the hierarchy's mount point) for each hierarchy with a
-    memory controller this process can see; v1 first (when the memory controller is on v1, v2 has none)."""
+    memory controller this process can see; v1 first (when the memory controller is on v1, v2 has none).
+
+    Found once per process (about 5 ms; the watchdog samples several times a second): a process is
+    hardly ever moved to another group while it runs."""
     cgroups, mountinfo = _read(proc / "cgroup"), _read(proc / "mountinfo")
     if not cgroups or not mountinfo:
         return []
@@ -187,12 +195,28 @@ def cgroup_memory(proc: Path = Path("/proc/self")) -> CgroupMemory | None:
 def memory_room() -> MemoryRoom:
     """What this process may allocate now: the smaller of the system's available memory and the
     tightest cgroup's limit minus its use."""
+    system_available, system_total = _meminfo()
+    group = cgroup_memory()
+    available = system_available if group is None else min(system_available, group.room)
+    return MemoryRoom(int(available), system_available, system_total, group)
+
+
+def _meminfo() -> tuple[int, int]:
+    """(MemAvailable, MemTotal) in bytes: /proc/meminfo read directly (a third of psutil's cost), psutil
+    where there is none."""
+    text = _read(Path("/proc/meminfo"))
+    if text:
+        values = {}
+        for line in text.splitlines()[:8]:
+            name, _, rest = line.partition(":")
+            if name in ("MemTotal", "MemAvailable"):
+                values[name] = int(rest.split()[0]) * 1024
+        if len(values) == 2:
+            return values["MemAvailable"], values["MemTotal"]
     import psutil
 
     vm = psutil.virtual_memory()
-    group = cgroup_memory()
-    available = vm.available if group is None else min(vm.available, group.room)
-    return MemoryRoom(int(available), int(vm.available), int(vm.total), group)
+    return int(vm.available), int(vm.total)
 
 
 def own_anonymous_bytes() -> int:
@@ -227,6 +251,7 @@ class MemoryWatch:
         self._own_fn = own or (lambda: own_anonymous_bytes())
         self.interval, self.reserve = interval, reserve
         self._own0 = self._own_fn()
+        self.sampled_at = time.monotonic()
         self.last: MemoryRoom = self._room_fn()
         self._capacity = self._compute(self.last)
         self.lowest = self._capacity
@@ -239,6 +264,7 @@ class MemoryWatch:
 
     def sample(self) -> int:
         """Sample now; the capacity for work in flight, in bytes."""
+        self.sampled_at = time.monotonic()
         self.last = self._room_fn()
         self._capacity = self._compute(self.last)
         self.lowest = min(self.lowest, self._capacity)
@@ -264,6 +290,8 @@ class MemoryWatch:
         """Whether `cost` bytes fit, sampling again for up to `grace` seconds (SHORTAGE_GRACE_S) before
         saying no."""
         grace = SHORTAGE_GRACE_S if grace is None else grace
+        if time.monotonic() - self.sampled_at < FRESH_S and self._capacity >= cost:
+            return True
         deadline = time.monotonic() + grace
         while True:
             if self.sample() >= cost:
