@@ -145,6 +145,7 @@ def _check_prompts(expert: Expert, key: str, source: str, mode: str) -> None:
         raise ConfigError(
             f"{source}: `{key}.positive_prompts`: gate_mode {mode} needs at least one prompt for model "
             f"{expert.source_model!r}"
+            + (" (mergekit-moe requires them for every gate mode but random)" if mode in RANDOM_MODES else "")
         )
     for field_name in ("positive_prompts", "negative_prompts"):
         for i, prompt in enumerate(getattr(expert, field_name) or []):
@@ -165,8 +166,8 @@ def validate_moe_config(config: MoEConfiguration, source: str = "config", *, all
     shared = len(config.shared_experts or [])
     if shared > 1:
         raise ConfigError(f"{source}: `shared_experts`: at most one shared expert is supported, got {shared}")
-    if not config.uses_prompts:
-        return
+    if config.gate_mode == "random":
+        return  # mergekit-moe checks the prompts for every other mode, uniform_random (which ignores them) included
     for i, expert in enumerate(config.experts):
         _check_prompts(expert, f"experts[{i}]", source, config.gate_mode)
     for i, expert in enumerate(config.shared_experts or []):
