@@ -240,3 +240,35 @@ def test_ray_scores_the_same_history_as_local(uninterrupted, tmp_path):
     assert comparable(result.history) == comparable(uninterrupted.history)
     lines = [json.loads(line) for line in (tmp_path / "s" / "history.jsonl").read_text().splitlines()]
     assert [r["evaluation"] for r in lines] == list(range(1, 7))  # rewritten in evaluation order at the end
+
+
+def test_kill_between_last_candidate_and_optimizer_state(uninterrupted, tmp_path, monkeypatch):
+    """A kill after a generation's last candidate is journaled but before the optimiser state is: the rerun
+    asks the previous state for that generation again, finds every candidate in the history, scores none."""
+    from mergesmith.evolve import journal as journal_mod
+
+    path = write_genome(tmp_path, genome_doc())
+    real = journal_mod.SearchJournal.save_optimizer
+    saves = {"n": 0}
+
+    def dying(self, state):
+        saves["n"] += 1
+        if saves["n"] == 2:
+            raise KeyboardInterrupt
+        return real(self, state)
+
+    monkeypatch.setattr(journal_mod.SearchJournal, "save_optimizer", dying)
+    with pytest.raises(MergeInterrupted):
+        run_search(path, tmp_path / "s", options())
+    monkeypatch.setattr(journal_mod.SearchJournal, "save_optimizer", real)
+    scored = {"n": 0}
+    real_score = scoring_mod.score_candidate
+
+    def counting(*args, **kw):
+        scored["n"] += 1
+        return real_score(*args, **kw)
+
+    monkeypatch.setattr(scoring_mod, "score_candidate", counting)
+    resumed = run_search(path, tmp_path / "s", options())
+    assert scored["n"] == 0
+    assert comparable(resumed.history) == comparable(uninterrupted.history)
