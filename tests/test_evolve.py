@@ -272,3 +272,30 @@ def test_kill_between_last_candidate_and_optimizer_state(uninterrupted, tmp_path
     resumed = run_search(path, tmp_path / "s", options())
     assert scored["n"] == 0
     assert comparable(resumed.history) == comparable(uninterrupted.history)
+
+
+def test_search_beats_each_parent_and_linear(tmp_path):
+    """The proof's short version (the full run: examples/evolve_skills/run_proof.py): on the two skills, the
+    best merge found beats each fine-tuned parent and the plain 50/50 linear merge on the combined score."""
+    from mergesmith.evolve.candidates import CandidateSettings
+    from mergesmith.evolve.config import load_evolve_config
+    from mergesmith.evolve.evaluators import resolve_builtin
+    from mergesmith.evolve.scoring import TokenizerSpec, fitness, score_candidate
+
+    doc = genome_doc()
+    doc["limit"] = 40
+    path = write_genome(tmp_path, doc)
+    result = run_search(path, tmp_path / "s", options(max_fevals=24, popsize=8, random_seed=0, sigma0=1 / 6))
+    config, _ = load_evolve_config(path)
+    tasks = [resolve_builtin(t, 40, "g") for t in config.tasks]
+    tok = TokenizerSpec(tuple(config.genome.models), config.genome.base_model, None)
+    settings = CandidateSettings(str(tmp_path / "ref"), in_memory=True, threads=1)
+
+    def linear(**weights):
+        return {"merge_method": "linear", "dtype": "bfloat16",
+                "models": [{"model": str(FIXTURES / m), "parameters": {"weight": w}} for m, w in weights.items()]}
+
+    references = {name: fitness(tasks, score_candidate(cfg, tasks, settings, tok, 64)[0])
+                  for name, cfg in (("add", linear(add=1.0)), ("rev", linear(rev=1.0)),
+                                    ("linear 50/50", linear(add=0.5, rev=0.5)))}
+    assert all(result.best["fitness"] > score for score in references.values()), (result.best["fitness"], references)
