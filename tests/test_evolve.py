@@ -240,3 +240,62 @@ def test_ray_scores_the_same_history_as_local(uninterrupted, tmp_path):
     assert comparable(result.history) == comparable(uninterrupted.history)
     lines = [json.loads(line) for line in (tmp_path / "s" / "history.jsonl").read_text().splitlines()]
     assert [r["evaluation"] for r in lines] == list(range(1, 7))  # rewritten in evaluation order at the end
+
+
+def test_kill_between_last_candidate_and_optimizer_state(uninterrupted, tmp_path, monkeypatch):
+    """A kill after a generation's last candidate is journaled but before the optimiser state is: the rerun
+    asks the previous state for that generation again, finds every candidate in the history, scores none."""
+    from mergesmith.evolve import journal as journal_mod
+
+    path = write_genome(tmp_path, genome_doc())
+    real = journal_mod.SearchJournal.save_optimizer
+    saves = {"n": 0}
+
+    def dying(self, state):
+        saves["n"] += 1
+        if saves["n"] == 2:
+            raise KeyboardInterrupt
+        return real(self, state)
+
+    monkeypatch.setattr(journal_mod.SearchJournal, "save_optimizer", dying)
+    with pytest.raises(MergeInterrupted):
+        run_search(path, tmp_path / "s", options())
+    monkeypatch.setattr(journal_mod.SearchJournal, "save_optimizer", real)
+    scored = {"n": 0}
+    real_score = scoring_mod.score_candidate
+
+    def counting(*args, **kw):
+        scored["n"] += 1
+        return real_score(*args, **kw)
+
+    monkeypatch.setattr(scoring_mod, "score_candidate", counting)
+    resumed = run_search(path, tmp_path / "s", options())
+    assert scored["n"] == 0
+    assert comparable(resumed.history) == comparable(uninterrupted.history)
+
+
+def test_search_beats_each_parent_and_linear(tmp_path):
+    """The proof's short version (the full run: examples/evolve_skills/run_proof.py): on the two skills, the
+    best merge found beats each fine-tuned parent and the plain 50/50 linear merge on the combined score."""
+    from mergesmith.evolve.candidates import CandidateSettings
+    from mergesmith.evolve.config import load_evolve_config
+    from mergesmith.evolve.evaluators import resolve_builtin
+    from mergesmith.evolve.scoring import TokenizerSpec, fitness, score_candidate
+
+    doc = genome_doc()
+    doc["limit"] = 40
+    path = write_genome(tmp_path, doc)
+    result = run_search(path, tmp_path / "s", options(max_fevals=24, popsize=8, random_seed=0, sigma0=1 / 6))
+    config, _ = load_evolve_config(path)
+    tasks = [resolve_builtin(t, 40, "g") for t in config.tasks]
+    tok = TokenizerSpec(tuple(config.genome.models), config.genome.base_model, None)
+    settings = CandidateSettings(str(tmp_path / "ref"), in_memory=True, threads=1)
+
+    def linear(**weights):
+        return {"merge_method": "linear", "dtype": "bfloat16",
+                "models": [{"model": str(FIXTURES / m), "parameters": {"weight": w}} for m, w in weights.items()]}
+
+    references = {name: fitness(tasks, score_candidate(cfg, tasks, settings, tok, 64)[0])
+                  for name, cfg in (("add", linear(add=1.0)), ("rev", linear(rev=1.0)),
+                                    ("linear 50/50", linear(add=0.5, rev=0.5)))}
+    assert all(result.best["fitness"] > score for score in references.values()), (result.best["fitness"], references)

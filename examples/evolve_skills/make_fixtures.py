@@ -109,6 +109,14 @@ def accuracy(model, tok, pairs) -> float:
     return ok / len(pairs)
 
 
+def _portable_tokenizer_config(path: Path) -> None:
+    """Name the generic fast-tokenizer class (transformers 5 writes its own backend's name, unknown to 4.x)."""
+    cfg = json.loads(path.read_text())
+    cfg.pop("backend", None)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 def main(out: Path) -> None:
     torch.manual_seed(SEED)
     torch.set_num_threads(1)  # the CPU is shared; more threads do not help a model this small
@@ -139,6 +147,7 @@ def main(out: Path) -> None:
     for name, model in results.items():
         model.to(torch.bfloat16).save_pretrained(out / name)
         tok.save_pretrained(out / name)
+        _portable_tokenizer_config(out / name / "tokenizer_config.json")
         model.float()
         print(f"{name}: add {accuracy(model, tok, add_eval):.3f} rev {accuracy(model, tok, rev_eval):.3f}", flush=True)
     print(f"done in {time.time() - started:.0f} s")
