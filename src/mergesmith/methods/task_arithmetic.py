@@ -372,7 +372,7 @@ _EPSILON = ParamSpec("epsilon", 0.15, non_base=True)
 # adds float32 magnitudes and int64 sort indices; DELLA's rank-dependent draw holds those for the whole tensor.
 _SUM = ((4.5, 1, 0), (0.0, 0.0))
 _CONSENSUS = ((4.75, 0.5, 0), (1.0, 2.0))
-_DELLA = ((4.0, 0.5, 24), (0.0, 0.0))
+_DELLA = ((4.0, 0.5, 28), (0.0, 0.0))
 _RANKED = ((3.0, 1, 32), (0.0, 0.0))
 
 FAMILY: tuple[_Family, ...] = (
