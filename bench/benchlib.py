@@ -454,6 +454,18 @@ def make_config(case: str, models: Sequence[Path], dtype: str = "bfloat16") -> d
             "parameters": {"normalize": True},
             **head,
         }
+    if case in ("dare_linear", "della", "della_linear"):  # the other randomised task-vector methods (issue 21)
+        extra = {"epsilon": 0.1} if case.startswith("della") else {}
+        return {
+            "merge_method": case,
+            "base_model": m0,
+            "models": [
+                {"model": m1, "parameters": {"density": 0.5, "weight": 0.5, **extra}},
+                {"model": m2, "parameters": {"density": 0.5, "weight": 0.5, **extra}},
+            ],
+            **({"parameters": {"normalize": True}} if case == "della" else {}),
+            **head,
+        }
     if case == "slerp":
         layers = _layers(models[0])
         return {

@@ -34,8 +34,10 @@ from typing import Any
 import benchlib as bl
 from make_models import DEFAULT_ROOT, SIZES, ensure_models
 
-CASES = ("linear", "ties", "dare_ties", "passthrough", "slerp")
-RANDOMISED = {"dare_ties"}  # each tool draws its own masks: outputs compared by statistics, not elementwise
+DEFAULT_CASES = ("linear", "ties", "dare_ties", "passthrough", "slerp")
+CASES = (*DEFAULT_CASES, "dare_linear", "della", "della_linear")  # the last three only when asked for
+# each tool draws its own masks: outputs compared by statistics, not elementwise
+RANDOMISED = {"dare_ties", "dare_linear", "della", "della_linear"}
 SCALING_SIZES = ("0.25b", "0.5b", "1b")
 
 
@@ -200,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", choices=sorted(SIZES), default="1b")
     ap.add_argument("--runs", type=int, default=3, help="runs per tool and case; medians reported (default 3)")
     ap.add_argument("--floor-runs", type=int, default=2, help="runs of the I/O floor measurement (default 2)")
-    ap.add_argument("--methods", default=",".join(CASES), help="comma-separated cases ('' for none); default all")
+    ap.add_argument("--methods", default=",".join(DEFAULT_CASES),
+                    help=f"comma-separated cases of {', '.join(CASES)} ('' for none); "
+                    f"default {','.join(DEFAULT_CASES)}")
     ap.add_argument("--scaling", action="store_true", help="also run linear at " + ", ".join(SCALING_SIZES))
     ap.add_argument("--scaling-runs", type=int, default=None, help="runs per tool per size (default: --runs)")
     ap.add_argument("--models-root", type=Path, default=DEFAULT_ROOT)

@@ -48,6 +48,7 @@ from .io.safetensors_writer import file_checksum, write_file_atomic
 from .methods import require_method
 from .plan import Plan
 from .planner import MergeOptions, Planner
+from .report import over_budget_warning
 
 try:
     import fcntl
@@ -350,6 +351,9 @@ def run_merge(
         raise OutputError(f"{out}: output path exists and is not a directory")
     options = options or MergeOptions()
     plan, checkpoints = build_plan(config, options, out)
+    over_budget = over_budget_warning(plan, options.max_memory)  # as `plan` says it, at the merge's start
+    if over_budget is not None and over_budget not in plan.warnings:
+        plan.warnings.append(over_budget)
     return execute_plan(
         plan,
         checkpoints,

@@ -32,6 +32,7 @@ from .errors import CheckpointError, ConfigError
 from .io.checkpoint import Checkpoint
 from .io.direct_read import pool_bytes
 from .methods import MethodSpec, require_method
+from .methods.keyed_random import STREAM_NAME as KEYED_STREAM
 from .parameters import is_missing, resolve
 from .plan import Estimate, InputRef, Plan, ShardPlan, TensorRecipe
 
@@ -647,6 +648,8 @@ class Planner:
                 "random_seed": self.options.random_seed if self.spec.randomized else None,
                 "explicit_dtype": self.config.dtype,
                 **({"tokensurgeon": self.transplant_summary} if transplant is not None else {}),
+                # the masks' generator decides the bytes: a run of an older one is not resumed with this one
+                **({"masks": KEYED_STREAM} if self.spec.randomized and self.spec.keyed_random else {}),
             },
             random_seed=self.options.random_seed if self.spec.randomized else None,
             warnings=self.warnings,

@@ -180,6 +180,22 @@ def _memory(est: Any) -> dict[str, Any]:
     return memory_report(est.peak_memory, est.largest_tensor_bytes, est.read_ahead)
 
 
+def _over_budget_text(tensor: str, needed: int, budget: int) -> str:
+    return (
+        f"tensor {tensor} alone needs {_h(needed)}, over the --max-memory budget of {_h(budget)}; "
+        "it will run by itself"
+    )
+
+
+def over_budget_warning(plan: Plan, max_memory: int | None) -> str | None:
+    """The warning `plan` prints when the largest recipe's working set exceeds --max-memory (None when it fits),
+    for `merge` to print at its start too (without the `warning: ` prefix, as plan warnings are kept)."""
+    est = plan.estimate
+    if not max_memory or est is None or est.largest_tensor_bytes <= max_memory:
+        return None
+    return _over_budget_text(est.largest_tensor, est.largest_tensor_bytes, max_memory)
+
+
 def _h(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -206,10 +222,7 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
     )
     if report["over_budget"]:
         o = report["over_budget"]
-        lines.append(
-            f"warning: tensor {o['tensor']} alone needs {_h(o['bytes'])}, over the --max-memory budget "
-            f"of {_h(o['budget'])}; it will run by itself"
-        )
+        lines.append("warning: " + _over_budget_text(o["tensor"], o["bytes"], o["budget"]))
     memory = report.get("memory")
     if memory:
         lines.append(f"memory this process may use now: {memory['description']}")

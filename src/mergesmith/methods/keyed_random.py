@@ -27,6 +27,9 @@ import sys
 import numpy as np
 import torch
 
+STREAM_NAME = "philox4x64/chunk65536/top24"
+"""Names this keying of the draws in a plan's options (so in its fingerprint): a change here is a new name."""
+
 CHUNK = 1 << 16
 """Entries per keyed chunk: a block's draws cost one state change per chunk (~3 us) plus the draws."""
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import sparsify
@@ -104,7 +105,9 @@ def _mix(
     w = w.view(-1, *([1] * base.dim()))
     weighted = deltas * w
     if consensus is not None:
-        mask = sign_consensus_mask(weighted, consensus, int8_mask)
+        # The boolean mask as 0/1 in the delta's dtype: the same products as torch's bool promotion, but two
+        # same-dtype multiplications run ~10x faster than the mixed-dtype ones (measured in bench/README.md).
+        mask = sign_consensus_mask(weighted, consensus, int8_mask).to(weighted.dtype)
         mixed = (weighted * mask).sum(dim=0)
         divisor = (w * mask).sum(dim=0)
         divisor[divisor == 0] = 1
@@ -183,6 +186,20 @@ def _della_keyed(delta, params, stream, index, offset):
     return sparsify.della_keep(stream, index, offset, delta, density, epsilon)
 
 
+@dataclass
+class _Totals:
+    """The totals pass's state, then its result: per task vector the (before, after) L1 norms (BlockedTotal
+    while gathering, 0-dim tensors once finished), and DELLA's packed masks by (task vector, block offset)."""
+
+    norms: list
+    masks: dict
+
+
+def packed_dtype(delta: torch.Tensor) -> torch.dtype:
+    """The dtype a kept mask is unpacked into: the random sparsifiers' work dtype."""
+    return sparsify.work_dtype_of(delta)
+
+
 @dataclass(frozen=True)
 class _Family:
     """One member of the family: which sparsifier, whether sign consensus, and default switches."""
@@ -242,15 +259,23 @@ class _Family:
 
     def _keyed_masks(self, inputs: MergeInputs):
         """Per task vector, in order: (stream index, input index, delta in the compute dtype, its keep mask in
-        the work dtype or None), drawn from the keyed stream at this block's entries."""
+        the work dtype or None), drawn from the keyed stream at this block's entries, or (DELLA, second pass)
+        the mask the totals pass kept for them."""
         check_same_shape(inputs, self.name)
         base_index = require_base(inputs, self.name)
         base = inputs.tensors[base_index]
         assert inputs.stream is not None and self.keyed is not None
+        kept = inputs.totals.masks if isinstance(inputs.totals, _Totals) else {}
         for row, i in enumerate(inputs.others()):
             delta = inputs.tensors[i] - base
             inputs.done_with(i)
-            yield row, i, delta, self.keyed(delta, inputs.model_params[i], inputs.stream, row, inputs.offset)
+            packed = kept.get((row, inputs.offset))
+            if packed is not None:
+                bits = np.unpackbits(packed, count=delta.numel()).view(np.bool_)
+                mask = torch.from_numpy(bits).reshape(delta.shape).to(device=delta.device, dtype=packed_dtype(delta))
+            else:
+                mask = self.keyed(delta, inputs.model_params[i], inputs.stream, row, inputs.offset)
+            yield row, i, delta, mask
 
     def _merge_keyed(self, inputs: MergeInputs) -> torch.Tensor:
         """The merge with masks from the keyed stream: whole, or one row block of a tensor whose L1 norms the
@@ -260,37 +285,41 @@ class _Family:
         if not others:
             return base
         rescale = as_bool(inputs.params["rescale"], "rescale")
+        norms = inputs.totals.norms if isinstance(inputs.totals, _Totals) else None
         deltas = base.new_empty((len(others), *base.shape))
         for row, _i, delta, mask in self._keyed_masks(inputs):
             if mask is not None:
                 work = delta.to(mask.dtype)
-                if rescale and inputs.totals is None:
+                if rescale and norms is None:
                     before = sparsify.total(work.abs())
                 work.mul_(mask)  # `work` is this call's own: the difference, or its conversion
                 if rescale:
-                    after = sparsify.total(work.abs()) if inputs.totals is None else inputs.totals[row][1]
-                    before = before if inputs.totals is None else inputs.totals[row][0]
+                    after = sparsify.total(work.abs()) if norms is None else norms[row][1]
+                    before = before if norms is None else norms[row][0]
                     if not (before < sparsify.L1_EPS or after < sparsify.L1_EPS):
                         work.mul_(before / after)
                 delta = work
             deltas[row].copy_(delta)
         return self._mix(inputs, base, deltas)
 
-    def gather_totals(self, state: list | None, inputs: MergeInputs) -> list:
-        """The totals pass over one row block: per task vector, |delta|_1 and |delta * mask|_1 so far."""
+    def gather_totals(self, state: _Totals | None, inputs: MergeInputs) -> _Totals:
+        """The totals pass over one row block: per task vector, |delta|_1 and |delta * mask|_1 so far; DELLA's
+        masks too, packed to a bit an entry (its per-row ranking costs ~10x a DARE draw: not done twice)."""
         if state is None:
-            state = [(BlockedTotal(), BlockedTotal()) for _ in inputs.others()]
+            state = _Totals([(BlockedTotal(), BlockedTotal()) for _ in inputs.others()], {})
         for row, _i, delta, mask in self._keyed_masks(inputs):
             if mask is None:
                 continue
+            if self.keyed is _della_keyed:
+                state.masks[(row, inputs.offset)] = np.packbits(mask.cpu().to(torch.bool).numpy().reshape(-1))
             work = delta.to(mask.dtype)
-            state[row][0].add(work.abs())
-            state[row][1].add(work.mul_(mask).abs_())
+            state.norms[row][0].add(work.abs())
+            state.norms[row][1].add(work.mul_(mask).abs_())
         return state
 
     @staticmethod
-    def finish_totals(state: list) -> list:
-        return [(before.result(), after.result()) for before, after in state]
+    def finish_totals(state: _Totals) -> _Totals:
+        return _Totals([(before.result(), after.result()) for before, after in state.norms], state.masks)
 
     def spec(self) -> MethodSpec:
         params = [
@@ -343,7 +372,7 @@ _EPSILON = ParamSpec("epsilon", 0.15, non_base=True)
 # adds float32 magnitudes and int64 sort indices; DELLA's rank-dependent draw holds those for the whole tensor.
 _SUM = ((4.5, 1, 0), (0.0, 0.0))
 _CONSENSUS = ((4.75, 0.5, 0), (1.0, 2.0))
-_DELLA = ((4.0, 0.5, 24), (0.0, 0.0))
+_DELLA = ((4.0, 0.5, 28), (0.0, 0.0))
 _RANKED = ((3.0, 1, 32), (0.0, 0.0))
 
 FAMILY: tuple[_Family, ...] = (
