@@ -224,6 +224,32 @@ def measure_moe(root: Path, mk_python: str) -> dict:
     }
 
 
+def measure_reductions(trials: int = 20) -> dict:
+    """mergesmith's blocked float32 sum, norm and dot product against torch's (what mergekit calls) on
+    1M-entry tensors: the largest relative error of each against float64, and how often ours is worse."""
+    sys.path.insert(0, str(REPO / "src"))
+    from mergesmith.methods import reductions as r
+
+    g = torch.Generator().manual_seed(0)
+    out = {k: {"ours_max_rel_err": 0.0, "torch_max_rel_err": 0.0, "ours_worse": 0} for k in ("sum", "norm", "dot")}
+    for k in range(trials):
+        n = (1 << 20) + 12345 * k
+        a = torch.randn(n, generator=g) * 0.02 + 0.001
+        b = torch.randn(n, generator=g) * 0.02 + 0.001
+        for name, ours, theirs, exact in (
+            ("sum", r.total(a), a.sum(), a.double().sum()),
+            ("norm", r.l2(a), torch.linalg.vector_norm(a), a.double().norm()),
+            ("dot", r.dot(a, b), torch.dot(a, b), torch.dot(a.double(), b.double())),
+        ):
+            eo = abs(ours.double().item() - exact.item()) / abs(exact.item())
+            et = abs(theirs.double().item() - exact.item()) / abs(exact.item())
+            row = out[name]
+            row["ours_max_rel_err"] = max(row["ours_max_rel_err"], eo)
+            row["torch_max_rel_err"] = max(row["torch_max_rel_err"], et)
+            row["ours_worse"] += int(eo > et)
+    return {"trials": trials, "threads": torch.get_num_threads(), **out}
+
+
 def table(logs: list[Path]) -> tuple[str, dict]:
     """A markdown table (and the results as one dict) from the lines this script printed."""
     results: dict[str, dict] = {}
@@ -270,6 +296,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--moe", action="store_true", help="only the MoE `hidden` gate comparison")
     parser.add_argument("--keep", type=Path, help="work here instead of a temporary directory")
+    parser.add_argument("--reductions", action="store_true", help="only the blocked-reduction accuracy check")
     parser.add_argument("--table", type=Path, nargs="+", help="print the markdown table from earlier runs' output")
     args = parser.parse_args()
     if args.table:
@@ -277,6 +304,9 @@ def main() -> None:
         print(text)
         if args.json:
             args.json.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        return
+    if args.reductions:
+        print("reductions", json.dumps(measure_reductions()))
         return
     mk_python = mergekit_python()
     cases = args.cases.split(",") if args.cases else QUICK if args.quick else CASES
