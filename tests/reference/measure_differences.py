@@ -190,14 +190,126 @@ def compare(mk: dict, ms: dict, ref: dict | None) -> dict:
     return result
 
 
+def measure_moe(root: Path, mk_python: str) -> dict:
+    """`gate_mode: hidden` on a tiny float32 llama (tests/model_factory.py, the size does not matter here):
+    mergekit-moe's router rows against mergesmith's and against the base model's own float32 residual
+    states (what mergesmith computes) and bf16 ones (what mergekit-moe computes)."""
+    sys.path.insert(0, str(REPO))
+    from tests.model_factory import ModelCache
+
+    cache = ModelCache(root / "tiny")
+    base, other = cache("llama", seed=1), cache("llama", seed=2)
+    prompts = [["tok10 tok11 tok12", "tok14"], ["tok60 tok61", "tok62 tok63 tok64"]]
+    experts = [{"source_model": str(m), "positive_prompts": p} for m, p in zip((base, other), prompts)]
+    import yaml
+
+    config = root / "moe.yml"
+    config.write_text(yaml.safe_dump({"base_model": str(base), "gate_mode": "hidden", "experts": experts}))
+    mk_out, ms_out = root / "out" / "mk-moe", root / "out" / "ms-moe"
+    run([str(Path(mk_python).parent / "mergekit-moe"), str(config), str(mk_out), "--quiet"], root)
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), MERGESMITH_CACHE_DIR=str(root / "cache"))
+    run([sys.executable, "-m", "mergesmith.cli", "moe", str(config), str(ms_out), "-q", "--overwrite"], root, env)
+    mk, ms = _load(mk_out), _load(ms_out)
+
+    def by_layer(tensors: dict) -> dict:  # the two name routers differently (mlp.gate, block_sparse_moe.gate)
+        return {n.split(".")[2]: t for n, t in tensors.items() if n.endswith(".gate.weight") and ".layers." in n}
+
+    mk, ms = by_layer(mk), by_layer(ms)
+    diff = max((mk[n].float() - ms[n].float()).abs().max().item() for n in mk)
+    return {
+        "gate_tensors": len(mk),
+        "bit_equal": all(_same_bits(mk[n], ms[n]) for n in mk),
+        "max_abs_diff_of_unit_rows": diff,
+        "dtypes": sorted({f"mergekit {mk[n].dtype} / mergesmith {ms[n].dtype}" for n in mk}),
+    }
+
+
+def measure_reductions(trials: int = 20) -> dict:
+    """mergesmith's blocked float32 sum, norm and dot product against torch's (what mergekit calls) on
+    1M-entry tensors: the largest relative error of each against float64, and how often ours is worse."""
+    sys.path.insert(0, str(REPO / "src"))
+    from mergesmith.methods import reductions as r
+
+    g = torch.Generator().manual_seed(0)
+    out = {k: {"ours_max_rel_err": 0.0, "torch_max_rel_err": 0.0, "ours_worse": 0} for k in ("sum", "norm", "dot")}
+    for k in range(trials):
+        n = (1 << 20) + 12345 * k
+        a = torch.randn(n, generator=g) * 0.02 + 0.001
+        b = torch.randn(n, generator=g) * 0.02 + 0.001
+        for name, ours, theirs, exact in (
+            ("sum", r.total(a), a.sum(), a.double().sum()),
+            ("norm", r.l2(a), torch.linalg.vector_norm(a), a.double().norm()),
+            ("dot", r.dot(a, b), torch.dot(a, b), torch.dot(a.double(), b.double())),
+        ):
+            eo = abs(ours.double().item() - exact.item()) / abs(exact.item())
+            et = abs(theirs.double().item() - exact.item()) / abs(exact.item())
+            row = out[name]
+            row["ours_max_rel_err"] = max(row["ours_max_rel_err"], eo)
+            row["torch_max_rel_err"] = max(row["torch_max_rel_err"], et)
+            row["ours_worse"] += int(eo > et)
+    return {"trials": trials, "threads": torch.get_num_threads(), **out}
+
+
+def table(logs: list[Path]) -> tuple[str, dict]:
+    """A markdown table (and the results as one dict) from the lines this script printed."""
+    results: dict[str, dict] = {}
+    for log in logs:
+        for line in log.read_text().splitlines():
+            name, _, rest = line.partition(" ")
+            kind, _, payload = rest.partition(" ")
+            if payload.startswith("{"):
+                results.setdefault(name, {})[kind] = json.loads(payload)
+    rows = [
+        "| case | float32 | err vs f64 (mergekit / mergesmith) | `dtype: bfloat16` of float32 "
+        "| bf16 inputs, no `dtype` |"
+    ]
+    rows.append("| --- | --- | --- | --- | --- |")
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "not measured"
+        if r["bit_equal"]:
+            return "bit-equal"
+        text = f"{r['differing']}/{r['tensors']} differ, {r['max_rel_diff']:.1e}"
+        mk_dtype = {d.split(" / ")[0] for d in r["dtypes"]}
+        return text + (
+            f" ({', '.join(sorted(r['dtypes']))})"
+            if any("float32" in d for d in mk_dtype) and any("bfloat16" in d.split(" / ")[1] for d in r["dtypes"])
+            else ""
+        )
+
+    for name, row in results.items():
+        if name == "moe":
+            continue
+        err = row.get("f32", {}).get("err_vs_f64")
+        err_text = f"{err['mergekit']:.1e} / {err['mergesmith']:.1e}" if err else ""
+        rows.append(
+            f"| {name} | {cell(row.get('f32'))} | {err_text} | {cell(row.get('f32->bf16'))} | {cell(row.get('bf16'))} |"
+        )
+    return "\n".join(rows), results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--cases", help="comma-separated case names (default: all)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--moe", action="store_true", help="only the MoE `hidden` gate comparison")
     parser.add_argument("--keep", type=Path, help="work here instead of a temporary directory")
+    parser.add_argument("--reductions", action="store_true", help="only the blocked-reduction accuracy check")
+    parser.add_argument("--table", type=Path, nargs="+", help="print the markdown table from earlier runs' output")
     args = parser.parse_args()
+    if args.table:
+        text, results = table(args.table)
+        print(text)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        return
+    if args.reductions:
+        print("reductions", json.dumps(measure_reductions()))
+        return
     mk_python = mergekit_python()
-    cases = QUICK if args.quick else CASES
+    cases = args.cases.split(",") if args.cases else QUICK if args.quick else CASES
     results: dict[str, dict] = {
         "setup": {
             "entries_per_matrix": SIDE * SIDE,
@@ -209,7 +321,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mergesmith-measure-") as tmp:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        build_inputs(root)
+        if args.moe:
+            results["moe_hidden"] = measure_moe(root, mk_python)
+            print("moe hidden", json.dumps(results["moe_hidden"]), flush=True)
+            cases = []
+        else:
+            build_inputs(root)
         for case in cases:
             row: dict[str, dict] = {}
             mk64 = None

@@ -13,7 +13,10 @@ and b the other model:
 Quantiles are read off the sorted importances at index floor(q * (n - 1)). For tensors of more than
 1,000,000 entries mergekit estimates them from 1,000,000 entries sampled with replacement; here the
 sample is drawn from the per-tensor generator, so the method is marked randomised (for smaller tensors
-nothing is drawn and the result is exact and identical to mergekit's).
+nothing is drawn and the values are exact and identical to mergekit's). The output has the merge's
+dtype: with `dtype: bfloat16` this writes bf16 where mergekit 0.1.5 writes float32 (measured with
+`tests/reference/measure_differences.py --cases arcee_fusion`; pinned by
+tests/test_mergekit_differences.py), since a model whose config says bfloat16 should hold bf16 tensors.
 """
 
 from __future__ import annotations
