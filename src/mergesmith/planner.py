@@ -131,6 +131,9 @@ class Planner:
         self.warnings: list[str] = check_parameter_values(config, config_source)  # the refusals ran at parsing
         # (per-model row counts, output rows) -> embedding/head tensors cut to the smallest vocabulary
         self._truncated: dict[tuple[tuple[tuple[str, int], ...], int], list[str]] = {}
+        # tensors only models other than the one the output follows have (warned about once; see _note_extras)
+        self._extras: dict[str, dict[str, int]] = {}
+        self._rests_index: dict[str, dict[int, list[str]]] = {}
 
     def _check_architectures(self) -> None:
         """mergekit's rule: models whose config.json names different architectures (LlamaForCausalLM
@@ -462,8 +465,8 @@ class Planner:
         post = [n for n in non_layer if not is_embedding(n)]
         self._vocab_rows: int | None = None
         self._truncated.clear()
-        self._rests_index: dict[str, dict[int, list[str]]] = {}
-        self._extras: dict[str, dict[str, int]] = {}
+        self._rests_index.clear()
+        self._extras.clear()
 
         recipes: list[TensorRecipe] = []
         first, last = slices[0], slices[-1]
