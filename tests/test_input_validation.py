@@ -206,6 +206,10 @@ def test_cli_refuses_an_alias_bomb_quickly(tmp_path: Path, capsys: pytest.Captur
     elapsed = time.perf_counter() - started
     assert_one_line_error(code, err, str(path), "alias")
     assert elapsed < 1.0, f"{elapsed:.1f}s"
+    for thread in threading.enumerate():  # nothing is left walking the expanded config behind the refusal
+        if thread.name == "warm-start":
+            thread.join(timeout=1.0)
+            assert not thread.is_alive(), "the warm-start thread is still walking the alias bomb"
 
 
 def test_recursive_alias_is_refused(tmp_path: Path) -> None:

@@ -203,9 +203,12 @@ class Checkpoint:
         for info in tensors.values():
             if info.file not in self._bin_state:
                 self._sizes[info.file] = max(self._sizes.get(info.file, 0), info.data_offset + info.nbytes)
+        self._guarded: dict[Path, int] = {}  # start address of each map registered with io.map_guard
         for file, state in self._bin_state.items():
             self._sizes[file] = _size_of(file)
-            _guard_bin(file, state)
+            start = _guard_bin(file, state)
+            if start is not None:
+                self._guarded[file] = start
 
     # ----- opening -------------------------------------------------------------------------
     @classmethod
@@ -316,6 +319,7 @@ class Checkpoint:
                 self._fds[file] = fd
                 start = ctypes.addressof(ctypes.c_char.from_buffer(existing))
                 GUARD.register(file, start, start + len(existing))
+                self._guarded[file] = start
             return existing
 
     def advise(self, name: str, advice: str, start: int = 0, end: int | None = None) -> None:
@@ -365,10 +369,12 @@ class Checkpoint:
     def close(self) -> None:
         with self._lock:
             self._maps.clear()  # the maps close when the last tensor viewing them is freed
-            for file, fd in self._fds.items():
+            for fd in self._fds.values():
                 os.close(fd)
-                GUARD.unregister(file)
             self._fds.clear()
+            for file, start in self._guarded.items():
+                GUARD.unregister(file, start)
+            self._guarded.clear()
 
 
 def _size_of(path: Path) -> int:
@@ -386,14 +392,18 @@ def _end_of_file(path: Path, size: int) -> str:
     )
 
 
-def _guard_bin(path: Path, state: dict[str, torch.Tensor]) -> None:
-    """Register the memory map torch.load(mmap=True) made of a `.bin` (the span of its tensors' storages)."""
+def _guard_bin(path: Path, state: dict[str, torch.Tensor]) -> int | None:
+    """Register the memory map torch.load(mmap=True) made of a `.bin` (the span of its tensors' storages);
+    its start address, or None when there is nothing to guard."""
     spans = [
         (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in state.values() if t.device.type == "cpu"
     ]
     spans = [(p, n) for p, n in spans if p and n]
-    if spans:
-        GUARD.register(path, min(p for p, _ in spans), max(p + n for p, n in spans))
+    if not spans:
+        return None
+    start = min(p for p, _ in spans)
+    GUARD.register(path, start, max(p + n for p, n in spans))
+    return start
 
 
 def _read_config(path: Path) -> dict[str, Any]:

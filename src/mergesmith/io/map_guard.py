@@ -78,10 +78,12 @@ class MapGuard:
             return
         with self._lock:
             self._ranges = [*self._ranges, (start, end, path)]  # replaced, never mutated: the handler reads it
+            self._faulted.discard(path)  # a new map of the file (reopened after it was replaced) starts clean
 
-    def unregister(self, path: Path) -> None:
+    def unregister(self, path: Path, start: int) -> None:
+        """Stop guarding the map of `path` registered at `start` (a map closed: its addresses may be reused)."""
         with self._lock:
-            self._ranges = [r for r in self._ranges if r[2] != path]
+            self._ranges = [r for r in self._ranges if (r[2], r[0]) != (path, start)]
 
     def faulted(self, path: Path) -> bool:
         """Whether a read of `path`'s map ran past the end of the file (the bytes read there are zeros)."""
