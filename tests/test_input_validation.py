@@ -574,3 +574,15 @@ def test_map_guard_leaves_other_sigbus_alone() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -7, (proc.returncode, proc.stderr)  # SIGBUS, as without the guard
+
+
+def test_strict_refuses_nan_in_an_input_on_ray(tmp_path: Path, poisoned: Path, tuned: list[Path]) -> None:
+    """The Ray executor's workers run the same check; --strict reaches them (their warnings stay there)."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'mergesmith[ray]')")
+    from mergesmith.api import run_merge
+    from mergesmith.errors import CheckpointError
+    from mergesmith.planner import MergeOptions
+
+    with pytest.raises(CheckpointError, match="model.layers.0.mlp.up_proj.weight.*--strict"):
+        run_merge(_linear(tmp_path, poisoned, tuned[1]), tmp_path / "out", MergeOptions(executor="ray", strict=True))
+    assert not (tmp_path / "out" / "config.json").exists()
