@@ -19,6 +19,7 @@ import re
 import struct
 import threading
 import warnings
+import weakref
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,19 +197,18 @@ class Checkpoint:
         self._header_hashes = header_hashes
         self._bin_state = bin_state or {}
         self._maps: dict[Path, mmap.mmap] = {}
-        self._fds: dict[Path, int] = {}  # of the mapped files: their size is checked on the inode mapped
+        self._opened: dict[Path, Any] = {}  # the mapped files, open: their size is checked on the inode mapped
         self._lock = threading.Lock()
         # the bytes each file must have: the end of the tensor data its header lists (a `.bin`: its size when read)
         self._sizes: dict[Path, int] = {f: 0 for f in files}
         for info in tensors.values():
             if info.file not in self._bin_state:
                 self._sizes[info.file] = max(self._sizes.get(info.file, 0), info.data_offset + info.nbytes)
-        self._guarded: dict[Path, int] = {}  # start address of each map registered with io.map_guard
         for file, state in self._bin_state.items():
             self._sizes[file] = _size_of(file)
             start = _guard_bin(file, state)
             if start is not None:
-                self._guarded[file] = start
+                weakref.finalize(self, GUARD.unregister, file, start)
 
     # ----- opening -------------------------------------------------------------------------
     @classmethod
@@ -292,10 +292,10 @@ class Checkpoint:
             return
         file = info.file
         needed = self._sizes.get(file, 0) if file in self._bin_state else info.data_offset + info.nbytes
-        fd = self._fds.get(file)
+        opened = self._opened.get(file)
         try:
-            size = os.fstat(fd).st_size if fd is not None else _size_of(file)
-        except OSError:
+            size = os.fstat(opened.fileno()).st_size if opened is not None else _size_of(file)
+        except (OSError, ValueError):  # closed meanwhile
             size = _size_of(file)
         if size < needed or GUARD.faulted(file):
             raise CheckpointError(_end_of_file(file, size))
@@ -304,22 +304,22 @@ class Checkpoint:
         with self._lock:
             existing = self._maps.get(file)
             if existing is None:
-                fd = os.open(file, os.O_RDONLY)
+                opened = open(file, "rb")  # noqa: SIM115 - kept open (closed by close() or when freed)
                 try:
-                    size = os.fstat(fd).st_size
+                    size = os.fstat(opened.fileno()).st_size
                     if size < self._sizes.get(file, 0):  # mapping it would fault on the missing pages
                         raise CheckpointError(_end_of_file(file, size))
                     # ACCESS_COPY: a private, writable view, so torch gets a writable buffer while the
                     # file itself can never be modified through it.
-                    existing = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+                    existing = mmap.mmap(opened.fileno(), 0, access=mmap.ACCESS_COPY)
                 except BaseException:
-                    os.close(fd)
+                    opened.close()
                     raise
                 self._maps[file] = existing
-                self._fds[file] = fd
+                self._opened[file] = opened
                 start = ctypes.addressof(ctypes.c_char.from_buffer(existing))
                 GUARD.register(file, start, start + len(existing))
-                self._guarded[file] = start
+                weakref.finalize(existing, GUARD.unregister, file, start)  # guarded while the pages are mapped
             return existing
 
     def advise(self, name: str, advice: str, start: int = 0, end: int | None = None) -> None:
@@ -369,12 +369,9 @@ class Checkpoint:
     def close(self) -> None:
         with self._lock:
             self._maps.clear()  # the maps close when the last tensor viewing them is freed
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-            for file, start in self._guarded.items():
-                GUARD.unregister(file, start)
-            self._guarded.clear()
+            for opened in self._opened.values():
+                opened.close()
+            self._opened.clear()
 
 
 def _size_of(path: Path) -> int:
