@@ -300,7 +300,7 @@ class Planner:
             inputs.append(InputRef(ref, name))
             infos.append(self.ckpts[ref].info(name))
         if lacking:
-            return self._lacking(out_name, canonical, rest, refs, lacking, inputs, infos, base_ref)
+            return self._lacking(out_name, canonical, rest, lacking, inputs, infos, base_ref)
 
         shapes = {i.shape for i in infos}
         shape = infos[base_index if base_index is not None else 0].shape
@@ -374,7 +374,6 @@ class Planner:
         out_name: str,
         canonical: str,
         rest: str | None,
-        refs: list[tuple[str, SourceRange | None, int | None]],
         lacking: list[tuple[str, int | None]],
         inputs: list[InputRef],
         infos: list[Any],
@@ -388,7 +387,7 @@ class Planner:
             info = infos[pick]
             dtype = self.out_dtype if is_float(info.dtype) else info.dtype
             return TensorRecipe(out_name, tuple(info.shape), dtype, "copy", (inputs[pick],))
-        first_ref, first_layer = lacking[0]
+        first_layer = lacking[0][1]
         what = canonical if rest is None else f"layer {first_layer} {rest}"
         same_layer = all(layer == first_layer for _ref, layer in lacking)
         missing = ", ".join(f"{ref!r}" + ("" if same_layer else f" (layer {layer})") for ref, layer in lacking)
