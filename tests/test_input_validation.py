@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import struct
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -204,6 +206,10 @@ def test_cli_refuses_an_alias_bomb_quickly(tmp_path: Path, capsys: pytest.Captur
     elapsed = time.perf_counter() - started
     assert_one_line_error(code, err, str(path), "alias")
     assert elapsed < 1.0, f"{elapsed:.1f}s"
+    for thread in threading.enumerate():  # nothing is left walking the expanded config behind the refusal
+        if thread.name == "warm-start":
+            thread.join(timeout=1.0)
+            assert not thread.is_alive(), "the warm-start thread is still walking the alias bomb"
 
 
 def test_recursive_alias_is_refused(tmp_path: Path) -> None:
@@ -462,3 +468,121 @@ def test_count_nonfinite_is_exact() -> None:
     assert count_nonfinite(big) == 0
     assert count_nonfinite(torch.full((10,), 60000.0, dtype=torch.float16)) == 0
     assert count_nonfinite(torch.arange(10)) == 0
+
+
+# ----- an input truncated under a memory map ---------------------------------------------------------------
+
+_TRUNCATING_MERGE = """
+import os, sys
+from pathlib import Path
+from mergesmith.io import checkpoint
+
+victim, when = Path(sys.argv[1]).resolve(), sys.argv[2]
+original = checkpoint.Checkpoint.get
+done = []
+
+def cut(info):
+    os.truncate(victim, info.data_offset + info.nbytes // 2 if info.data_offset else os.path.getsize(victim) // 2)
+
+def get(self, name):
+    info = self.tensors[name]
+    hit = not done and info.file.resolve() == victim and info.nbytes >= 16384
+    if hit and when == "before":
+        done.append(name)
+        cut(info)
+    tensor = original(self, name)
+    if hit and when == "during":  # the view exists: its pages past the new end are read only by the merge
+        done.append(name)
+        cut(info)
+    return tensor
+
+checkpoint.Checkpoint.get = get
+from mergesmith.cli import main
+main(sys.argv[3:])
+"""
+
+
+def _truncating_merges(tmp_path: Path, cases: dict[str, tuple[Path, str, dict[str, str]]], other: Path) -> None:
+    """Run each case's merge in its own interpreter (a SIGBUS kills it) and check the one-line error."""
+    import subprocess
+    import sys
+
+    procs = {}
+    for key, (model, when, env) in cases.items():
+        weights = next(p for p in model.iterdir() if p.suffix in (".safetensors", ".bin"))
+        config = write_config(
+            tmp_path / f"{key}.yml",
+            {
+                "merge_method": "linear",
+                "models": [{"model": str(m), "parameters": {"weight": 1.0}} for m in (model, other)],
+            },
+        )
+        argv = [sys.executable, "-c", _TRUNCATING_MERGE, str(weights), when, "merge", str(config)]
+        procs[key] = (
+            subprocess.Popen(
+                [*argv, str(tmp_path / f"out-{key}")],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, **env},
+            ),
+            weights,
+        )
+    for key, (proc, weights) in procs.items():
+        _stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode != -7, f"{key}: killed by SIGBUS"
+        assert_one_line_error(proc.returncode, stderr, str(weights), "unexpected end of file")
+        assert not (tmp_path / f"out-{key}" / "config.json").exists(), key
+
+
+def test_input_truncated_during_a_mapped_read_is_one_line_not_sigbus(
+    tmp_path: Path, tiny_models: Any, base: Path, tuned: list[Path]
+) -> None:
+    """An input shrinks while the merge reads it through its memory map (MERGESMITH_DIRECT_IO=0; a `.bin`,
+    which torch maps; a model on tmpfs): before the tensor is viewed, and after (its pages past the new end are
+    then read by the merge itself: SIGBUS before io.map_guard). Each ends with the direct-read path's one line."""
+    mapped = {"MERGESMITH_DIRECT_IO": "0"}
+    binary = tiny_models("llama", seed=1, layers=2, fmt="bin")
+    cases: dict[str, tuple[Path, str, dict[str, str]]] = {}
+    for when in ("before", "during"):
+        cases[f"st-{when}"] = (Path(shutil.copytree(tuned[0], tmp_path / f"st-{when}")), when, mapped)
+    cases["bin-during"] = (Path(shutil.copytree(binary, tmp_path / "bin-during")), "during", {})
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        on_tmpfs = Path(tempfile.mkdtemp(dir=shm))
+        cases["tmpfs-during"] = (Path(shutil.copytree(tuned[0], on_tmpfs / "model")), "during", {})
+    try:
+        _truncating_merges(tmp_path, cases, tuned[1])
+    finally:
+        if "tmpfs-during" in cases:
+            shutil.rmtree(cases["tmpfs-during"][0].parent, ignore_errors=True)
+
+
+def test_map_guard_leaves_other_sigbus_alone() -> None:
+    """A SIGBUS outside the registered maps is not swallowed: the guard gives the previous handler back."""
+    import subprocess
+    import sys
+
+    script = (
+        "import mmap, os, tempfile\n"
+        "from mergesmith.io.map_guard import GUARD\n"
+        "fd, path = tempfile.mkstemp(); os.write(fd, b'x' * 65536)\n"
+        "m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)\n"
+        "GUARD.register(__import__('pathlib').Path('/elsewhere'), 1, 2)\n"
+        "os.truncate(path, 0)\n"
+        "print(m[60000])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -7, (proc.returncode, proc.stderr)  # SIGBUS, as without the guard
+
+
+def test_strict_refuses_nan_in_an_input_on_ray(tmp_path: Path, poisoned: Path, tuned: list[Path]) -> None:
+    """The Ray executor's workers run the same check; --strict reaches them (their warnings stay there)."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'mergesmith[ray]')")
+    from mergesmith.api import run_merge
+    from mergesmith.errors import CheckpointError
+    from mergesmith.planner import MergeOptions
+
+    with pytest.raises(CheckpointError, match="model.layers.0.mlp.up_proj.weight.*--strict"):
+        run_merge(_linear(tmp_path, poisoned, tuned[1]), tmp_path / "out", MergeOptions(executor="ray", strict=True))
+    assert not (tmp_path / "out" / "config.json").exists()

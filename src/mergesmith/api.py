@@ -442,7 +442,7 @@ def _write_plan(
     if options.executor == "ray":
         from .executors.ray import RayExecutor  # Ray is optional: imported only when asked for
 
-        executor_cls, extra = RayExecutor, {"address": options.ray_address}
+        executor_cls, extra = RayExecutor, {"address": options.ray_address, "strict": options.strict}
     executor = executor_cls(
         plan,
         checkpoints,

@@ -21,7 +21,7 @@ import torch
 from .blocks import row_blocks, two_pass
 from .devices import resolve_device
 from .dtypes import to_torch
-from .errors import ConfigError, MemoryShortage, MergeInterrupted
+from .errors import CheckpointError, ConfigError, MemoryShortage, MergeInterrupted
 from .input_stream import InputFeed, open_feed
 from .io.checkpoint import Checkpoint
 from .io.direct_read import pool_bytes
@@ -486,7 +486,16 @@ class LocalExecutor:
         Returns False when a stop request left the tensor unwritten."""
         blocks = row_blocks(recipe)
         if len(blocks) == 1:
-            self._compute_block(recipe, blocks[0], lambda out: writer.write(recipe.name, out), whole=True)
+
+            def put_whole(out: torch.Tensor) -> None:
+                writer.write(recipe.name, out)
+                try:  # a copy's output may still be a view of its input's map, read by the write itself
+                    self._check_mapped(recipe, None)
+                except CheckpointError:
+                    writer.forget(recipe.name)
+                    raise
+
+            self._compute_block(recipe, blocks[0], put_whole, whole=True)
         else:
             totals = None
             if two_pass(recipe):
@@ -538,10 +547,18 @@ class LocalExecutor:
                 monitor=self.monitor,
             )
             assert out is not None
+            self._check_mapped(recipe, loaded)  # no block computed from a shrunken input's pages is kept
             put(out)
         finally:
             if loaded is not None and feed is not None:
                 feed.done(recipe, rows)
+
+    def _check_mapped(self, recipe: TensorRecipe, loaded: Sequence[torch.Tensor | None] | None) -> None:
+        """Refuse the block if an input read through its memory map (not by the feed) shrank meanwhile: its
+        pages past the new end read as zeros (io.map_guard) or would have raised SIGBUS."""
+        for index, ref in enumerate(recipe.inputs):
+            if loaded is None or loaded[index] is None:
+                self.ckpts[ref.model].check_intact(ref.tensor)
 
     def _streamed(self, recipe: TensorRecipe) -> frozenset[int]:
         """Indices of the recipe's inputs the feed reads (nothing of theirs is mapped to release)."""

@@ -136,6 +136,9 @@ class Planner:
         self.transplant_summary: dict[str, Any] = {}  # filled by tokensurgeon/merge.py for `transplant:<donor>`
         # (per-model row counts, output rows) -> embedding/head tensors cut to the smallest vocabulary
         self._truncated: dict[tuple[tuple[tuple[str, int], ...], int], list[str]] = {}
+        # tensors only models other than the one the output follows have (warned about once; see _note_extras)
+        self._extras: dict[str, dict[str, int]] = {}
+        self._rests_index: dict[str, dict[int, list[str]]] = {}
 
     def _check_architectures(self) -> None:
         """mergekit's rule: models whose config.json names different architectures (LlamaForCausalLM
@@ -305,7 +308,7 @@ class Planner:
             inputs.append(InputRef(ref, name))
             infos.append(self.ckpts[ref].info(name))
         if lacking:
-            return self._lacking(out_name, canonical, rest, refs, lacking, inputs, infos, base_ref)
+            return self._lacking(out_name, canonical, rest, lacking, inputs, infos, base_ref)
 
         shapes = {i.shape for i in infos}
         shape = infos[base_index if base_index is not None else 0].shape
@@ -379,7 +382,6 @@ class Planner:
         out_name: str,
         canonical: str,
         rest: str | None,
-        refs: list[tuple[str, SourceRange | None, int | None]],
         lacking: list[tuple[str, int | None]],
         inputs: list[InputRef],
         infos: list[Any],
@@ -393,7 +395,7 @@ class Planner:
             info = infos[pick]
             dtype = self.out_dtype if is_float(info.dtype) else info.dtype
             return TensorRecipe(out_name, tuple(info.shape), dtype, "copy", (inputs[pick],))
-        first_ref, first_layer = lacking[0]
+        first_layer = lacking[0][1]
         what = canonical if rest is None else f"layer {first_layer} {rest}"
         same_layer = all(layer == first_layer for _ref, layer in lacking)
         missing = ", ".join(f"{ref!r}" + ("" if same_layer else f" (layer {layer})") for ref, layer in lacking)
@@ -470,8 +472,8 @@ class Planner:
         post = [n for n in non_layer if not is_embedding(n)]
         self._vocab_rows: int | None = None
         self._truncated.clear()
-        self._rests_index: dict[str, dict[int, list[str]]] = {}
-        self._extras: dict[str, dict[str, int]] = {}
+        self._rests_index.clear()
+        self._extras.clear()
 
         recipes: list[TensorRecipe] = []
         first, last = slices[0], slices[-1]

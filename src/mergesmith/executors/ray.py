@@ -122,6 +122,7 @@ def write_shard(
     max_memory: int | None,
     device: str,
     kill_once: str | None = None,
+    strict: bool = False,
 ) -> dict[str, Any]:
     """Body of one Ray task: write shard `index` of `plan` into `out_dir`; returns its journal record."""
     shard = plan.shards[index]
@@ -139,6 +140,7 @@ def write_shard(
         max_memory=max_memory,
         device=device,
         on_progress=_kill_once(kill_once, shard.filename) if kill_once else None,
+        strict=strict,  # NaN/inf in an input refused in the worker (its warnings stay there)
     ).run()
     return journal.finished[shard.filename]
 
@@ -197,6 +199,7 @@ class RayExecutor:
         stop: threading.Event | None = None,
         address: str | None = None,
         max_retries: int | None = None,
+        strict: bool = False,
     ) -> None:
         self.plan = plan
         self.ckpts = checkpoints
@@ -209,6 +212,7 @@ class RayExecutor:
         self.stop = stop or threading.Event()
         self.address = address
         self.max_retries = MAX_RETRIES if max_retries is None else max_retries
+        self.strict = strict
         self._done = 0
         self._bytes = 0
 
@@ -269,6 +273,7 @@ class RayExecutor:
                 self.max_memory,
                 self.device,
                 kill_once,
+                self.strict,
             )
             in_flight[ref] = shard
         try:

@@ -9,6 +9,7 @@ costs no memory until its pages are touched, and nothing is copied unless a conv
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import mmap
@@ -18,6 +19,7 @@ import re
 import struct
 import threading
 import warnings
+import weakref
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ import torch
 
 from ..dtypes import SAFETENSORS_TO_TORCH, dtype_size, from_torch
 from ..errors import CheckpointError
+from .map_guard import GUARD
 from .readahead import advise_in_pieces, piece_size
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -204,7 +207,18 @@ class Checkpoint:
         self._header_hashes = header_hashes
         self._bin_state = bin_state or {}
         self._maps: dict[Path, mmap.mmap] = {}
+        self._opened: dict[Path, Any] = {}  # the mapped files, open: their size is checked on the inode mapped
         self._lock = threading.Lock()
+        # the bytes each file must have: the end of the tensor data its header lists (a `.bin`: its size when read)
+        self._sizes: dict[Path, int] = {f: 0 for f in files}
+        for info in tensors.values():
+            if info.file not in self._bin_state:
+                self._sizes[info.file] = max(self._sizes.get(info.file, 0), info.data_offset + info.nbytes)
+        for file, state in self._bin_state.items():
+            self._sizes[file] = _size_of(file)
+            start = _guard_bin(file, state)
+            if start is not None:
+                weakref.finalize(self, GUARD.unregister, file, start)
 
     # ----- opening -------------------------------------------------------------------------
     @classmethod
@@ -257,6 +271,7 @@ class Checkpoint:
         """The tensor, backed by the file's memory map (no copy unless the data is misaligned)."""
         info = self.info(name)
         if info.file in self._bin_state:
+            self.check_intact(name)
             return self._bin_state[info.file][name]
         dtype = SAFETENSORS_TO_TORCH[info.dtype]
         numel = 1
@@ -265,6 +280,7 @@ class Checkpoint:
         if numel == 0:
             return torch.empty(info.shape, dtype=dtype)
         buf = self._map(info.file)
+        self.check_intact(name)  # a view past the end of the file would raise SIGBUS when read
         if info.data_offset % torch.empty((), dtype=dtype).element_size():
             data = bytearray(buf[info.data_offset : info.data_offset + info.nbytes])
             return torch.frombuffer(data, dtype=dtype, count=numel).reshape(info.shape)
@@ -278,15 +294,42 @@ class Checkpoint:
             return None
         return info.file, info.data_offset, info
 
+    def check_intact(self, name: str) -> None:
+        """Refuse a tensor whose file now ends before its bytes, or whose mapped pages were read past the end of
+        the file (io.map_guard put zeros there): truncated or replaced during the merge. One fstat."""
+        info = self.tensors.get(name)
+        if info is None:
+            return
+        file = info.file
+        needed = self._sizes.get(file, 0) if file in self._bin_state else info.data_offset + info.nbytes
+        opened = self._opened.get(file)
+        try:
+            size = os.fstat(opened.fileno()).st_size if opened is not None else _size_of(file)
+        except (OSError, ValueError):  # closed meanwhile
+            size = _size_of(file)
+        if size < needed or GUARD.faulted(file):
+            raise CheckpointError(_end_of_file(file, size))
+
     def _map(self, file: Path) -> mmap.mmap:
         with self._lock:
             existing = self._maps.get(file)
             if existing is None:
-                with open(file, "rb") as f:
+                opened = open(file, "rb")  # noqa: SIM115 - kept open (closed by close() or when freed)
+                try:
+                    size = os.fstat(opened.fileno()).st_size
+                    if size < self._sizes.get(file, 0):  # mapping it would fault on the missing pages
+                        raise CheckpointError(_end_of_file(file, size))
                     # ACCESS_COPY: a private, writable view, so torch gets a writable buffer while the
                     # file itself can never be modified through it.
-                    existing = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                    existing = mmap.mmap(opened.fileno(), 0, access=mmap.ACCESS_COPY)
+                except BaseException:
+                    opened.close()
+                    raise
                 self._maps[file] = existing
+                self._opened[file] = opened
+                start = ctypes.addressof(ctypes.c_char.from_buffer(existing))
+                GUARD.register(file, start, start + len(existing))
+                weakref.finalize(existing, GUARD.unregister, file, start)  # guarded while the pages are mapped
             return existing
 
     def advise(self, name: str, advice: str, start: int = 0, end: int | None = None) -> None:
@@ -336,6 +379,38 @@ class Checkpoint:
     def close(self) -> None:
         with self._lock:
             self._maps.clear()  # the maps close when the last tensor viewing them is freed
+            for opened in self._opened.values():
+                opened.close()
+            self._opened.clear()
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _end_of_file(path: Path, size: int) -> str:
+    """The one line for an input that shrank under the merge (the direct-read path says the same)."""
+    return (
+        f"{path}: unexpected end of file at byte {size}, before the tensor data it holds "
+        "(truncated or replaced during the merge?)"
+    )
+
+
+def _guard_bin(path: Path, state: dict[str, torch.Tensor]) -> int | None:
+    """Register the memory map torch.load(mmap=True) made of a `.bin` (the span of its tensors' storages);
+    its start address, or None when there is nothing to guard."""
+    spans = [
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in state.values() if t.device.type == "cpu"
+    ]
+    spans = [(p, n) for p, n in spans if p and n]
+    if not spans:
+        return None
+    start = min(p for p, _ in spans)
+    GUARD.register(path, start, max(p + n for p, n in spans))
+    return start
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -208,6 +208,11 @@ class ShardWriter:
                 raise ValueError(f"tensor {name!r} written twice")
             self._crcs[name] = crc
 
+    def forget(self, name: str) -> None:
+        """Drop a written tensor's record (its bytes turned out bad after the write): never journaled as done."""
+        with self._lock:
+            self._crcs.pop(name, None)
+
     @property
     def complete(self) -> bool:
         return len(self._crcs) == len(self.slots)

@@ -19,6 +19,7 @@ import math
 import os
 import threading
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError, MergesmithError
@@ -28,14 +29,33 @@ SHOWN = 5
 """Tensors named in the end-of-merge summary (the rest are counted)."""
 
 
+_EXPONENT_BITS = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FF0000000000000),
+}
+"""Per dtype: the integer view of its bits and its exponent mask (all ones: inf or NaN)."""
+
+
 def count_nonfinite(tensor: torch.Tensor) -> int:
-    """NaN and +-inf entries of a floating-point tensor (0 for other dtypes)."""
+    """NaN and +-inf entries of a floating-point tensor (0 for other dtypes).
+
+    The quick test is the tensor's own sum (torch accumulates 16-bit floats in float32), which is finite
+    exactly when every value is, unless finite values overflow it; then, and only then, the bits are counted:
+    entries whose exponent is all ones. Both are single passes without a tensor-sized temporary of floats
+    (torch.isfinite on bfloat16, or a sum into float32 with `dtype=`, ran 50-100 times slower on this CPU)."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return 0
-    wide = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-    if math.isfinite(float(torch.sum(tensor, dtype=wide))):
+    if math.isfinite(float(tensor.sum())):
         return 0
-    return int(tensor.numel() - torch.isfinite(tensor).sum())
+    found = _EXPONENT_BITS.get(tensor.dtype)
+    if found is None:  # another float type (float8): the plain test
+        return int(tensor.numel() - torch.isfinite(tensor.float()).sum())
+    int_type, mask = found
+    bits = tensor.detach().cpu().contiguous().view(int_type).numpy().reshape(-1)
+    mask_value = bits.dtype.type(mask)  # every mask is below its signed type's maximum
+    return int(np.count_nonzero((bits & mask_value) == mask_value))
 
 
 def enabled() -> bool:
