@@ -299,3 +299,25 @@ def test_search_beats_each_parent_and_linear(tmp_path):
                   for name, cfg in (("add", linear(add=1.0)), ("rev", linear(rev=1.0)),
                                     ("linear 50/50", linear(add=0.5, rev=0.5)))}
     assert all(result.best["fitness"] > score for score in references.values()), (result.best["fitness"], references)
+
+
+@pytest.mark.parametrize("kill_at", ["evolve_candidate:4", "atomic_tmp@optimizer.pkl"])
+def test_sigkilled_search_resumes_to_the_same_history(uninterrupted, tmp_path, kill_at):
+    """A real SIGKILL of `mergesmith evolve` (after the 4th journaled candidate; while the first optimiser state
+    is half-written), then the same search again: the history is the uninterrupted one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    path = write_genome(tmp_path, genome_doc())
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "MERGESMITH_TEST_KILL_AT": kill_at,
+           "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "mergesmith.cli", "evolve", str(path), "--storage-path", str(tmp_path / "s"),
+           "--max-fevals", "6", "--popsize", "3", "--random-seed", "3", "--sigma0", "0.3", "-q"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    resumed = run_search(path, tmp_path / "s", options())
+    assert resumed.resumed
+    assert comparable(resumed.history) == comparable(uninterrupted.history)
