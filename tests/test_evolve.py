@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from mergesmith.cli import main  # noqa: E402
 from mergesmith.config import parse_config  # noqa: E402
-from mergesmith.errors import MergeInterrupted  # noqa: E402
+from mergesmith.errors import ConfigError, MergeInterrupted  # noqa: E402
 from mergesmith.evolve import SearchOptions, run_search  # noqa: E402
 from mergesmith.evolve import scoring as scoring_mod  # noqa: E402
 from mergesmith.evolve.config import GenomeDefinition  # noqa: E402
@@ -299,3 +299,65 @@ def test_search_beats_each_parent_and_linear(tmp_path):
                   for name, cfg in (("add", linear(add=1.0)), ("rev", linear(rev=1.0)),
                                     ("linear 50/50", linear(add=0.5, rev=0.5)))}
     assert all(result.best["fitness"] > score for score in references.values()), (result.best["fitness"], references)
+
+
+@pytest.mark.parametrize("kill_at", ["evolve_candidate:4", "atomic_tmp@optimizer.pkl"])
+def test_sigkilled_search_resumes_to_the_same_history(uninterrupted, tmp_path, kill_at):
+    """A real SIGKILL of `mergesmith evolve` (after the 4th journaled candidate; while the first optimiser state
+    is half-written), then the same search again: the history is the uninterrupted one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    path = write_genome(tmp_path, genome_doc())
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "MERGESMITH_TEST_KILL_AT": kill_at,
+           "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "mergesmith.cli", "evolve", str(path), "--storage-path", str(tmp_path / "s"),
+           "--max-fevals", "6", "--popsize", "3", "--random-seed", "3", "--sigma0", "0.3", "-q"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    resumed = run_search(path, tmp_path / "s", options())
+    assert resumed.resumed
+    assert comparable(resumed.history) == comparable(uninterrupted.history)
+
+
+def test_multiple_choice_and_loglikelihood_evaluators(tmp_path):
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mergesmith.evolve.config import TaskDefinition
+    from mergesmith.evolve.evaluators import resolve_builtin, score_builtin
+
+    records = [json.loads(line) for line in (FIXTURES / "rev_eval.jsonl").read_text().splitlines()[:20]]
+    mc = tmp_path / "mc.jsonl"
+    # the answer is given by text on even lines, by index on odd ones; the wrong choice is the string unreversed
+    mc.write_text("".join(json.dumps({"prompt": r["prompt"], "choices": [r["prompt"][:-1], r["answer"]],
+                                      "answer": r["answer"] if i % 2 == 0 else 1}) + "\n"
+                          for i, r in enumerate(records)))
+    text = tmp_path / "rev.txt"
+    text.write_text("".join(r["prompt"] + r["answer"] + "\n" for r in records))
+    tok = AutoTokenizer.from_pretrained(FIXTURES / "rev")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        models = {m: AutoModelForCausalLM.from_pretrained(FIXTURES / m, dtype=torch.float32).eval()
+                  for m in ("add", "rev")}
+        mc_task = resolve_builtin(TaskDefinition(name="mc", type="multiple_choice", data=str(mc)), None, "g")
+        ll_task = resolve_builtin(TaskDefinition(name="ll", type="loglikelihood", data=str(text),
+                                                 metric="perplexity", weight=-1), None, "g")
+        mc_scores = {m: score_builtin(mc_task, model, tok) for m, model in models.items()}
+        ll_scores = {m: score_builtin(ll_task, model, tok, batch_size=7) for m, model in models.items()}
+    finally:
+        torch.set_num_threads(threads)
+    assert mc_scores["rev"]["acc"] >= 0.9 and mc_scores["rev"]["acc"] > mc_scores["add"]["acc"]
+    assert set(mc_scores["rev"]) == {"acc", "acc_norm"}
+    assert ll_scores["rev"]["loglikelihood"] > ll_scores["add"]["loglikelihood"]
+    assert ll_scores["rev"]["perplexity"] == pytest.approx(math.exp(-ll_scores["rev"]["loglikelihood"]))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ab>", "choices": ["ba", "ab"], "answer": "zz"}) + "\n")
+    with pytest.raises(ConfigError, match=r"bad.jsonl:1: `answer` 'zz' is not one of the choices"):
+        resolve_builtin(TaskDefinition(name="b", type="multiple_choice", data=str(bad)), None, "g")

@@ -3,7 +3,8 @@
     python examples/evolve_skills/make_fixtures.py tests/fixtures/evolve
 
 - a character-level tokenizer built with the `tokenizers` library (digits, a-j, `+ = >`, specials);
-- `base`: a 4-layer llama (hidden 48) trained briefly on a mix of both skills (weak at both);
+- `base`: a 4-layer llama (hidden 48) trained briefly on a mix of both skills (it ends weak at addition,
+  already good at reversal: measured add 0.073, reverse 1.000 on the held-out sets);
 - `add`: base fine-tuned on adding a digit to a two-digit number only ("37+5=" -> "42");
 - `rev`: base fine-tuned on reversing a short string only ("abcde>" -> "edcba");
 - `add_eval.jsonl`, `rev_eval.jsonl`: held-out prompts and answers (never trained on).
@@ -26,7 +27,7 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = list("0123456789abcdefghij+=>")
 SEED = 1234
 EVAL_SIZE = 150
-BASE_STEPS = 400  # short: the base knows both formats but neither skill well
+BASE_STEPS = 400  # short: the base knows both formats; reversal is learned first
 TUNE_STEPS = 300
 TUNE_LR = 1e-3  # small fine-tunes stay near the base, where task vectors add up
 

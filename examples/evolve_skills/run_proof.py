@@ -1,6 +1,6 @@
 """The evolve proof: does `mergesmith evolve` find a merge better than each parent and than 50/50 linear?
 
-    python examples/evolve_skills/run_proof.py [FIXTURES_DIR] [STORAGE_DIR] [MAX_FEVALS]
+    python examples/evolve_skills/run_proof.py [FIXTURES_DIR] [STORAGE_DIR] [MAX_FEVALS] [METHOD]
 
 FIXTURES_DIR holds base/, add/, rev/ and the held-out add_eval.jsonl/rev_eval.jsonl
 (tests/fixtures/evolve, built by make_fixtures.py). Scores every parent and the plain 50/50 linear merge
@@ -24,11 +24,11 @@ from mergesmith.evolve.evaluators import resolve_builtin
 from mergesmith.evolve.scoring import TokenizerSpec, score_candidate
 
 
-def genome(fx: Path) -> dict:
+def genome(fx: Path, method: str = "task_arithmetic") -> dict:
     return {
         "genome": {
             "models": [str(fx / "add"), str(fx / "rev")],
-            "merge_method": "task_arithmetic",
+            "merge_method": method,
             "base_model": str(fx / "base"),
             "layer_granularity": 2,
         },
@@ -43,9 +43,10 @@ def main() -> None:
     fx = Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/evolve").resolve()
     storage = Path(sys.argv[2] if len(sys.argv) > 2 else "/tmp/mergesmith-evolve-proof")
     max_fevals = int(sys.argv[3]) if len(sys.argv) > 3 else 48
+    method = sys.argv[4] if len(sys.argv) > 4 else "task_arithmetic"
     storage.mkdir(parents=True, exist_ok=True)
     path = storage.parent / f"{storage.name}-genome.yml"
-    path.write_text(yaml.safe_dump(genome(fx)))
+    path.write_text(yaml.safe_dump(genome(fx, method)))
     config, _ = load_evolve_config(path)
     tasks = [resolve_builtin(t, None, str(path)) for t in config.tasks]
     tok = TokenizerSpec((str(fx / "add"), str(fx / "rev")), str(fx / "base"), None)

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from ..errors import OutputError
+from ..io._test_hooks import kill_point
 from ..io.safetensors_writer import write_file_atomic
 
 STATE_NAME = "evolve.json"
@@ -94,6 +95,7 @@ class SearchJournal:
             f.write(json.dumps(row, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        kill_point("evolve_candidate")  # crash tests: SIGKILL after the n-th journaled candidate
 
     @staticmethod
     def _drop_torn_tail(path: Path) -> None:

@@ -96,9 +96,16 @@ class LocalScorer:
 def _remote_score(config: dict[str, Any], tasks: list[BuiltinTask], settings: CandidateSettings, tok: TokenizerSpec,
                   batch_size: int, slot: str) -> tuple[dict[str, dict[str, float]], float]:
     """A Ray task: score one candidate (on disk in its own directory, so parallel tasks do not collide)."""
-    if not settings.in_memory:
-        settings = dataclasses.replace(settings, storage_path=os.path.join(settings.storage_path, slot))
-    return score_candidate(config, tasks, settings, tok, batch_size)
+    if settings.in_memory:
+        return score_candidate(config, tasks, settings, tok, batch_size)
+    slot_dir = os.path.join(settings.storage_path, slot)
+    try:
+        return score_candidate(config, tasks, dataclasses.replace(settings, storage_path=slot_dir), tok, batch_size)
+    finally:
+        try:
+            os.rmdir(slot_dir)  # empty once its candidate directory is removed
+        except OSError:
+            pass
 
 
 class RayScorer:
