@@ -283,7 +283,7 @@ def test_top_level_help_shows_every_command_description_whole(capsys: pytest.Cap
     assert code == 0, err
     commands = out.split("Commands:", 1)[1].strip().splitlines()
     names = {line.split()[0] for line in commands}
-    assert names == {"merge", "plan", "merge-raw", "multi", "moe", "extract-lora", "evolve"}
+    assert names == {"merge", "plan", "merge-raw", "multi", "moe", "extract-lora", "evolve", "tokensurgeon"}
     for line in commands:
         assert len(line.split(None, 1)) == 2, f"no description: {line!r}"
         assert not line.rstrip().endswith("..."), f"truncated: {line!r}"
