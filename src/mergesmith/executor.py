@@ -65,10 +65,18 @@ class MemoryBudget:
     def __init__(self, limit: int | None, watch: MemoryWatch | None = None, held: int = 0) -> None:
         self.limit = limit
         self.watch = watch
-        self.held = held
+        self.held_bytes = held
+        # what of `held` is not yet in the process's memory use (which the watch's samples already count):
+        # the input feed's pool tells; None counts all of `held`
+        self.held_unmapped: Callable[[], int] | None = None
         self.in_flight = 0
         self.peak = 0  # the most bytes ever admitted at once: a statistic for tests and reports
         self._cond = threading.Condition()
+
+    @property
+    def held(self) -> int:
+        """Bytes set aside beside the work in flight that are not counted in the watch's samples yet."""
+        return self.held_bytes if self.held_unmapped is None else min(self.held_bytes, self.held_unmapped())
 
     def room(self) -> int | None:
         """Bytes the work in flight may occupy now by the memory watch (None: not watched)."""
@@ -377,9 +385,10 @@ class LocalExecutor:
         if self.budget.limit is None:
             self.budget.limit = automatic_budget(list(cost_of.values()), self.threads)
         costs = [cost_of[recipe.name] for _, recipe in work]
-        self.budget.watch, self.budget.held = watch, feed_bytes
+        self.budget.watch, self.budget.held_bytes = watch, feed_bytes
         try:
             self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes)
+            self.budget.held_unmapped = self._feed.reader.pool.unmapped if self._feed is not None else (lambda: 0)
             self._run_work(work, costs)
         finally:
             if self._feed is not None:

@@ -120,6 +120,12 @@ class BufferPool:
                 self._free_bytes -= size
                 needed -= size
 
+    def unmapped(self) -> int:
+        """Bytes the pool may still map beyond what it holds now. What it holds is already in the process's
+        memory use (and so in what a cgroup or the system reports as used); only this part is yet to come."""
+        with self._cond:
+            return max(0, self.limit - self.in_use - self._free_bytes)
+
     def give(self, memory: mmap.mmap) -> None:
         """Return a buffer `take_all` handed out."""
         capacity = len(memory)
