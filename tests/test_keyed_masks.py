@@ -112,11 +112,12 @@ def _merge_in_blocks(method, tensors, step, seed=5):
 
 
 @pytest.mark.parametrize("method", KEYED)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_row_blocks_give_the_whole_tensors_bytes(method, dtype):
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (40, 600)), (torch.bfloat16, (40, 600)),
+                                         (torch.float16, (40, 600)), (torch.float32, (20, 12, 30))])
+def test_row_blocks_give_the_whole_tensors_bytes(method, dtype, shape):
     spec = get_method(method)
     assert spec.keyed_random and spec.totals is not None
-    tensors = _models((40, 600), dtype)
+    tensors = _models(shape, dtype)
     params = {p.name: p.default for p in spec.params}
     whole = spec.merge(MergeInputs(tensors, 0, MODEL_PARAMS, params, None, "t", stream=MaskStream(5)))
     for step in (1, 7, 16):
