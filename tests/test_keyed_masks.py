@@ -206,3 +206,21 @@ def test_same_bytes_whole_blocked_threads_budget_and_resume(method, three_models
     with pytest.raises(MergeInterrupted):
         _run(method, three_models, resumed, stop_after=3)
     assert _run(method, three_models, resumed) == whole
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize("method", KEYED)
+def test_keyed_masks_are_drawn_on_the_cpu_for_any_device(method):
+    """The stream draws on the CPU and moves the mask: on CUDA the same entries are dropped, so the result agrees
+    with the CPU's to float rounding (the device's reductions add in another order)."""
+    spec = get_method(method)
+    params = {p.name: p.default for p in spec.params}
+    tensors = _models((64, 300), torch.float32)
+
+    def on(device: str) -> torch.Tensor:
+        moved = [t.to(device) for t in tensors]
+        return spec.merge(MergeInputs(moved, 0, MODEL_PARAMS, params, None, "t", stream=MaskStream(4)))
+
+    gpu = on("cuda")
+    assert gpu.device.type == "cuda"
+    torch.testing.assert_close(gpu.cpu(), on("cpu"), rtol=1e-4, atol=1e-5)
