@@ -112,11 +112,12 @@ def _merge_in_blocks(method, tensors, step, seed=5):
 
 
 @pytest.mark.parametrize("method", KEYED)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_row_blocks_give_the_whole_tensors_bytes(method, dtype):
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (40, 600)), (torch.bfloat16, (40, 600)),
+                                         (torch.float16, (40, 600)), (torch.float32, (20, 12, 30))])
+def test_row_blocks_give_the_whole_tensors_bytes(method, dtype, shape):
     spec = get_method(method)
     assert spec.keyed_random and spec.totals is not None
-    tensors = _models((40, 600), dtype)
+    tensors = _models(shape, dtype)
     params = {p.name: p.default for p in spec.params}
     whole = spec.merge(MergeInputs(tensors, 0, MODEL_PARAMS, params, None, "t", stream=MaskStream(5)))
     for step in (1, 7, 16):
@@ -205,3 +206,21 @@ def test_same_bytes_whole_blocked_threads_budget_and_resume(method, three_models
     with pytest.raises(MergeInterrupted):
         _run(method, three_models, resumed, stop_after=3)
     assert _run(method, three_models, resumed) == whole
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize("method", KEYED)
+def test_keyed_masks_are_drawn_on_the_cpu_for_any_device(method):
+    """The stream draws on the CPU and moves the mask: on CUDA the same entries are dropped, so the result agrees
+    with the CPU's to float rounding (the device's reductions add in another order)."""
+    spec = get_method(method)
+    params = {p.name: p.default for p in spec.params}
+    tensors = _models((64, 300), torch.float32)
+
+    def on(device: str) -> torch.Tensor:
+        moved = [t.to(device) for t in tensors]
+        return spec.merge(MergeInputs(moved, 0, MODEL_PARAMS, params, None, "t", stream=MaskStream(4)))
+
+    gpu = on("cuda")
+    assert gpu.device.type == "cuda"
+    torch.testing.assert_close(gpu.cpu(), on("cpu"), rtol=1e-4, atol=1e-5)

@@ -12,8 +12,9 @@ keyed by the recipe's per-tensor seed (itself derived from `--random-seed` and t
 number (one per task vector). Entries come in chunks of CHUNK: chunk c is the Philox stream whose counter
 starts at (0, c, s, 0) for stream s, so chunks never share a counter value. numpy guarantees a bit generator's
 output does not change across versions and platforms, and the draws are made on the CPU, so the bytes are the
-same on every machine and device. Measured on this machine (2 shared cores, bench/README.md): ~2.4 ns per
-entry against ~15 ns for torch's CPU `bernoulli`.
+same on every machine and device. Measured with `python bench/profile_task_vectors.py` (bench/README.md, one
+thread of a shared 2-core machine): ~3.7 ns per entry for the draw and the compare, against ~15.7 ns for torch's
+CPU `bernoulli`.
 
 Entry i is kept with probability p when u_i < p, u_i = (top 24 bits of the i-th 32-bit draw) / 2**24: the
 same 24-bit grid a float32 uniform has. For a scalar p this is the integer test draw < ceil(p * 2**24) * 256.

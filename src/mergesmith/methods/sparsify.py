@@ -150,7 +150,8 @@ def della_probabilities(rows: torch.Tensor, density: float, epsilon: float) -> t
     dtype = _float_work(rows)
     order = torch.argsort(rows.abs(), dim=1, descending=False)
     # rank as mergekit rounds it: the 0-based position converted to the work dtype, then + 1 in that dtype
-    positions = (torch.arange(rows.shape[1], device=rows.device).to(dtype) + 1).expand_as(order)
+    column = [1, rows.shape[1]] + [1] * (rows.dim() - 2)  # ranks run along dim 1, also of 3-D tensors
+    positions = (torch.arange(rows.shape[1], device=rows.device).to(dtype) + 1).view(column).expand_as(order)
     ranks = torch.empty(order.shape, dtype=dtype, device=rows.device).scatter_(1, order, positions)
     # Each row's ranks are a permutation of `positions`, whose smallest and largest are its first and last (the
     # rounding to the work dtype is monotone): mergekit's min and max over the ranks, without two more passes.

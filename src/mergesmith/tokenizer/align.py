@@ -269,6 +269,7 @@ def merge_vocabulary(recipe: Any, load: Callable[[Any], torch.Tensor]) -> torch.
     """The `vocab_merge` op: align every input to the output vocabulary, then run the merge method."""
     from ..dtypes import to_torch
     from ..methods import MergeInputs, require_method
+    from ..methods.keyed_random import MaskStream
 
     params = dict(recipe.params)
     table = lookup(str(params[MAP_PARAM]))
@@ -289,5 +290,6 @@ def merge_vocabulary(recipe: Any, load: Callable[[Any], torch.Tensor]) -> torch.
             params=method_params,
             generator=generator,
             tensor_name=recipe.name,
+            stream=MaskStream(recipe.seed) if recipe.seed is not None else None,  # DARE/DELLA draw by position
         )
     )
