@@ -24,7 +24,7 @@ from mergesmith.evolve import SearchOptions, run_search  # noqa: E402
 from mergesmith.evolve import lmeval as lmeval_mod  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "evolve"
-LIMIT = 10
+LIMIT = 40
 needs_lm_eval = pytest.mark.skipif(not lmeval_mod.available(), reason="lm-eval is not installed")
 
 
@@ -79,8 +79,9 @@ def genome(tmp_path: Path, **task) -> Path:
     return path
 
 
-def lm_eval_direct(model_dir: Path, task_dir: Path) -> dict[str, float]:
-    """lm-eval's own answer for a merged model on disk: HFLM + simple_evaluate, nothing of mergesmith's."""
+def lm_eval_direct(model_dir: Path, task_dir: Path, **harness) -> dict[str, float]:
+    """lm-eval's own answer for a merged model on disk: HFLM + simple_evaluate, nothing of mergesmith's
+    (only the local task directory is indexed: lm-eval's ~15k built-in YAMLs take ~10 s to index here)."""
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -88,21 +89,24 @@ def lm_eval_direct(model_dir: Path, task_dir: Path) -> dict[str, float]:
 
     tok = AutoTokenizer.from_pretrained(str(FIXTURES / "base"))
     lm = HFLM(pretrained=str(model_dir), tokenizer=tok, device="cpu", dtype="float32", batch_size=8)
-    out = simple_evaluate(model=lm, tasks=["tiny_add"], task_manager=TaskManager(include_path=str(task_dir)),
-                          log_samples=False, bootstrap_iters=0)
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    out = simple_evaluate(model=lm, tasks=["tiny_add"], task_manager=manager, log_samples=False, bootstrap_iters=0,
+                          **harness)
     return {k: v for k, v in out["results"]["tiny_add"].items() if k in ("acc,none", "acc_norm,none")}
 
 
 @needs_lm_eval
-@pytest.mark.parametrize("in_memory", [True, False])
-def test_lm_eval_task_scores_equal_simple_evaluate(tmp_path, task_dir, in_memory):
+@pytest.mark.parametrize(("in_memory", "harness"), [(True, {}), (False, {"limit": 24, "num_fewshot": 1})])
+def test_lm_eval_task_scores_equal_simple_evaluate(tmp_path, task_dir, in_memory, harness):
+    """In memory (HFLM given the model object) and on disk (pretrained=DIR), with the harness's own
+    `limit` and `num_fewshot` passed through: each journaled score is what simple_evaluate says."""
     from mergesmith.api import run_merge
     from mergesmith.config import parse_config
     from mergesmith.planner import MergeOptions
 
     result = run_search(genome(tmp_path), tmp_path / "s", SearchOptions(
-        max_fevals=2, popsize=2, random_seed=1, sigma0=0.5, batch_size=8, in_memory=in_memory,
-        task_search_path=[str(task_dir)]))
+        max_fevals=2, popsize=2, random_seed=1, sigma0=1.0, batch_size=8, in_memory=in_memory,
+        task_search_path=[str(task_dir)], **harness))
     assert len(result.history) == 2
     for row in result.history:
         scores = row["scores"]["tiny_add"]
@@ -110,8 +114,11 @@ def test_lm_eval_task_scores_equal_simple_evaluate(tmp_path, task_dir, in_memory
         assert row["fitness"] == scores["acc_norm,none"]  # the genome's `acc_norm` is lm-eval's `acc_norm,none`
         merged = run_merge(parse_config(row["config"], "row"), tmp_path / f"m{row['evaluation']}",
                            MergeOptions(), overwrite=True).out_dir
-        direct = lm_eval_direct(merged, task_dir)
+        direct = lm_eval_direct(merged, task_dir, **harness)
+        print(row["evaluation"], direct)
         assert {k: scores[k] for k in direct} == pytest.approx(direct, abs=1e-9)
+    # the two candidates score differently, so equal scores above are not a coincidence
+    assert result.history[0]["scores"] != result.history[1]["scores"]
     assert not (tmp_path / "s" / "candidate").exists()  # an on-disk candidate is removed after scoring
 
 

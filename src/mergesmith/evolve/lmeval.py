@@ -1,5 +1,8 @@
 """Tasks scored by EleutherAI's lm-evaluation-harness (`pip install 'mergesmith[evolve-lm-eval]'`).
 
+Written against lm-eval 0.4.13's task index (`lm_eval.tasks._index`: Entry, Kind), hence the
+`lm-eval>=0.4.13` requirement.
+
 A genome task without a `type` is an lm-eval task: a built-in task name or one defined by a YAML under
 `--task-search-path`. Everything about it is checked before the first merge, from the harness's own
 task index (`TaskManager`, which reads the YAMLs without building datasets or running anything): the
@@ -105,7 +108,8 @@ def resolve_lmeval(task: Any, default_metric: str, search_path: list[str], names
     manager = task_manager(tuple(search_path), tuple(names))
     entry = manager.task_index.get(task.name)
     if entry is None:
-        where = f" or under {', '.join(search_path)}" if search_path else " (add its YAML directory with --task-search-path)"
+        where = (f" or under {', '.join(search_path)}" if search_path
+                 else " (add its YAML directory with --task-search-path)")
         raise ConfigError(f"{source}: task {task.name!r}: not a built-in task and not an lm-eval task{where}")
     if entry.kind == Kind.TAG:
         raise ConfigError(f"{source}: task {task.name!r}: is an lm-eval tag (a set of tasks with no combined "
@@ -136,7 +140,8 @@ class LmEvalSettings:
     extra: tuple[tuple[str, Any], ...] = ()  # --lm-eval-arg KEY=VALUE
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(repr((self.num_fewshot, self.limit, self.extra, self.apply_chat_template)).encode()).hexdigest()
+        identity = (self.num_fewshot, self.limit, self.extra, self.apply_chat_template)
+        return hashlib.sha256(repr(identity).encode()).hexdigest()
 
 
 def parse_lm_eval_args(items: list[str]) -> tuple[tuple[str, Any], ...]:
