@@ -18,7 +18,9 @@ and any other `simple_evaluate` keyword through `--lm-eval-arg KEY=VALUE`) are p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import logging
 from dataclasses import dataclass
@@ -179,6 +181,8 @@ def score_lmeval(tasks: list[LmEvalTask], model: Any, tokenizer: Any, settings: 
 
     for name in ("lm_eval", "lm-eval"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # passing an already-built model is the point here; the harness warns about it on every candidate
+    logging.getLogger("lm_eval.models.huggingface").setLevel(logging.ERROR)
     if pretrained_dir is not None:
         lm = HFLM(pretrained=pretrained_dir, tokenizer=tokenizer, batch_size=settings.batch_size, device=device,
                   dtype="float32" if device == "cpu" else "bfloat16")
@@ -194,12 +198,20 @@ def score_lmeval(tasks: list[LmEvalTask], model: Any, tokenizer: Any, settings: 
     }
     kwargs.update(dict(settings.extra))
     manager = task_manager(settings.search_path, tuple(t.name for t in tasks))
-    results = simple_evaluate(model=lm, tasks=[t.name for t in tasks], task_manager=manager, **kwargs)
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except (ImportError, AttributeError):
+        pass
+    # the harness's per-request progress bars would scroll over the search's own display
+    with contextlib.redirect_stderr(io.StringIO()):
+        results = simple_evaluate(model=lm, tasks=[t.name for t in tasks], task_manager=manager, **kwargs)
     if results is None:
         raise ConfigError("lm-eval returned no results (is --lm-eval-arg predict_only set?)")
-    table = results["results"]
+    table = {**results.get("groups", {}), **results["results"]}  # a group's aggregate may sit in either
     return {
-        t.name: {k: float(v) for k, v in table.get(t.name, {}).items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool) and "_stderr" not in k}
+        t.name: {k: float(v) for k, v in table.get(t.name, {}).items()  # metrics only: `METRIC,FILTER` keys
+                 if "," in k and "_stderr" not in k and isinstance(v, (int, float)) and not isinstance(v, bool)}
         for t in tasks
     }
