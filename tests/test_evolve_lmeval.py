@@ -115,7 +115,6 @@ def test_lm_eval_task_scores_equal_simple_evaluate(tmp_path, task_dir, in_memory
         merged = run_merge(parse_config(row["config"], "row"), tmp_path / f"m{row['evaluation']}",
                            MergeOptions(), overwrite=True).out_dir
         direct = lm_eval_direct(merged, task_dir, **harness)
-        print(row["evaluation"], direct)
         assert {k: scores[k] for k in direct} == pytest.approx(direct, abs=1e-9)
     # the two candidates score differently, so equal scores above are not a coincidence
     assert result.history[0]["scores"] != result.history[1]["scores"]
