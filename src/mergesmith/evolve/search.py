@@ -1,4 +1,4 @@
-"""The search loop: CMA-ES (the `cma` package) over a genome, scored by built-in tasks, journaled.
+"""The search loop: CMA-ES (the `cma` package) over a genome, scored by built-in or lm-eval tasks, journaled.
 
 Determinism: the optimiser draws its samples from its own seeded numpy Generator (cma's `randn`
 option), which is pickled with it after every generation; nothing else in the process can move it.
