@@ -104,7 +104,7 @@ def test_genome_filters_smooth_density_and_slerp():
     ("change", "expected"),
     [
         (lambda d: d["genome"].update(layer_granularity=3), "layer_granularity`: 3 does not divide the models' 4"),
-        (lambda d: d["tasks"].append({"name": "hellaswag"}), "task 'hellaswag': not a built-in task"),
+        (lambda d: d["tasks"].append({"name": "no_such_task_xyz"}), "task 'no_such_task_xyz': not a built-in task"),
         (lambda d: d["tasks"][0].update(metric="perplexity"), "metric 'perplexity' is not reported"),
         (lambda d: d["tasks"][0].update(data="/nonexistent/x.jsonl"), "data file not found"),
         (lambda d: d["genome"].update(merge_method="tiess"), "tiess"),

@@ -830,6 +830,8 @@ def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overw
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Score each task on its first N records.")
 @click.option("--num-fewshot", type=click.IntRange(min=0), default=None, help="Few-shot examples (lm-eval tasks).")
 @click.option("--task-search-path", multiple=True, help="Directory of lm-eval task YAMLs (lm-eval tasks only).")
+@click.option("--lm-eval-arg", multiple=True, metavar="KEY=VALUE",
+              help="Passed to lm-eval's simple_evaluate (e.g. fewshot_random_seed=1); repeatable.")
 @click.option("--in-memory/--no-in-memory", default=None, help="Merge candidates in memory (default: when they fit).")
 @click.option("--merge-cuda/--no-merge-cuda", default=False, help="Do the merge arithmetic on the GPU.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,

@@ -51,6 +51,7 @@ class CandidateSettings:
     allow_crimes: bool = False
     random_seed: int | None = None
     threads: int | None = None  # torch threads while scoring (None: torch's default)
+    lm_eval: Any = None  # lmeval.LmEvalSettings when the genome names lm-eval tasks
 
 
 def plan_candidate(

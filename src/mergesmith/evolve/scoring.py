@@ -64,7 +64,7 @@ def score_candidate(
     try:
         model = loader.load(config)
         try:
-            scores = {t.name: score_builtin(t, model, tokenizer, batch_size) for t in tasks}
+            scores = _score_tasks(tasks, model, tokenizer, batch_size, settings, loader)
         finally:
             if not settings.in_memory:
                 del model
@@ -72,6 +72,24 @@ def score_candidate(
     finally:
         torch.set_num_threads(threads)
     return scores, time.monotonic() - started
+
+
+def _score_tasks(tasks: list[Any], model: Any, tokenizer: Any, batch_size: int, settings: CandidateSettings,
+                 loader: CandidateLoader) -> dict[str, dict[str, float]]:
+    """Built-in tasks one by one; lm-eval tasks together in one harness call (in memory: the model object;
+    on disk: `pretrained=DIR`)."""
+    lm_tasks = [t for t in tasks if t.kind == "lm_eval"]
+    scores = {t.name: score_builtin(t, model, tokenizer, batch_size) for t in tasks if t.kind != "lm_eval"}
+    if lm_tasks:
+        from .lmeval import score_lmeval
+
+        pretrained_dir = None if settings.in_memory else str(loader.candidate_dir)
+        scores.update(score_lmeval(lm_tasks, model, tokenizer, settings.lm_eval, settings.device, pretrained_dir))
+        for t in lm_tasks:
+            if t.metric not in scores[t.name]:
+                raise MergesmithError(f"task {t.name!r}: lm-eval reported no `{t.metric}` "
+                                      f"(it reported {', '.join(scores[t.name]) or 'nothing'})")
+    return {t.name: scores[t.name] for t in tasks}
 
 
 Job = tuple[int, dict[str, Any]]  # (position in the generation, merge config)

@@ -1,4 +1,4 @@
-"""The search loop: CMA-ES (the `cma` package) over a genome, scored by built-in tasks, journaled.
+"""The search loop: CMA-ES (the `cma` package) over a genome, scored by built-in or lm-eval tasks, journaled.
 
 Determinism: the optimiser draws its samples from its own seeded numpy Generator (cma's `randn`
 option), which is pickled with it after every generation; nothing else in the process can move it.
@@ -21,10 +21,11 @@ import numpy as np
 
 from ..errors import ConfigError, MergeInterrupted
 from .candidates import MEMORY_FRACTION, SMALL_MODEL_BYTES, CandidateLoader, CandidateSettings, eval_dtype
-from .config import EvolveConfiguration, load_evolve_config
+from .config import LMEVAL_DEFAULT_METRIC, EvolveConfiguration, load_evolve_config
 from .evaluators import LOWER_IS_BETTER, BuiltinTask, resolve_builtin
 from .genome import Genome
 from .journal import SearchJournal
+from .lmeval import LmEvalSettings, LmEvalTask, parse_lm_eval_args, resolve_lmeval
 from .scoring import ProgressFn, TokenizerSpec, fitness, make_scorer
 
 
@@ -59,6 +60,7 @@ class SearchOptions:
     limit: int | None = None  # overrides the config's `limit`
     num_fewshot: int | None = None  # overrides the config's `num_fewshot`
     threads: int | None = None  # torch threads while scoring (None: 1 for small models, else torch's default)
+    lm_eval_args: list[str] = field(default_factory=list)  # KEY=VALUE for lm-eval's simple_evaluate
 
 
 @dataclass
@@ -71,34 +73,38 @@ class SearchResult:
     estimate: dict[str, Any]
 
 
-def resolve_tasks(config: EvolveConfiguration, source: str, options: SearchOptions) -> list[BuiltinTask]:
-    """Every task checked before the first merge: its kind, its metric, its data file."""
+Task = BuiltinTask | LmEvalTask
+
+
+def resolve_tasks(config: EvolveConfiguration, source: str, options: SearchOptions) -> list[Task]:
+    """Every task checked before the first merge: its kind, its metric, its data file (or lm-eval task)."""
     names = [t.name for t in config.tasks]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise ConfigError(f"{source}: `tasks`: task {dup!r} is listed twice")
-    out = []
+    out: list[Task] = []
+    lm_names = [t.name for t in config.tasks if not t.builtin]
     for task in config.tasks:
         if not task.builtin:
-            raise ConfigError(
-                f"{source}: task {task.name!r}: not a built-in task (give it `type:` exact_match, multiple_choice or "
-                "loglikelihood and a `data:` file); lm-evaluation-harness tasks are not supported yet"
-            )
+            out.append(resolve_lmeval(task, LMEVAL_DEFAULT_METRIC, options.task_search_path, lm_names, source))
+            continue
         resolved = resolve_builtin(task, config.limit, source)
         out.append(resolved)
     return out
 
 
-def lower_is_better_warnings(tasks: list[BuiltinTask]) -> list[str]:
+def lower_is_better_warnings(tasks: list[Task]) -> list[str]:
     return [
         f"task {t.name!r}: `{t.metric}` is lower-is-better but its weight {t.weight} is positive; the search will "
         "maximise it (give it a negative weight, as in mergekit-evolve)"
         for t in tasks
-        if t.metric in LOWER_IS_BETTER and t.weight > 0
+        if t.metric.split(",")[0] in (*LOWER_IS_BETTER, "word_perplexity", "byte_perplexity", "bits_per_byte")
+        and t.weight > 0
     ]
 
 
-def _fingerprint(config: EvolveConfiguration, tasks: list[BuiltinTask], options: SearchOptions, genome: Genome) -> str:
+def _fingerprint(config: EvolveConfiguration, tasks: list[Task], options: SearchOptions, genome: Genome,
+                 lm_eval: LmEvalSettings | None = None) -> str:
     payload = {
         "genome": config.genome.model_dump(),
         "tasks": [
@@ -114,6 +120,8 @@ def _fingerprint(config: EvolveConfiguration, tasks: list[BuiltinTask], options:
         "batch_size": options.batch_size,
         "dimension": genome.dimension,
     }
+    if lm_eval is not None:  # only lm-eval searches carry it, so built-in searches keep their identity
+        payload["lm_eval"] = lm_eval.fingerprint()
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -176,14 +184,17 @@ def run_search(config_path: str | Path, storage_path: str | Path, options: Searc
     overrides = {k: getattr(options, k) for k in ("limit", "num_fewshot") if getattr(options, k) is not None}
     if overrides:
         config = config.model_copy(update=overrides)
-    if options.task_search_path:
-        raise ConfigError("`--task-search-path` is for lm-evaluation-harness tasks, which are not supported yet")
     genome = Genome.build(config.genome, source, options.dtype)
+    lm_eval_extra = parse_lm_eval_args(options.lm_eval_args)
     tasks = resolve_tasks(config, source, options)
+    has_lm_eval = any(isinstance(t, LmEvalTask) for t in tasks)
     for warning in lower_is_better_warnings(tasks):
         emit("warning", {"text": warning})
-    if config.num_fewshot:
-        emit("warning", {"text": "`num_fewshot` applies to lm-eval tasks only; the built-in tasks ignore it"})
+    if not has_lm_eval:
+        for what, given in (("`num_fewshot`", config.num_fewshot), ("`--task-search-path`", options.task_search_path),
+                            ("`--lm-eval-arg`", options.lm_eval_args)):
+            if given:
+                emit("warning", {"text": f"{what} applies to lm-eval tasks only; the built-in tasks ignore it"})
     storage = Path(storage_path)
     x0 = genome.initial(random=config.random_init, rng=np.random.default_rng(options.random_seed))
     settings = CandidateSettings(
@@ -198,11 +209,22 @@ def run_search(config_path: str | Path, storage_path: str | Path, options: Searc
     tok = TokenizerSpec(tuple(config.genome.models), config.genome.base_model, config.genome.tokenizer_source)
     from .candidates import load_tokenizer
 
-    load_tokenizer(list(tok.models), tok.base_model, tok.tokenizer_source, options.trust_remote_code)  # fail early
+    tokenizer = load_tokenizer(list(tok.models), tok.base_model, tok.tokenizer_source, options.trust_remote_code)
+    lm_eval = None
+    if has_lm_eval:
+        # mergekit-evolve's apply_chat_template default is true; a tokenizer without a template cannot apply one
+        chat = bool(config.apply_chat_template and getattr(tokenizer, "chat_template", None))
+        lm_eval = LmEvalSettings(
+            search_path=tuple(str(Path(p).resolve()) for p in options.task_search_path),
+            num_fewshot=config.num_fewshot, limit=config.limit, batch_size=options.batch_size,
+            apply_chat_template=chat, fewshot_as_multiturn=bool(chat and config.fewshot_as_multiturn),
+            extra=lm_eval_extra,
+        )
+        settings.lm_eval = lm_eval
     emit("estimate", cost)
 
     journal = SearchJournal(storage)
-    fingerprint = _fingerprint(config, tasks, options, genome)
+    fingerprint = _fingerprint(config, tasks, options, genome, lm_eval)
     describe = {"genome": str(config_path), "seed": options.random_seed, "dimension": genome.dimension,
                 "names": genome.names()}
     resumed = journal.prepare(fingerprint, describe, options.overwrite)
