@@ -43,7 +43,7 @@ from .executor import LocalExecutor, ProgressEvent
 from .io import safe_fs
 from .io._test_hooks import kill_point
 from .io.checkpoint import Checkpoint
-from .io.journal import STATE_DIR, Journal, ensure_writable_dir, partial_path
+from .io.journal import STATE_DIR, Journal, ensure_writable_dir, partial_path, refuse_non_directory
 from .io.safetensors_writer import file_checksum, write_file_atomic
 from .methods import require_method
 from .plan import Plan
@@ -347,8 +347,7 @@ def run_merge(
     `execute_plan`)."""
     started = time.monotonic()
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: output path exists and is not a directory")
+    refuse_non_directory(out)
     options = options or MergeOptions()
     plan, checkpoints = build_plan(config, options, out)
     over_budget = over_budget_warning(plan, options.max_memory)  # as `plan` says it, at the merge's start
@@ -391,8 +390,7 @@ def execute_plan(
     """
     started = time.monotonic() if started is None else started
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: output path exists and is not a directory")
+    refuse_non_directory(out)
     _refuse_input_directory(out, checkpoints)
     if on_plan is not None:
         on_plan(plan)

@@ -43,6 +43,7 @@ from .devices import resolve_device
 from .dtypes import from_torch, is_float
 from .errors import CheckpointError, ConfigError, OutputError
 from .io.checkpoint import Checkpoint
+from .io.journal import refuse_non_directory
 from .io.lora import ADAPTER_CONFIG, PEFT_PREFIX
 from .io.safetensors_writer import ShardWriter, write_file_atomic
 
@@ -318,8 +319,7 @@ def _adapter_config(
 
 def _check_out(out: Path, overwrite: bool) -> None:
     """Refuse early (before reading any tensor) an output that is a file or holds an adapter."""
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: output path exists and is not a directory")
+    refuse_non_directory(out)
     existing = [p for p in (out / ADAPTER_CONFIG, out / ADAPTER_FILE) if p.exists()]
     if existing and not overwrite:
         raise OutputError(f"{out}: already holds an adapter; use --overwrite to replace it")

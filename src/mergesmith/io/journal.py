@@ -78,12 +78,18 @@ def partial_path(out_dir: Path, shard: str) -> Path:
     return out_dir / STATE_DIR / PARTIAL_DIR / f"{shard}.partial"
 
 
+def refuse_non_directory(out_dir: Path) -> None:
+    """The one-line refusal of an output path that exists as something other than a directory, checked
+    before any tensor is read."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputError(f"{out_dir}: output path exists and is not a directory")
+
+
 def ensure_writable_dir(out_dir: Path) -> None:
     """Create the output directory and its `.mergesmith`, or say in one line why it cannot be used
     (`.mergesmith` a link included: see safe_fs; a link inside it is for `--overwrite` to remove or the
     writer to refuse)."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise OutputError(f"{out_dir}: output path exists and is not a directory")
+    refuse_non_directory(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)  # the directory the user named: links allowed there
         os.close(safe_fs.open_dir(out_dir, (STATE_DIR,), create=True))

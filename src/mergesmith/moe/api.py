@@ -17,7 +17,7 @@ from ..api import MergeResult, execute_plan
 from ..errors import OutputError
 from ..executor import ProgressEvent
 from ..io.checkpoint import Checkpoint
-from ..io.journal import STATE_DIR, Journal
+from ..io.journal import STATE_DIR, Journal, refuse_non_directory
 from ..plan import Plan
 from ..planner import MergeOptions
 from .config import MoEConfiguration, load_moe_config, validate_moe_config
@@ -57,8 +57,7 @@ def build_moe_plan(
 
 def _refuse_early(out: Path, plan: Plan, overwrite: bool) -> None:
     """The output-directory refusals of execute_plan, checked before the (possibly long) router pass."""
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: output path exists and is not a directory")
+    refuse_non_directory(out)
     if overwrite or not out.is_dir():
         return
     journal = Journal.load(out)

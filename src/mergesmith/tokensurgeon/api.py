@@ -13,10 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..api import MergeResult, execute_plan
-from ..errors import OutputError
 from ..executor import ProgressEvent
 from ..io.checkpoint import Checkpoint
-from ..io.journal import Journal
+from ..io.journal import Journal, refuse_non_directory
 from ..plan import Plan
 from ..planner import MergeOptions
 from .planner import SurgeryOptions, TokenSurgeonPlanner
@@ -66,8 +65,7 @@ def run_tokensurgeon(
     """Write BASE with DONOR's tokenizer into `out_dir`; rerunning after an interruption resumes."""
     started = time.monotonic()
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: output path exists and is not a directory")
+    refuse_non_directory(out)
     options = options or MergeOptions()
     plan, checkpoints, counts = build_tokensurgeon_plan(base, donor, surgery, options, out)
     result = execute_plan(
