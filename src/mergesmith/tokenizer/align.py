@@ -268,14 +268,22 @@ def _model_index(model: str, refs: Sequence[str], key: str, tensor: str) -> int:
 def merge_vocabulary(recipe: Any, load: Callable[[Any], torch.Tensor]) -> torch.Tensor:
     """The `vocab_merge` op: align every input to the output vocabulary, then run the merge method."""
     from ..dtypes import to_torch
-    from ..methods import MergeInputs, require_method
-    from ..methods.keyed_random import MaskStream
 
     params = dict(recipe.params)
     table = lookup(str(params[MAP_PARAM]))
     dtype = to_torch(str(params[DTYPE_PARAM]))
     method_params = {k: v for k, v in params.items() if k not in _OWN_PARAMS}
     aligned = table.apply([load(ref) for ref in recipe.inputs], dtype)
+    return merge_rows(recipe, aligned, method_params)
+
+
+def merge_rows(recipe: Any, aligned: list[torch.Tensor], params: dict[str, Any]) -> torch.Tensor:
+    """Run the recipe's merge method over inputs already brought onto the output's rows (the first of them
+    when the recipe copies), seeded as the executor seeds it: a generator, and the keyed stream DARE/DELLA
+    draw from by position. Shared by the vocabulary-aligned merge and the tokenizer transplant's merge."""
+    from ..methods import MergeInputs, require_method
+    from ..methods.keyed_random import MaskStream
+
     if recipe.method is None:
         return aligned[0]
     generator = None
@@ -287,7 +295,7 @@ def merge_vocabulary(recipe: Any, load: Callable[[Any], torch.Tensor]) -> torch.
             tensors=aligned,
             base_index=recipe.base_index,
             model_params=[dict(p) for p in recipe.model_params],
-            params=method_params,
+            params=params,
             generator=generator,
             tensor_name=recipe.name,
             stream=MaskStream(recipe.seed) if recipe.seed is not None else None,  # DARE/DELLA draw by position

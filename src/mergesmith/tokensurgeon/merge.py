@@ -143,7 +143,7 @@ def plan_transplant(planner: Planner, recipes: list[TensorRecipe], source: str) 
 def transplant_merge_op(recipe: Any, load: Callable[[Any], torch.Tensor]) -> torch.Tensor:
     """The registered op: transplant each input onto the donor's vocabulary, then merge (or copy)."""
     from ..dtypes import to_torch
-    from ..methods import MergeInputs, require_method
+    from ..tokenizer.align import merge_rows
     from .table import lookup
 
     params = dict(recipe.params)
@@ -156,18 +156,4 @@ def transplant_merge_op(recipe: Any, load: Callable[[Any], torch.Tensor]) -> tor
         table = lookup(str(digest))
         rows = transplant_rows(table, load(ref), donor, {"method": "omp", "k": k, "device": device})
         aligned.append(rows.to(dtype))
-    if recipe.method is None:
-        return aligned[0]
-    generator = None
-    if recipe.seed is not None:
-        generator = torch.Generator().manual_seed(recipe.seed)
-    return require_method(recipe.method).merge(
-        MergeInputs(
-            tensors=aligned,
-            base_index=recipe.base_index,
-            model_params=[dict(p) for p in recipe.model_params],
-            params=params,
-            generator=generator,
-            tensor_name=recipe.name,
-        )
-    )
+    return merge_rows(recipe, aligned, params)
