@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -38,6 +38,7 @@ from ..io import safe_fs
 VOCAB_OP = "vocab_merge"
 MAP_PARAM = "vocab_map"
 DTYPE_PARAM = "vocab_compute_dtype"
+T = TypeVar("T")
 _OWN_PARAMS = (MAP_PARAM, DTYPE_PARAM)
 
 
@@ -48,6 +49,45 @@ def staging_root() -> Path:
         return Path(os.environ["MERGESMITH_STAGING"])  # the user's choice, trusted as given
     # A predictable name in a shared /tmp: someone else may have made it first (safe_fs.private_dir).
     return safe_fs.private_dir(Path(tempfile.gettempdir()) / f"mergesmith-{uid}")
+
+
+class StagedTables(Generic[T]):
+    """Digest-keyed tables kept for this process and saved in the staging directory, where the executor's
+    Ray workers (other processes) load them. `load` reads one back; `what` and `hint` word the refusal
+    when a digest is missing or its file does not match it."""
+
+    def __init__(self, folder: str, load: Callable[[Path], T], what: str, hint: str) -> None:
+        self.folder, self.load, self.what, self.hint = folder, load, what, hint
+        self._tables: dict[str, T] = {}
+        self._lock = threading.Lock()
+
+    def path(self, digest: str) -> Path:
+        return staging_root() / self.folder / f"{digest}.safetensors"
+
+    def register(self, table: T) -> str:
+        """Keep `table` here and in the staging directory; returns its digest."""
+        digest: str = table.digest  # type: ignore[attr-defined]
+        with self._lock:
+            self._tables[digest] = table
+        path = self.path(digest)
+        if not path.is_file():
+            table.save(path)  # type: ignore[attr-defined]
+        return digest
+
+    def lookup(self, digest: str) -> T:
+        with self._lock:
+            table = self._tables.get(digest)
+        if table is not None:
+            return table
+        path = self.path(digest)
+        if not path.is_file():
+            raise RuntimeError(f"{self.what} {digest[:12]} is not available here; {self.hint}")
+        table = self.load(path)
+        if table.digest != digest:  # type: ignore[attr-defined]
+            raise RuntimeError(f"{self.what} {digest[:12]} in {path} is corrupt; {self.hint}")
+        with self._lock:
+            self._tables[digest] = table
+        return table
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -129,35 +169,11 @@ class Alignment:
             return cls(f.get_tensor("own"), f.get_tensor("fill"), rows)
 
 
-_TABLES: dict[str, Alignment] = {}
-_LOCK = threading.Lock()
-
-
-def register(table: Alignment) -> str:
-    """Keep `table` for this process and in the staging directory; returns its digest."""
-    digest = table.digest
-    with _LOCK:
-        _TABLES[digest] = table
-    path = staging_root() / "tables" / f"{digest}.safetensors"
-    if not path.is_file():
-        table.save(path)
-    return digest
-
-
-def lookup(digest: str) -> Alignment:
-    with _LOCK:
-        table = _TABLES.get(digest)
-    if table is not None:
-        return table
-    path = staging_root() / "tables" / f"{digest}.safetensors"
-    if not path.is_file():
-        raise RuntimeError(f"vocabulary alignment {digest[:12]} is not available here; plan the merge again")
-    table = Alignment.load(path)
-    if table.digest != digest:
-        raise RuntimeError(f"vocabulary alignment {digest[:12]} in {path} is corrupt; plan the merge again")
-    with _LOCK:
-        _TABLES[digest] = table
-    return table
+_ALIGNMENTS: StagedTables[Alignment] = StagedTables(
+    "tables", Alignment.load, "vocabulary alignment", "plan the merge again"
+)
+register = _ALIGNMENTS.register
+lookup = _ALIGNMENTS.lookup
 
 
 TokenRule = tuple[str, Any]  # ("model", (index, row)) | ("zero", None) | ("default", None)

@@ -11,7 +11,6 @@ base tensor's dtype); approximated rows are computed in float32 and rounded once
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..tokenizer.align import staging_root, write_atomic
+from ..tokenizer.align import StagedTables, write_atomic
 from . import approximate as approx
 
 OP = "transplant"
@@ -77,38 +76,11 @@ class TransplantTable:
         )
 
 
-_TABLES: dict[str, TransplantTable] = {}
-_LOCK = threading.Lock()
-
-
-def _path(digest: str) -> Path:
-    return staging_root() / "transplant" / f"{digest}.safetensors"
-
-
-def register(table: TransplantTable) -> str:
-    """Keep `table` for this process and in the staging directory (for Ray workers); its digest."""
-    digest = table.digest
-    with _LOCK:
-        _TABLES[digest] = table
-    if not _path(digest).is_file():
-        table.save(_path(digest))
-    return digest
-
-
-def lookup(digest: str) -> TransplantTable:
-    with _LOCK:
-        table = _TABLES.get(digest)
-    if table is not None:
-        return table
-    path = _path(digest)
-    if not path.is_file():
-        raise RuntimeError(f"transplant table {digest[:12]} is not available here; plan again")
-    table = TransplantTable.load(path)
-    if table.digest != digest:
-        raise RuntimeError(f"transplant table {digest[:12]} in {path} is corrupt; plan again")
-    with _LOCK:
-        _TABLES[digest] = table
-    return table
+_TRANSPLANTS: StagedTables[TransplantTable] = StagedTables(
+    "transplant", TransplantTable.load, "transplant table", "plan again"
+)
+register = _TRANSPLANTS.register
+lookup = _TRANSPLANTS.lookup
 
 
 def transplant_rows(
