@@ -94,13 +94,7 @@ def find_layer_stack(names: Iterable[str], config: dict[str, Any] | None) -> Lay
     vision/audio tower loses, then the one holding the most tensors wins (a CLIP encoder layer holds
     more tensors than a llama decoder layer, so the count alone picks the wrong stack in llava).
     """
-    indices: dict[str, set[int]] = defaultdict(set)
-    tensors: dict[str, int] = defaultdict(int)
-    for name in names:
-        m = _LAYER_RE.match(name)
-        if m:
-            indices[m.group("prefix")].add(int(m.group("index")))
-            tensors[m.group("prefix")] += 1
+    indices, tensors = _stack_indices(names)
     found = layer_count_key(config)
     if found is not None:
         want = found[1]
@@ -115,9 +109,8 @@ def find_layer_stack(names: Iterable[str], config: dict[str, Any] | None) -> Lay
     return LayerStack(best, len(indices[best]))
 
 
-def stack_in_tensors(names: Iterable[str]) -> LayerStack | None:
-    """The layer stack the tensor names show on their own, whatever config.json says: the stack with indices
-    0..n-1 holding the most tensors (for messages about a config whose layer count matches no stack)."""
+def _stack_indices(names: Iterable[str]) -> tuple[dict[str, set[int]], dict[str, int]]:
+    """For each `<prefix>.<N>.` stack among the tensor names: its layer indices, and how many tensors it holds."""
     indices: dict[str, set[int]] = defaultdict(set)
     tensors: dict[str, int] = defaultdict(int)
     for name in names:
@@ -125,6 +118,13 @@ def stack_in_tensors(names: Iterable[str]) -> LayerStack | None:
         if m:
             indices[m.group("prefix")].add(int(m.group("index")))
             tensors[m.group("prefix")] += 1
+    return indices, tensors
+
+
+def stack_in_tensors(names: Iterable[str]) -> LayerStack | None:
+    """The layer stack the tensor names show on their own, whatever config.json says: the stack with indices
+    0..n-1 holding the most tensors (for messages about a config whose layer count matches no stack)."""
+    indices, tensors = _stack_indices(names)
     candidates = [p for p, idx in indices.items() if idx == set(range(len(idx)))]
     if not candidates:
         return None

@@ -78,12 +78,13 @@ class MemoryRoom:
         return f"{human(self.available)} ({'; '.join(parts)})"
 
 
-def human(n: float) -> str:
+def human(n: float, digits: int = 2) -> str:
+    """A byte count in decimal units, with `digits` after the point above bytes."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+            return f"{int(n)} B" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1000
-    return f"{n:.2f} TB"
+    return f"{n:.{digits}f} TB"
 
 
 def _read(path: Path) -> str | None:

@@ -8,13 +8,11 @@ from typing import Any
 
 import click
 
+from ..memory_limits import human
+
 
 def _h(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
+    return human(n, digits=1)
 
 
 def estimate_lines(est: dict[str, Any]) -> list[str]:
