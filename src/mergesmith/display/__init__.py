@@ -1,0 +1,1 @@
+"""Progress displays: the terminal bar and plain lines (`terminal`), and the notebook bar (`notebook`)."""

@@ -1,0 +1,1 @@
+"""LoRA adapters: `extract` factors `fine-tune - base` into a PEFT adapter (reading one is `io.lora_adapter`)."""
