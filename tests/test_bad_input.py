@@ -495,10 +495,10 @@ def test_rerun_of_a_complete_merge_on_a_read_only_filesystem(
 def test_not_enough_space_refused_then_forced(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, llama: Path
 ) -> None:
-    import mergesmith.api
+    import mergesmith.engine.run
 
     real = shutil.disk_usage
-    monkeypatch.setattr(mergesmith.api.shutil, "disk_usage", lambda p: real(p)._replace(free=123_456))
+    monkeypatch.setattr(mergesmith.engine.run.shutil, "disk_usage", lambda p: real(p)._replace(free=123_456))
     cfg = linear_config(tmp_path, llama, llama)
     out = tmp_path / "out"
     code, _, err = run_cli(capsys, "merge", cfg, out)
@@ -554,9 +554,9 @@ def test_disk_fills_up_during_the_merge_then_resumes(
             real_atomic(path, data)
 
         monkeypatch.setattr(writer, "write_file_atomic", atomic)
-        import mergesmith.api
+        import mergesmith.engine.run
 
-        monkeypatch.setattr(mergesmith.api, "write_file_atomic", atomic)
+        monkeypatch.setattr(mergesmith.engine.run, "write_file_atomic", atomic)
     code, _, err = run_cli(capsys, "merge", cfg, out, "-q", "--out-shard-size", "50K", "--threads", "2")
     assert_one_line_error(code, err, str(out), "No space left on device")
     assert not (out / "config.json").exists()
@@ -574,12 +574,12 @@ def test_internal_error_is_one_line_with_a_hint(
 ) -> None:
     """A bug (not the user's fault) exits 1 with one line and a hint to use -v; the traceback is
     shown with -v; the half-written output never looks complete."""
-    import mergesmith.executor
+    import mergesmith.engine.executor
 
     def broken_compute(recipe: Any, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"simulated bug while merging {recipe.name}")
 
-    monkeypatch.setattr(mergesmith.executor, "compute", broken_compute)
+    monkeypatch.setattr(mergesmith.engine.executor, "compute", broken_compute)
     cfg = linear_config(tmp_path, llama, llama2)
     out = tmp_path / "out"
     code, _, err = run_cli(capsys, "merge", cfg, out, "-q")

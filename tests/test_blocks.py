@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from mergesmith import blocks
-from mergesmith.api import run_merge
-from mergesmith.plan import InputRef, TensorRecipe
-from mergesmith.planner import MergeOptions, recipe_memory
+from mergesmith.engine import blocks
+from mergesmith.engine.plan import InputRef, TensorRecipe
+from mergesmith.engine.planner import MergeOptions, recipe_memory
+from mergesmith.engine.run import run_merge
 from tests.helpers import read_state_dict, weight_files
 
 
@@ -73,7 +73,7 @@ def test_blocked_output_is_byte_identical(tmp_path, tiny_models, monkeypatch, me
 
 
 def _recipes(path):
-    from mergesmith.api import build_plan
+    from mergesmith.engine.run import build_plan
 
     plan, _ = build_plan(path, MergeOptions())
     return plan.recipes

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mergesmith.config import ConditionalParameter, load_config, parse_config
+from mergesmith.engine.parameters import evaluate_setting, interpolate_gradient, is_missing, resolve
 from mergesmith.errors import ConfigError
-from mergesmith.parameters import evaluate_setting, interpolate_gradient, is_missing, resolve
 
 
 def _err(data: dict) -> str:

@@ -10,10 +10,10 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from mergesmith.api import run_merge
 from mergesmith.config import parse_config
+from mergesmith.engine.planner import MergeOptions
+from mergesmith.engine.run import run_merge
 from mergesmith.errors import ConfigError
-from mergesmith.planner import MergeOptions
 from tests.helpers import run_cli
 
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergesmith.executor import compute
-from mergesmith.input_stream import InputFeed, open_feed, part_of
+from mergesmith.engine.executor import compute
+from mergesmith.engine.input_feed import InputFeed, open_feed, part_of
+from mergesmith.engine.plan import InputRef, TensorRecipe
 from mergesmith.io import direct_read, direct_write
 from mergesmith.io.checkpoint import Checkpoint
 from mergesmith.io.direct_read import ALIGN, BufferPool, DirectReader, capacity_for
-from mergesmith.plan import InputRef, TensorRecipe
 
 from .helpers import weight_files
 
@@ -357,8 +357,9 @@ def test_compute_from_fed_blocks_equals_compute_from_the_map(tmp_path: Path) -> 
 def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
     tmp_path: Path, tiny_models, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
-    from mergesmith import blocks, input_stream
-    from mergesmith.api import MergeOptions, build_plan, run_merge
+    from mergesmith.engine import blocks
+    from mergesmith.engine import input_feed as input_stream
+    from mergesmith.engine.run import MergeOptions, build_plan, run_merge
 
     monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 64)  # tiny tensors in many row blocks
     base = tiny_models("llama", seed=0)
@@ -392,7 +393,7 @@ def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
         fed_blocks.append(len(feed) if feed is not None else 0)
         return feed
 
-    monkeypatch.setattr("mergesmith.executor.open_feed", counting)
+    monkeypatch.setattr("mergesmith.engine.executor.open_feed", counting)
     run_merge(path, tmp_path / "fed")
     tensors = len(build_plan(path, MergeOptions())[0].recipes)
     # every tensor fed; those of elementwise methods and copies in many row blocks, the others whole

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mergesmith.dtypes import from_torch
 from mergesmith.io import direct_write
 from mergesmith.io.direct_write import ALIGN, DirectWriter
+from mergesmith.io.dtypes import from_torch
 from mergesmith.io.safetensors_writer import ShardWriter, file_checksum
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import yaml
 
-from mergesmith.api import run_merge
-from mergesmith.planner import MergeOptions
+from mergesmith.engine.planner import MergeOptions
+from mergesmith.engine.run import run_merge
 from tests.helpers import finite_logits, load_causal_lm, read_state_dict
 
 ARCHS = ["llama", "mistral", "qwen2", "phi3", "gemma", "gemma2", "gemma3"]

@@ -100,9 +100,9 @@ def lm_eval_direct(model_dir: Path, task_dir: Path, **harness) -> dict[str, floa
 def test_lm_eval_task_scores_equal_simple_evaluate(tmp_path, task_dir, in_memory, harness):
     """In memory (HFLM given the model object) and on disk (pretrained=DIR), with the harness's own
     `limit` and `num_fewshot` passed through: each journaled score is what simple_evaluate says."""
-    from mergesmith.api import run_merge
     from mergesmith.config import parse_config
-    from mergesmith.planner import MergeOptions
+    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.run import run_merge
 
     result = run_search(genome(tmp_path), tmp_path / "s", SearchOptions(
         max_fevals=2, popsize=2, random_seed=1, sigma0=1.0, batch_size=8, in_memory=in_memory,

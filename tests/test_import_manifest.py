@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from mergesmith import import_manifest
-from mergesmith.cache_root import CACHE_ENV
+from mergesmith.runtime import import_manifest
+from mergesmith.runtime.cache_root import CACHE_ENV
 
 
 @pytest.fixture
@@ -37,7 +37,8 @@ def test_the_list_names_the_bytecode_python_reads_in_import_order(cache: Path) -
     files = import_manifest.imported_files()
     yaml_file = _read_by_import("yaml")
     assert yaml_file in files
-    assert files.index(_read_by_import("mergesmith")) < files.index(_read_by_import("mergesmith.import_manifest"))
+    manifest_module = _read_by_import("mergesmith.runtime.import_manifest")
+    assert files.index(_read_by_import("mergesmith")) < files.index(manifest_module)
     assert len(files) == len(set(files))
 
 
@@ -106,7 +107,7 @@ def test_the_merge_command_records_its_imports_and_reads_them_ahead_next_time(
         main(["merge", str(config), str(tmp_path / "out"), "-q"])
     assert done.value.code == 0
     recorded = import_manifest.manifest_path().read_text().splitlines()
-    assert _read_by_import("mergesmith.executor") in recorded and _read_by_import("torch") in recorded
+    assert _read_by_import("mergesmith.engine.executor") in recorded and _read_by_import("torch") in recorded
     started: list[list[threading.Thread]] = []
     real = import_manifest.read_ahead
     monkeypatch.setattr(import_manifest, "read_ahead", lambda: started.append(real()) or started[-1])

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergesmith.executor import compute
+from mergesmith.engine.executor import compute
+from mergesmith.engine.plan import InputRef, TensorRecipe
 from mergesmith.io.checkpoint import Checkpoint
 from mergesmith.methods import task_arithmetic
-from mergesmith.plan import InputRef, TensorRecipe
 
 
 def _models(tmp_path: Path) -> dict[str, Checkpoint]:

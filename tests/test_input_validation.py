@@ -185,7 +185,7 @@ def test_alias_bomb_is_refused_in_well_under_a_second(tmp_path: Path) -> None:
 def test_warm_start_thread_does_not_walk_an_alias_bomb(tmp_path: Path) -> None:
     """The merge command's warm-start thread parses the config before anything else: it used to walk the
     expanded bomb (387 million visits, holding the GIL) for 4-34 s before the main thread could refuse it."""
-    from mergesmith.warm_start import _read_ahead
+    from mergesmith.runtime.warm_start import _read_ahead
 
     path = tmp_path / "bomb.yml"
     path.write_text(_alias_bomb())
@@ -579,9 +579,9 @@ def test_map_guard_leaves_other_sigbus_alone() -> None:
 def test_strict_refuses_nan_in_an_input_on_ray(tmp_path: Path, poisoned: Path, tuned: list[Path]) -> None:
     """The Ray executor's workers run the same check; --strict reaches them (their warnings stay there)."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'mergesmith[ray]')")
-    from mergesmith.api import run_merge
+    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.run import run_merge
     from mergesmith.errors import CheckpointError
-    from mergesmith.planner import MergeOptions
 
     with pytest.raises(CheckpointError, match="model.layers.0.mlp.up_proj.weight.*--strict"):
         run_merge(_linear(tmp_path, poisoned, tuned[1]), tmp_path / "out", MergeOptions(executor="ray", strict=True))

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import yaml
 
-from mergesmith.api import run_merge
 from mergesmith.cli import main
+from mergesmith.engine.executor import ProgressEvent
+from mergesmith.engine.planner import MergeOptions
+from mergesmith.engine.run import run_merge
 from mergesmith.errors import MergeInterrupted
-from mergesmith.executor import ProgressEvent
 from mergesmith.io.journal import STATE_DIR, Journal
-from mergesmith.planner import MergeOptions
 
 SHARD_ARGS = ["--out-shard-size", "50K", "--threads", "1"]
 
@@ -170,7 +170,7 @@ def test_ctrl_c_while_verifying_finished_shards_stops_between_shards(
     """A verifying rerun checksums every finished shard (minutes for a large merge): Ctrl-C must stop it
     between shards, changing nothing, instead of waiting for the whole verification. (A plain rerun of
     a complete merge whose shards are untouched reads none of them; `verify=True` forces the reading.)"""
-    import mergesmith.api
+    import mergesmith.engine.run
 
     config, ref = case
     out = tmp_path / "out"
@@ -178,14 +178,14 @@ def test_ctrl_c_while_verifying_finished_shards_stops_between_shards(
     run_merge(config, out, options)
     stop = threading.Event()
     checked: list[Path] = []
-    real_checksum = mergesmith.api.file_checksum
+    real_checksum = mergesmith.engine.run.file_checksum
 
     def checksum_then_ctrl_c(path: Path) -> str:
         checked.append(path)
         stop.set()  # Ctrl-C arrives while the first shard is being verified
         return real_checksum(path)
 
-    monkeypatch.setattr(mergesmith.api, "file_checksum", checksum_then_ctrl_c)
+    monkeypatch.setattr(mergesmith.engine.run, "file_checksum", checksum_then_ctrl_c)
     with pytest.raises(MergeInterrupted, match="nothing was changed"):
         run_merge(config, out, MergeOptions(out_shard_size=50_000, threads=1), stop=stop, verify=True)
     assert len(checked) == 1

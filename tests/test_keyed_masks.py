@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from mergesmith import blocks
+from mergesmith.engine import blocks
 from mergesmith.methods import get_method, sparsify
 from mergesmith.methods.keyed_random import CHUNK, MaskStream
 from mergesmith.methods.reductions import BlockedTotal, total
@@ -153,9 +153,9 @@ def three_models(tiny_models):
 
 
 def _run(method, models, out: Path, *, threads=1, max_memory=None, stop_after=None, shard=40_000):
-    from mergesmith.api import run_merge
     from mergesmith.config import parse_config
-    from mergesmith.planner import MergeOptions
+    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.run import run_merge
 
     base, a, b = models
     eps = method.startswith("della")
@@ -188,7 +188,7 @@ def _run(method, models, out: Path, *, threads=1, max_memory=None, stop_after=No
 
 @pytest.mark.parametrize("method", ["dare_ties", "della"])
 def test_same_bytes_whole_blocked_threads_budget_and_resume(method, three_models, tmp_path, monkeypatch):
-    from mergesmith import executor
+    from mergesmith.engine import executor
     from mergesmith.errors import MergeInterrupted
 
     whole = _run(method, three_models, tmp_path / "whole")

@@ -204,9 +204,9 @@ def test_ray_shard_task_never_writes_through_a_link(tmp_path: Path, models: Any)
     """The body of the Ray executor's shard task (run in-process here; on a cluster it runs the same
     code on a worker, against the shared filesystem)."""
     pytest.importorskip("ray")
-    from mergesmith.api import build_plan
-    from mergesmith.executors.ray import _input_path, write_shard
-    from mergesmith.planner import MergeOptions
+    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.ray_executor import _input_path, write_shard
+    from mergesmith.engine.run import build_plan
 
     victim = _victim(tmp_path)
     out = tmp_path / "out"
@@ -286,7 +286,7 @@ def test_router_cache_entry_link_is_replaced(tmp_path: Path, monkeypatch: pytest
 def test_import_list_cache_never_writes_through_links(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The import-list cache: a link as its temporary file is replaced (the victim keeps its bytes);
     a link as its directory makes `record` write nothing and `read_ahead` read nothing."""
-    from mergesmith import import_manifest
+    from mergesmith.runtime import import_manifest
 
     monkeypatch.setenv("MERGESMITH_CACHE_DIR", str(tmp_path / "cache"))
     victim = _victim(tmp_path)

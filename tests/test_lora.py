@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from mergesmith.api import run_merge
 from mergesmith.cli import main
 from mergesmith.config import parse_config
+from mergesmith.engine.run import run_merge
 from mergesmith.errors import CheckpointError, OutputError
 from mergesmith.io.checkpoint import Checkpoint
-from mergesmith.io.lora import LoraCheckpoint
-from mergesmith.lora_extract import extract_lora
+from mergesmith.io.lora_adapter import LoraCheckpoint
+from mergesmith.lora.extract import extract_lora
 from tests.helpers import load_causal_lm, read_state_dict
 
 peft = pytest.importorskip("peft")

@@ -28,7 +28,7 @@ import yaml
 from safetensors.torch import save_file
 
 from mergesmith.io.journal import STATE_DIR
-from mergesmith.memory_limits import cgroup_dirs
+from mergesmith.runtime.memory_limits import cgroup_dirs
 
 MB = 1 << 20
 ROWS, COLS, TENSORS = 1024, 2048, 8
@@ -39,7 +39,7 @@ import sys, time
 from pathlib import Path
 
 mode, hand, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
-from mergesmith import executor
+from mergesmith.engine import executor
 
 if mode == "nowatch":  # the executor as it was: no memory watch
     executor.MemoryBudget.room = lambda self: None
@@ -51,7 +51,7 @@ if mode.startswith("pause"):  # stop at a tensor boundary until the test has cha
     def paused(self, recipe):
         emit(self, recipe)
         if recipe is not None and self._done == at and not (hand / "go").exists():
-            from mergesmith.memory_release import release_free_heap
+            from mergesmith.runtime.memory_release import release_free_heap
 
             release_free_heap()
             (hand / "paused").write_text("")
@@ -60,7 +60,7 @@ if mode.startswith("pause"):  # stop at a tensor boundary until the test has cha
 
     executor.LocalExecutor._emit = paused
 if mode == "probe":
-    import torch, mergesmith.cli, mergesmith.raw  # what a merge has imported before it starts
+    import torch, mergesmith.cli, mergesmith.raw.merge  # what a merge has imported before it starts
     (hand / "ready").write_text("")
     time.sleep(60)
     sys.exit(0)
@@ -166,8 +166,8 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import mergesmith
 
     mergesmith.merge_raw(config, root / "ref", out_shard_size="20M", threads=2)
-    from mergesmith.planner import MergeOptions, automatic_budget, recipe_memory
-    from mergesmith.raw import build_raw_plan
+    from mergesmith.engine.planner import MergeOptions, automatic_budget, recipe_memory
+    from mergesmith.raw.merge import build_raw_plan
 
     plan, _checkpoints = build_raw_plan(config, MergeOptions(threads=THREADS))
 

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import yaml
 
-from mergesmith import memory_limits
+from mergesmith.engine.executor import MemoryBudget
 from mergesmith.errors import MemoryShortage
-from mergesmith.executor import MemoryBudget
 from mergesmith.io.journal import STATE_DIR
-from mergesmith.memory_limits import CgroupMemory, MemoryRoom, MemoryWatch, cgroup_memory
+from mergesmith.runtime import memory_limits
+from mergesmith.runtime.memory_limits import CgroupMemory, MemoryRoom, MemoryWatch, cgroup_memory
 from tests.helpers import assert_one_line_error, run_cli
 
 MB = 1 << 20

@@ -92,8 +92,8 @@ def pair(tiny_models: Any) -> tuple[Path, Path]:
 
 
 def _merge(tmp_path: Path, config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    from mergesmith.api import run_merge
-    from mergesmith.planner import MergeOptions
+    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.run import run_merge
 
     path = tmp_path / "config.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -152,8 +152,8 @@ def test_moe_hidden_gates_run_the_base_in_its_own_dtype(tmp_path: Path, tiny_mod
     dtype (float32 here): the router rows are the float32 residual states, measurably not the bf16 ones."""
     from transformers import AutoModelForCausalLM
 
+    from mergesmith.engine.planner import MergeOptions
     from mergesmith.moe import run_moe
-    from mergesmith.planner import MergeOptions
 
     monkeypatch.setenv("MERGESMITH_CACHE_DIR", str(tmp_path / "cache"))
     base, other = tiny_models("llama", seed=1), tiny_models("llama", seed=2)

@@ -7,7 +7,7 @@ Two levels:
   calls.json.gz) is replayed through mergesmith's method function, and the result must be bit-identical to
   mergekit's output tensor. This isolates the method arithmetic from planning.
 - end to end (`test_cli_matches_mergekit`): mergesmith's own planner and executor run each config file
-  (through `mergesmith.api.run_merge`, the CLI's engine), and every tensor of the output directory must be
+  (through `mergesmith.engine.run.run_merge`, the CLI's engine), and every tensor of the output directory must be
   bit-identical to mergekit's, with the same tensor names.
 
 Randomised methods (DARE, DELLA): mergekit draws its masks from torch's global generator (the fixtures reseed
@@ -226,8 +226,8 @@ def test_keyed_masks_are_not_mergekits(case, inputs):
 
 
 def _run_mergesmith(case: str, out_dir: Path) -> dict[str, torch.Tensor]:
-    from mergesmith.api import run_merge
-    from mergesmith.planner import MergeOptions
+    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.run import run_merge
 
     options = MergeOptions(random_seed=MANIFEST["cases"][case]["random_seed"], copy_tokenizer=False)
     cwd = os.getcwd()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from mergesmith.api import run_merge
+from mergesmith.engine.planner import MergeOptions
+from mergesmith.engine.run import run_merge
 from mergesmith.methods import method_names
-from mergesmith.planner import MergeOptions
 from tests.helpers import finite_logits, load_causal_lm, read_state_dict
 
 TASK_VECTOR = {"weight": 0.6, "density": 0.5}

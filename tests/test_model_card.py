@@ -10,8 +10,8 @@ import os
 
 import yaml
 
-from mergesmith.card import hub_ids, model_card
 from mergesmith.config import MergeConfiguration
+from mergesmith.engine.card import hub_ids, model_card
 from mergesmith.moe.card import moe_model_card
 from mergesmith.moe.config import MoEConfiguration
 

@@ -16,9 +16,9 @@ import torch
 import yaml
 
 from mergesmith.cli import main
+from mergesmith.engine.planner import MergeOptions
 from mergesmith.errors import MergeInterrupted
 from mergesmith.moe import build_moe_plan, run_moe
-from mergesmith.planner import MergeOptions
 from tests.helpers import finite_logits, load_causal_lm, read_state_dict
 
 # Four experts, each with prompts over its own token range, so the base model "sees" them differently.

@@ -10,10 +10,10 @@ import torch
 import yaml
 
 from mergesmith.cli import main
+from mergesmith.engine.planner import MergeOptions
 from mergesmith.errors import ConfigError, MergesmithError
 from mergesmith.io.journal import Journal
-from mergesmith.multi import load_stages, run_multi, stage_order
-from mergesmith.planner import MergeOptions
+from mergesmith.multi.stages import load_stages, run_multi, stage_order
 from tests.helpers import read_state_dict
 
 
@@ -272,7 +272,7 @@ def test_an_error_while_running_a_later_stage_names_that_stage(tmp_path, tiny_mo
 
 
 def test_a_model_plus_lora_input_is_accepted_and_checked_up_front(tmp_path, tiny_models):
-    from mergesmith.lora_extract import extract_lora
+    from mergesmith.lora.extract import extract_lora
 
     base = tiny_models("llama", seed=1)
     tuned = tiny_models.derive(base, seed=5)

@@ -62,8 +62,8 @@ def test_plan_text_warns_when_one_tensor_exceeds_the_memory_budget(tmp_path, tin
 
 
 def test_merge_under_a_tiny_memory_budget_still_completes(tmp_path, tiny_models):
-    from mergesmith.api import run_merge
-    from mergesmith.planner import MergeOptions
+    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.run import run_merge
 
     cfg = _config(tmp_path, tiny_models)
     result = run_merge(cfg, tmp_path / "o", MergeOptions(threads=4, max_memory=1))

@@ -154,7 +154,7 @@ def test_shipped_and_reference_configs_still_validate():
 
 
 def test_rewrite_config_reindexes_only_per_layer_lists():
-    from mergesmith.architecture import rewrite_config
+    from mergesmith.engine.architecture import rewrite_config
 
     config = {
         "num_hidden_layers": 2,
@@ -174,7 +174,7 @@ def test_rewrite_config_reindexes_only_per_layer_lists():
 
 
 def test_sliced_output_keeps_a_list_of_eos_token_ids(tmp_path, tiny_models):
-    from mergesmith.api import run_merge
+    from mergesmith.engine.run import run_merge
     from tests.helpers import load_causal_lm
 
     model = tiny_models("qwen2", seed=1, layers=2, eos_token_id=[2, 3])

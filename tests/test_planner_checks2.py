@@ -111,9 +111,9 @@ def _linear_cfg(tmp_path: Path, tiny_models: Any) -> Path:
 def test_run_merge_on_a_missing_device_is_a_user_error_before_anything_is_written(
     tmp_path, tiny_models, no_gpu, device
 ):
-    from mergesmith.api import run_merge
+    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.run import run_merge
     from mergesmith.errors import ConfigError
-    from mergesmith.planner import MergeOptions
 
     out = tmp_path / "out"
     with pytest.raises(ConfigError, match=f"{device.split(':')[0]} device is available"):
@@ -122,8 +122,8 @@ def test_run_merge_on_a_missing_device_is_a_user_error_before_anything_is_writte
 
 
 def test_run_merge_device_auto_falls_back_to_cpu(tmp_path, tiny_models, no_gpu):
-    from mergesmith.api import build_plan, run_merge
-    from mergesmith.planner import MergeOptions
+    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.run import build_plan, run_merge
 
     cfg = _linear_cfg(tmp_path, tiny_models)
     options = MergeOptions(device="auto")
@@ -134,8 +134,8 @@ def test_run_merge_device_auto_falls_back_to_cpu(tmp_path, tiny_models, no_gpu):
 
 
 def test_device_is_not_checked_for_the_ray_executor(tmp_path, tiny_models, no_gpu):
-    from mergesmith.api import build_plan
-    from mergesmith.planner import MergeOptions
+    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.run import build_plan
 
     options = MergeOptions(device="cuda", executor="ray")
     build_plan(_linear_cfg(tmp_path, tiny_models), options)  # the workers hold the GPUs
@@ -162,7 +162,7 @@ def test_extract_lora_on_a_missing_device_is_one_line_and_writes_nothing(tmp_pat
     assert not out.exists()
 
     from mergesmith.errors import ConfigError
-    from mergesmith.lora_extract import extract_lora
+    from mergesmith.lora.extract import extract_lora
 
     with pytest.raises(ConfigError, match="available"):
         extract_lora(str(tiny_models("llama", seed=3)), str(base), out, 4, device=device)
@@ -210,8 +210,8 @@ MEMORY_CASES = {  # method: (per-model parameters of the non-base models, global
 
 def _memory_case_recipe(method: str, name: str, shape: tuple[int, ...], compute: str, store: str, n: int) -> Any:
     """A merge recipe of MEMORY_CASES[method] over n inputs `m{i}-{store}` (model 0 the base)."""
+    from mergesmith.engine.plan import InputRef, TensorRecipe
     from mergesmith.methods import get_method
-    from mergesmith.plan import InputRef, TensorRecipe
 
     spec = get_method(method)
     model_params, params = MEMORY_CASES[method]
@@ -258,9 +258,9 @@ def test_recipe_memory_covers_the_measured_peak(memory_inputs, method, store, co
     stacks, sort indices, masks) plus its inputs' pages, counted at the compute width."""
     import torch
 
-    from mergesmith.dtypes import dtype_size, to_torch
-    from mergesmith.executor import compute as compute_recipe
-    from mergesmith.planner import recipe_memory
+    from mergesmith.engine.executor import compute as compute_recipe
+    from mergesmith.engine.planner import recipe_memory
+    from mergesmith.io.dtypes import dtype_size, to_torch
 
     n = 4
     recipe = _memory_case_recipe(method, "model.layers.0.mlp.up_proj.weight", (192, 320), compute, store, n)
@@ -299,12 +299,12 @@ def test_recipe_memory_of_tensors_larger_than_a_mix_chunk(large_memory_inputs, m
     and not overshoot it by the 2.5x a tensor-wide charge gave (the 1 B TIES merge planned 4.2 GB, used 1.4)."""
     import torch
 
-    from mergesmith.blocks import block_numel, row_blocks
-    from mergesmith.dtypes import dtype_size, to_torch
-    from mergesmith.executor import Gathered
-    from mergesmith.executor import compute as compute_recipe
+    from mergesmith.engine.blocks import block_numel, row_blocks
+    from mergesmith.engine.executor import Gathered
+    from mergesmith.engine.executor import compute as compute_recipe
+    from mergesmith.engine.planner import recipe_memory
+    from mergesmith.io.dtypes import dtype_size, to_torch
     from mergesmith.methods import get_method
-    from mergesmith.planner import recipe_memory
 
     n = 4
     shape = tuple(large_memory_inputs["m0-BF16"].info("w").shape)

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from mergesmith import cli, process_tuning
+from mergesmith import cli
+from mergesmith.runtime import process_tuning
 
 
 def _run_main(args: list[str]) -> None:
@@ -32,7 +33,7 @@ def test_a_users_choice_wins(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_importing_the_library_changes_nothing() -> None:
     code = (
-        "import os, gc, mergesmith.api, mergesmith.cli; "
+        "import os, gc, mergesmith.engine.run, mergesmith.cli; "
         f"assert {process_tuning.HUGE_PAGES_VARIABLE!r} not in os.environ; assert gc.get_freeze_count() == 0"
     )
     env = {k: v for k, v in os.environ.items() if k != process_tuning.HUGE_PAGES_VARIABLE}

@@ -58,7 +58,7 @@ def test_import_is_light_and_exports_the_api() -> None:
     # plan, moe and multi are also internal module names: callable modules that document the function
     assert "out_dir" in inspect.signature(mergesmith.plan).parameters
     assert mergesmith.moe.__doc__.startswith("`mergesmith moe` as a function")
-    from mergesmith.plan import Plan  # noqa: F401 - the module is still importable as before
+    from mergesmith.engine.plan import Plan  # noqa: F401 - the module is still importable as before
 
     assert callable(mergesmith.plan)
     assert issubclass(mergesmith.ConfigError, mergesmith.MergesmithError)
@@ -194,7 +194,7 @@ def test_a_stop_button_interrupt_in_the_main_thread_then_resume(models: dict[str
 def test_progress_true_in_a_notebook_shows_a_bar_and_where_the_model_is(
     models: dict[str, Path], tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mergesmith import notebook_progress
+    from mergesmith.display import notebook as notebook_progress
 
     monkeypatch.setattr(notebook_progress, "in_notebook", lambda: True)
     mergesmith.merge(_linear(models), tmp_path / "nb", progress=True, out_shard_size="50K", threads=1)
@@ -206,8 +206,8 @@ def test_progress_true_in_a_notebook_shows_a_bar_and_where_the_model_is(
 
 
 def test_progress_true_off_a_terminal_keeps_the_plain_lines(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mergesmith import notebook_progress
     from mergesmith.cli import _PlainProgress
+    from mergesmith.display import notebook as notebook_progress
 
     monkeypatch.setattr(notebook_progress, "in_notebook", lambda: False)
     assert isinstance(notebook_progress.choose_display(True), _PlainProgress)  # pytest's stderr is no terminal
@@ -220,7 +220,7 @@ def test_plan_shows_the_memory_this_process_may_use(models: dict[str, Path], mon
     assert "memory this process may use now" in str(report)
     assert report.memory["fits"] and report.memory["available_bytes"] > 0
 
-    from mergesmith import memory_limits
+    from mergesmith.runtime import memory_limits
 
     tight = memory_limits.MemoryRoom(1000, 1000, 10**10, None)
     monkeypatch.setattr(memory_limits, "memory_room", lambda: tight)

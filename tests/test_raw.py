@@ -10,12 +10,12 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from mergesmith.api import run_merge
 from mergesmith.cli import main
+from mergesmith.engine.planner import MergeOptions
+from mergesmith.engine.run import run_merge
 from mergesmith.errors import CheckpointError, ConfigError
 from mergesmith.io.journal import Journal
-from mergesmith.planner import MergeOptions
-from mergesmith.raw import run_raw_merge
+from mergesmith.raw.merge import run_raw_merge
 from tests.helpers import read_state_dict
 
 

@@ -12,12 +12,12 @@ import yaml
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'mergesmith[ray]')")
 
-from mergesmith.api import build_plan, execute_plan, run_merge  # noqa: E402
 from mergesmith.cli import main  # noqa: E402
+from mergesmith.engine.planner import MergeOptions  # noqa: E402
+from mergesmith.engine.ray_executor import KILL_ONCE_ENV  # noqa: E402
+from mergesmith.engine.run import build_plan, execute_plan, run_merge  # noqa: E402
 from mergesmith.errors import CheckpointError, MergeInterrupted, MergesmithError  # noqa: E402
-from mergesmith.executors.ray import KILL_ONCE_ENV  # noqa: E402
 from mergesmith.io.journal import Journal  # noqa: E402
-from mergesmith.planner import MergeOptions  # noqa: E402
 
 SHARD_SIZE = 60_000  # cuts the tiny model into a few shards, so several tasks run
 
@@ -132,7 +132,7 @@ def test_a_worker_that_sees_different_inputs_fails_with_one_line(local_ray, tiny
 def test_without_retries_a_killed_worker_fails_the_merge_in_one_line_and_a_rerun_resumes(
     local_ray, merge_config, local_output, tmp_path, monkeypatch
 ):
-    import mergesmith.executors.ray as ray_executor
+    import mergesmith.engine.ray_executor as ray_executor
 
     kills = tmp_path / "kills"
     kills.mkdir()
@@ -197,7 +197,7 @@ def test_cli_merge_with_the_ray_executor_and_an_unreachable_head(
 def test_relative_and_model_plus_lora_inputs_reach_the_workers(local_ray, tiny_models, tmp_path, monkeypatch):
     """Workers run elsewhere (here: another cwd), so they get the driver's absolute paths, both parts of a
     `model+lora` reference included."""
-    from mergesmith.lora_extract import extract_lora
+    from mergesmith.lora.extract import extract_lora
 
     base = tiny_models("llama", seed=1)
     shutil.copytree(base, tmp_path / "base")

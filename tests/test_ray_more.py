@@ -14,9 +14,9 @@ import yaml
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'mergesmith[ray]')")
 
-from mergesmith.multi import run_multi  # noqa: E402
-from mergesmith.planner import MergeOptions  # noqa: E402
-from mergesmith.raw import run_raw_merge  # noqa: E402
+from mergesmith.engine.planner import MergeOptions  # noqa: E402
+from mergesmith.multi.stages import run_multi  # noqa: E402
+from mergesmith.raw.merge import run_raw_merge  # noqa: E402
 
 
 def _files(out: Path) -> dict[str, bytes]:

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergesmith import warm_start
 from mergesmith.io import readahead
 from mergesmith.io.checkpoint import Checkpoint
+from mergesmith.runtime import warm_start
 
 
 def _covered(calls: list[tuple[int, int]]) -> list[tuple[int, int]]:

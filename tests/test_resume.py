@@ -27,10 +27,10 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from mergesmith.api import INDEX_NAME, run_merge
+from mergesmith.engine.planner import MergeOptions
+from mergesmith.engine.run import INDEX_NAME, run_merge
 from mergesmith.io.journal import STATE_DIR, Journal
 from mergesmith.methods import method_names
-from mergesmith.planner import MergeOptions
 
 SHARD_SIZE = "50K"  # ~220 KB of fp32 weights -> 5 shards, so kills land between and inside shards
 KILLED = -9  # multiprocessing's exit code for a process ended by SIGKILL
@@ -39,10 +39,10 @@ _CTX = multiprocessing.get_context("forkserver")
 _CTX.set_forkserver_preload(
     [
         "mergesmith.cli",
-        "mergesmith.api",
+        "mergesmith.engine.run",
         "mergesmith.methods",
-        "mergesmith.progress",
-        "mergesmith.card",
+        "mergesmith.display.terminal",
+        "mergesmith.engine.card",
         "tests.test_resume",
     ]
 )
@@ -512,7 +512,7 @@ def test_second_merge_into_a_directory_being_written_is_refused(
 
 def _count_checksums(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Names of the shards whose bytes `_verify_finished` reads (via file_checksum)."""
-    import mergesmith.api as api
+    import mergesmith.engine.run as api
 
     calls: list[str] = []
     real = api.file_checksum

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from mergesmith.api import build_plan, run_merge
 from mergesmith.config import parse_config
+from mergesmith.engine.run import build_plan, run_merge
 from mergesmith.errors import CheckpointError, ConfigError
 from mergesmith.tokenizer.templates import BUILTIN_TEMPLATES, resolve_chat_template
 from tests.helpers import finite_logits, load_causal_lm, read_state_dict
@@ -303,7 +303,7 @@ def test_plain_merge_does_not_import_transformers() -> None:
     inputs = Path(__file__).parent / "reference" / "inputs"
     code = (
         "import sys\n"
-        "from mergesmith.api import build_plan\n"
+        "from mergesmith.engine.run import build_plan\n"
         "from mergesmith.config import parse_config\n"
         f"models = [{{'model': {str(inputs / 'base')!r}}}, {{'model': {str(inputs / 'ft_a')!r}}}]\n"
         "cfg = parse_config({'merge_method': 'linear', 'models': models, 'parameters': {'weight': 1.0}})\n"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mergesmith import warm_start
 from mergesmith.io import direct_write
+from mergesmith.runtime import warm_start
 
 
 def test_finds_every_local_model_the_config_names(tmp_path: Path) -> None:

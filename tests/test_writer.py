@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from safetensors import safe_open
 
-from mergesmith.dtypes import from_torch
+from mergesmith.io.dtypes import from_torch
 from mergesmith.io.safetensors_writer import ShardWriter, file_checksum, layout
 
 DTYPES = [
@@ -92,8 +92,8 @@ def test_any_tensors_round_trip(tmp_path_factory, tensors, reverse):
 @given(tensors=tensor_sets(), limit=st.integers(1, 2000))
 def test_random_shard_limits_through_the_merge_writer(tmp_path_factory, tensors, limit):
     """Cut the same tensors into shards at a random byte limit, as the planner does; every byte survives."""
-    from mergesmith.plan import InputRef, TensorRecipe
-    from mergesmith.planner import cut_shards
+    from mergesmith.engine.plan import InputRef, TensorRecipe
+    from mergesmith.engine.planner import cut_shards
 
     recipes = [
         TensorRecipe(n, tuple(t.shape), from_torch(t.dtype), "copy", (InputRef("m", n),)) for n, t in tensors.items()

@@ -23,14 +23,14 @@ _EXPORTS = {
     "merge_raw": "python_api",
     "extract_lora": "python_api",
     "PlanReport": "python_api",
-    "merge_state_dicts": "in_memory",
-    "merge_tensors": "in_memory",
-    "memory_room": "memory_limits",
-    "MemoryRoom": "memory_limits",
-    "MergeResult": "api",
+    "merge_state_dicts": "raw.in_memory",
+    "merge_tensors": "raw.in_memory",
+    "memory_room": "runtime.memory_limits",
+    "MemoryRoom": "runtime.memory_limits",
+    "MergeResult": "engine.run",
     "MergeConfiguration": "config",
-    "ProgressEvent": "executor",
-    "MethodError": "executor",
+    "ProgressEvent": "engine.executor",
+    "MethodError": "engine.executor",
     "MergesmithError": "errors",
     "ConfigError": "errors",
     "CheckpointError": "errors",
@@ -64,19 +64,19 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time the names load lazily
-    from .api import MergeResult
     from .config import MergeConfiguration
+    from .engine.executor import MethodError, ProgressEvent
+    from .engine.run import MergeResult
     from .errors import CheckpointError, ConfigError, MemoryShortage, MergeInterrupted, MergesmithError, OutputError
-    from .executor import MethodError, ProgressEvent
-    from .in_memory import merge_state_dicts, merge_tensors
-    from .memory_limits import MemoryRoom, memory_room
     from .python_api import PlanReport, extract_lora, merge, merge_raw, moe, multi, plan
+    from .raw.in_memory import merge_state_dicts, merge_tensors
+    from .runtime.memory_limits import MemoryRoom, memory_room
 
 
-# `plan`, `moe` and `multi` are also the names of internal modules (plan.py, the moe/ package, multi.py),
-# and importing a submodule sets the package attribute of its name to that module. So these three stay
-# modules, made callable: `mergesmith.moe(config, out)` runs the API function, while
-# `import mergesmith.moe.router` and `from mergesmith.plan import Plan` go on working as before.
+# `moe` and `multi` are also the names of internal packages (the moe/ and multi/ features), and importing a
+# submodule sets the package attribute of its name to that module. So these stay modules, made callable:
+# `mergesmith.moe(config, out)` runs the API function, while `import mergesmith.moe.router` goes on working.
+# (`plan` was one too, before the Plan moved to engine/; without a module of its name it is the function.)
 _CALLABLE_MODULES = {"plan": "plan", "moe": "moe", "multi": "multi"}
 
 

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import click
 
 from .errors import ConfigError, MergesmithError
-from .process_tuning import (
+from .runtime.process_tuning import (
     exit_code_of,
     exit_now,
     freeze_long_lived_objects,
@@ -156,18 +156,18 @@ def _raw_merge_options(f: Any) -> Any:
 
 
 def _options(kw: dict[str, Any]):
-    from .planner import MergeOptions
+    from .engine.planner import MergeOptions
 
     executor = kw.get("executor") or "local"
     if kw.get("ray_address") and executor != "ray":
         raise ConfigError("`--ray-address` only applies to the Ray executor: add `--executor ray`")
-    from .devices import resolve_device
+    from .runtime.devices import resolve_device
 
     device = "cuda" if kw.get("cuda") else kw.get("device", "cpu")
     # Ray workers, not this driver, need the device
     device = resolve_device(device, check=executor != "ray", what="--device")
     if executor == "ray":
-        from .executors.ray import RayExecutor  # noqa: F401 - fail before planning when Ray is not installed
+        from .engine.ray_executor import RayExecutor  # noqa: F401 - fail before planning when Ray is not installed
     return MergeOptions(
         out_shard_size=parse_size(kw["out_shard_size"], "--out-shard-size"),
         random_seed=kw.get("random_seed"),
@@ -304,7 +304,7 @@ class _PlainProgress:
 
 def _merge_progress(quiet: bool) -> Any:
     """The live bar on a terminal, plain periodic lines elsewhere, nothing with -q."""
-    from .progress import MergeProgress
+    from .display.terminal import MergeProgress
 
     display = MergeProgress(enabled=not quiet)
     if quiet or display.enabled:
@@ -342,12 +342,12 @@ _verify_option = click.option(
 @_verify_option
 def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, verify: bool, **kw: Any) -> None:
     """Merge the models of CONFIG_FILE into OUT_DIR (rerun to resume an interrupted merge)."""
-    from . import import_manifest
-    from .warm_start import read_ahead_inputs
+    from .runtime import import_manifest
+    from .runtime.warm_start import read_ahead_inputs
 
     import_manifest.read_ahead()  # the files the imports below will read, as the last merge recorded them
     read_ahead_inputs(config_file, out_dir)  # before the heavy imports below
-    from .api import run_merge
+    from .engine.run import run_merge
     from .moe.config import is_moe_config_file
 
     if is_moe_config_file(config_file):
@@ -391,9 +391,9 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
     A mergekit-moe config (one with `experts` and no `merge_method`) is planned as an MoE assembly;
     its router weights are not computed here.
     """
-    from .api import build_plan
+    from .engine.report import check_plan_out_dir, plan_report, render_plan_text
+    from .engine.run import build_plan
     from .moe.config import is_moe_config_file
-    from .report import check_plan_out_dir, plan_report, render_plan_text
 
     if out_dir is not None:
         check_plan_out_dir(out_dir)
@@ -459,7 +459,7 @@ def merge_raw(
     CONFIG_FILE is a merge config with `models` (file paths) and no `slices`; OUT_DIR receives
     model.safetensors (or shards and an index) and mergesmith_config.yml.
     """
-    from .raw import run_raw_merge
+    from .raw.merge import run_raw_merge
 
     _refuse_moe_config(config_file)
     if tensor_union and tensor_intersection:
@@ -586,7 +586,7 @@ def multi_cmd(
     A later document names an earlier one's `name` as a model; each stage is written to OUT_DIR/<name>,
     and a stage whose output is complete for the same config and inputs is skipped.
     """
-    from .multi import run_multi
+    from .multi.stages import run_multi
 
     _refuse_moe_config(config_file)
     options = _options(kw)
@@ -726,8 +726,8 @@ def extract_lora_cmd(
     verbose: bool,
 ) -> None:
     """Write a PEFT LoRA adapter approximating MODEL - BASE (truncated SVD per linear weight)."""
-    from .devices import resolve_device
-    from .lora_extract import extract_lora
+    from .lora.extract import extract_lora
+    from .runtime.devices import resolve_device
 
     device = resolve_device(device, what="--device")
 

@@ -28,7 +28,7 @@ def known_dtype_name(value: str | None) -> str | None:
     the config is read so that a typo fails before any model is opened."""
     if value is None:
         return value
-    from .dtypes import parse_config_dtype  # imports torch: only for configs that name a dtype
+    from .io.dtypes import parse_config_dtype  # imports torch: only for configs that name a dtype
 
     try:
         parse_config_dtype(value, "dtype")
@@ -227,7 +227,7 @@ _TOP_NOTES = {
 
 def lenient_document(data: dict[str, Any], findings: Findings) -> dict[str, Any]:
     """The document with what mergekit ignores removed (one warning each, in `findings`), numbers written as
-    text read as numbers and `revision:` folded into the model reference (multi.py takes a stage's `name` off
+    text read as numbers and `revision:` folded into the model reference (multi/stages.py takes a stage's `name` off
     before this)."""
     from .methods import all_parameter_names
 

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from .api import MergeResult
-    from .lora_extract import ExtractResult
-    from .multi import StageResult
+    from .engine.run import MergeResult
+    from .lora.extract import ExtractResult
+    from .multi.stages import StageResult
 
 log = logging.getLogger("mergesmith")
 if not log.handlers:  # a library prints nothing unless the program configures logging (else lastResort would)
@@ -144,7 +144,7 @@ class PlanReport:
 
     @property
     def text(self) -> str:
-        from .report import render_plan_text
+        from .engine.report import render_plan_text
 
         return render_plan_text(self.report)
 
@@ -169,7 +169,7 @@ def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> Plan
     `options`: those of `mergesmith plan` (`threads`, `max_memory`, `out_shard_size`, ...). With
     `out_dir`, the disk there is checked and probed as the command does. Nothing is written.
     """
-    from .report import check_plan_out_dir, plan_report
+    from .engine.report import check_plan_out_dir, plan_report
 
     kw = _resolve("plan", "plan", options, exclude=("as_json", "tensors"))
     out = Path(out_dir) if out_dir is not None else None
@@ -182,7 +182,7 @@ def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> Plan
 
         the_plan, checkpoints, _gates = build_moe_plan(moe_config, merge_options, out)
     else:
-        from .api import build_plan
+        from .engine.run import build_plan
 
         cfg, source = as_merge_config(config, what="plan")
         the_plan, checkpoints = build_plan(cfg, merge_options, out, source=source)
@@ -239,8 +239,8 @@ def merge(
     next call resumes. Returns a MergeResult (`out_dir`, `plan`, `shards_reused`, `already_complete`,
     `seconds`). Errors are the CLI's: ConfigError, CheckpointError, OutputError, MemoryShortage, ...
     """
-    from .api import run_merge
-    from .notebook_progress import choose_display, final_line
+    from .display.notebook import choose_display, final_line
+    from .engine.run import run_merge
 
     kw = _resolve("merge", "merge", options)
     cfg, source = as_merge_config(config)
@@ -282,8 +282,8 @@ def merge_raw(
     **options: Any,
 ) -> MergeResult:
     """`mergesmith merge-raw` as a function: merge bare state-dict files (no config.json) into `out_dir`."""
-    from .notebook_progress import choose_display, final_line
-    from .raw import run_raw_merge
+    from .display.notebook import choose_display, final_line
+    from .raw.merge import run_raw_merge
 
     kw = _resolve("merge_raw", "merge-raw", options)
     if kw["tensor_union"] and kw["tensor_intersection"]:
@@ -323,8 +323,8 @@ def moe(
 ) -> MergeResult:
     """`mergesmith moe` as a function: assemble a mixture of experts (a mergekit-moe config as a path,
     YAML string, dict or MoEConfiguration) into `out_dir`; call again to resume."""
+    from .display.notebook import choose_display, final_line
     from .moe import run_moe
-    from .notebook_progress import choose_display, final_line
 
     kw = _resolve("moe", "moe", options)
     if kw["load_in_4bit"] or kw["load_in_8bit"]:
@@ -363,8 +363,8 @@ def multi(
 ) -> list[StageResult]:
     """`mergesmith multi` as a function: run a multi-stage file (a path, or its YAML text) with each named
     stage written to `out_dir/<name>`; returns one StageResult per stage (`name`, `out_dir`, `result`)."""
-    from .multi import run_multi
-    from .notebook_progress import choose_display
+    from .display.notebook import choose_display
+    from .multi.stages import run_multi
 
     kw = _resolve("multi", "multi", options, exclude=("out_dir",))
     merge_options = _merge_options(kw)
@@ -394,8 +394,8 @@ def extract_lora(model: str, base: str, out: str | Path, **options: Any) -> Extr
     """`mergesmith extract-lora` as a function: write a PEFT LoRA adapter approximating `model - base`
     into `out` (`max_rank=128`, `sv_epsilon`, `embed_lora`, `device`, `overwrite`). Returns an
     ExtractResult (`out_dir`, `ranks`, `modules_to_save`, `seconds`, `notes`)."""
-    from .devices import resolve_device
-    from .lora_extract import extract_lora as run_extract
+    from .lora.extract import extract_lora as run_extract
+    from .runtime.devices import resolve_device
 
     kw = _resolve("extract_lora", "extract-lora", options, exclude=("model", "base", "out"))
     return run_extract(

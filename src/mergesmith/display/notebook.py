@@ -57,7 +57,7 @@ class NotebookProgress:
     def start(self, plan: Any) -> None:
         import psutil
 
-        from .memory_limits import memory_room
+        from ..runtime.memory_limits import memory_room
 
         self.close()
         self._plan = plan
@@ -132,7 +132,7 @@ def choose_display(progress: bool | Callable[[Any], None] | None) -> Any:
         return CallbackProgress(progress)
     if in_notebook():
         return NotebookProgress()
-    from .cli import _merge_progress
+    from ..cli import _merge_progress
 
     return _merge_progress(quiet=False)  # rich on a terminal, periodic `progress:` lines elsewhere
 

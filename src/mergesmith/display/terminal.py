@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-from .executor import ProgressEvent
-from .plan import Plan
+from ..engine.executor import ProgressEvent
+from ..engine.plan import Plan
 
 
 class _RateColumn(ProgressColumn):

@@ -18,22 +18,22 @@ from typing import Any
 
 import torch
 
+from ..errors import CheckpointError, ConfigError, MemoryShortage, MergeInterrupted
+from ..io.checkpoint import Checkpoint
+from ..io.direct_read import pool_bytes
+from ..io.dtypes import to_torch
+from ..io.journal import Journal, partial_path
+from ..io.safetensors_writer import ShardWriter
+from ..methods import MergeInputs, require_method
+from ..methods.keyed_random import MaskStream
+from ..runtime.devices import resolve_device
+from ..runtime.memory_limits import MemoryWatch, human
+from ..runtime.memory_release import release_free_heap
+from ..validation.nonfinite import NonFiniteMonitor
 from .blocks import row_blocks, two_pass
-from .devices import resolve_device
-from .dtypes import to_torch
-from .errors import CheckpointError, ConfigError, MemoryShortage, MergeInterrupted
-from .input_stream import InputFeed, open_feed
-from .io.checkpoint import Checkpoint
-from .io.direct_read import pool_bytes
-from .io.journal import Journal, partial_path
-from .io.safetensors_writer import ShardWriter
-from .memory_limits import MemoryWatch, human
-from .memory_release import release_free_heap
-from .methods import MergeInputs, require_method
-from .methods.keyed_random import MaskStream
+from .input_feed import InputFeed, open_feed
 from .plan import InputRef, Plan, ShardPlan, TensorRecipe
 from .planner import automatic_budget, recipe_memory
-from .validation.nonfinite import NonFiniteMonitor
 
 JOURNAL_INTERVAL_S = 1.0
 PREFETCH_BYTES = 512 << 20

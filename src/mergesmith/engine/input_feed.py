@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
+from ..io.checkpoint import Checkpoint
+from ..io.direct_read import BufferPool, DirectReader, ReadBuffer, capacity_for
+from ..io.direct_write import direct_io_supported
+from ..io.dtypes import SAFETENSORS_TO_TORCH
 from .blocks import row_blocks, two_pass
-from .dtypes import SAFETENSORS_TO_TORCH
-from .io.checkpoint import Checkpoint
-from .io.direct_read import BufferPool, DirectReader, ReadBuffer, capacity_for
-from .io.direct_write import direct_io_supported
 from .plan import InputRef, TensorRecipe
 
 STREAMED_OPS = frozenset({"copy", "merge"})

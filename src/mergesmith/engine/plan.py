@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .dtypes import dtype_size
+from ..io.dtypes import dtype_size
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class Plan:
 
     def fingerprint(self) -> str:
         """Hash of everything that decides the output bytes: recipes, inputs, options, tool version."""
-        from . import __version__
+        from .. import __version__
 
         payload = {
             "version": __version__,

@@ -12,6 +12,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import MergeConfiguration, Parameters, dump_config
+from ..errors import CheckpointError, ConfigError
+from ..io.checkpoint import Checkpoint
+from ..io.direct_read import pool_bytes
+from ..io.dtypes import dtype_size, is_float, parse_config_dtype
+from ..methods import MethodSpec, require_method
+from ..methods.keyed_random import STREAM_NAME as KEYED_STREAM
+from ..runtime.devices import resolve_device
 from .architecture import (
     LM_HEAD_NAMES,
     LayerMapError,
@@ -25,14 +33,6 @@ from .architecture import (
     stack_in_tensors,
     ties_embeddings,
 )
-from .config import MergeConfiguration, Parameters, dump_config
-from .devices import resolve_device
-from .dtypes import dtype_size, is_float, parse_config_dtype
-from .errors import CheckpointError, ConfigError
-from .io.checkpoint import Checkpoint
-from .io.direct_read import pool_bytes
-from .methods import MethodSpec, require_method
-from .methods.keyed_random import STREAM_NAME as KEYED_STREAM
 from .parameters import is_missing, resolve
 from .plan import Estimate, InputRef, Plan, ShardPlan, TensorRecipe
 
@@ -101,7 +101,7 @@ class Planner:
     """Builds the Plan for one merge configuration over opened checkpoints."""
 
     # The base model's config.json gives the layer count and the output config; a raw merge
-    # (raw.py) plans bare state dicts, which have none, and turns this off.
+    # (raw/merge.py) plans bare state dicts, which have none, and turns this off.
     needs_model_config: bool = True
 
     def __init__(
@@ -129,7 +129,7 @@ class Planner:
             self._check_architectures()
         self.compute_dtype = parse_config_dtype(config.dtype, "dtype") if config.dtype else "F32"
         self.out_dtype = self._out_dtype()
-        from .validation.parameter_values import check_parameter_values
+        from ..validation.parameter_values import check_parameter_values
 
         # what reading the config ignored, then parameter values worth a warning (the refusals ran at parsing)
         self.warnings: list[str] = list(config.warnings) + check_parameter_values(config, config_source)
@@ -243,7 +243,7 @@ class Planner:
             value = resolve(p.name, levels, tensor, t)
             if is_missing(value):
                 if p.required:
-                    from .config_compat import ignored_near_miss
+                    from ..config_compat import ignored_near_miss
 
                     message = (
                         f"{self.source}: `parameters.{p.name}` is required by method {self.spec.name!r} "
@@ -595,13 +595,13 @@ class Planner:
         tokenizer_plan = None
         transplant = self._transplant_source()  # `transplant:<donor>` (tokensurgeon/merge.py)
         if transplant is not None:
-            from .tokensurgeon.merge import plan_transplant
+            from ..tokensurgeon.merge import plan_transplant
 
             tokenizer_plan = plan_transplant(self, recipes, transplant)
             recipes = tokenizer_plan.recipes
             self._vocab_rows = tokenizer_plan.vocab_rows
         elif self.config.tokenizer is not None or self.config.tokenizer_source or self.config.chat_template:
-            from .tokenizer.planning import plan_tokenizer  # imports transformers only for such configs
+            from ..tokenizer.planning import plan_tokenizer  # imports transformers only for such configs
 
             tokenizer_plan = plan_tokenizer(self, recipes)
             recipes = tokenizer_plan.recipes
@@ -745,8 +745,8 @@ def recipe_memory(recipe: TensorRecipe, compute_dtype: str) -> int:
     how many recipes may run at once. Inputs stored wider than the compute dtype map more pages than
     counted here (page cache the kernel may reclaim).
     """
+    from ..methods import get_method
     from .blocks import block_numel
-    from .methods import get_method
 
     numel = block_numel(recipe)
     if recipe.op == "copy":

@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ConfigError, MergeInterrupted, MergesmithError, OutputError
-from ..executor import LocalExecutor, ProgressEvent
 from ..io.checkpoint import Checkpoint, resolve_model_path
 from ..io.journal import Journal
-from ..plan import Plan, ShardPlan
+from .executor import LocalExecutor, ProgressEvent
+from .plan import Plan, ShardPlan
 
 try:
     import ray
@@ -153,7 +153,7 @@ def _input_path(ckpt: Checkpoint) -> str:
     (for `model+lora`, both parts)."""
     ref = ckpt.ref
     if "+" in ref and not Path(ref).expanduser().exists():
-        from ..io.lora import split_lora_ref
+        from ..io.lora_adapter import split_lora_ref
 
         model, adapter_dir = split_lora_ref(ref)
         return f"{resolve_model_path(model).resolve()}+{adapter_dir.resolve()}"

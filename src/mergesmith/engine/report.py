@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import OutputError
-from .io.checkpoint import Checkpoint
+from ..errors import OutputError
+from ..io.checkpoint import Checkpoint
 from .plan import Plan
 from .planner import MergeOptions
 
@@ -175,7 +175,7 @@ def plan_report(
 
 def _memory(est: Any) -> dict[str, Any]:
     """What this process may use (cgroup limit, available memory) against the estimate (memory_limits)."""
-    from .memory_limits import memory_report
+    from ..runtime.memory_limits import memory_report
 
     return memory_report(est.peak_memory, est.largest_tensor_bytes, est.read_ahead)
 

@@ -37,15 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import MergeConfiguration, load_config
-from .errors import MergeInterrupted, MergesmithError, OutputError
+from ..config import MergeConfiguration, load_config
+from ..errors import MergeInterrupted, MergesmithError, OutputError
+from ..io import safe_fs
+from ..io._test_hooks import kill_point
+from ..io.checkpoint import Checkpoint
+from ..io.journal import STATE_DIR, Journal, ensure_writable_dir, partial_path, refuse_non_directory
+from ..io.safetensors_writer import file_checksum, write_file_atomic
+from ..methods import require_method
 from .executor import LocalExecutor, ProgressEvent
-from .io import safe_fs
-from .io._test_hooks import kill_point
-from .io.checkpoint import Checkpoint
-from .io.journal import STATE_DIR, Journal, ensure_writable_dir, partial_path, refuse_non_directory
-from .io.safetensors_writer import file_checksum, write_file_atomic
-from .methods import require_method
 from .plan import Plan
 from .planner import MergeOptions, Planner
 from .report import over_budget_warning
@@ -97,7 +97,9 @@ def build_plan(
     checkpoints = open_checkpoints(cfg)
     planner_cls: type[Planner] = Planner
     if cfg.modules:
-        from .modules import ModulePlanner  # mergekit's `modules:` form: each module merged by its own definition
+        from .module_planner import (
+            ModulePlanner,  # mergekit's `modules:` form: each module merged by its own definition
+        )
 
         planner_cls = ModulePlanner
     return planner_cls(cfg, checkpoints, options, source).build(), checkpoints
@@ -438,7 +440,7 @@ def _write_plan(
     executor_cls: Any = LocalExecutor
     extra: dict[str, Any] = {"strict": options.strict}
     if options.executor == "ray":
-        from .executors.ray import RayExecutor  # Ray is optional: imported only when asked for
+        from .ray_executor import RayExecutor  # Ray is optional: imported only when asked for
 
         executor_cls, extra = RayExecutor, {"address": options.ray_address, "strict": options.strict}
     executor = executor_cls(

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from ..config import parse_config
-from ..dtypes import to_torch
+from ..engine.executor import compute
+from ..engine.plan import Plan
+from ..engine.planner import MergeOptions, Planner
 from ..errors import ConfigError
-from ..executor import compute
 from ..io.checkpoint import Checkpoint
-from ..plan import Plan
-from ..planner import MergeOptions, Planner
+from ..io.dtypes import to_torch
 
 CANDIDATE_DIR = "candidate"
 SMALL_MODEL_BYTES = 64 << 20
@@ -134,7 +134,7 @@ class CandidateLoader:
     def _load_from_disk(self, plan: Plan) -> Any:
         from transformers import AutoModelForCausalLM
 
-        from ..api import execute_plan
+        from ..engine.run import execute_plan
 
         out = self.candidate_dir
         self.cleanup()

@@ -15,7 +15,7 @@ from .search import SearchOptions, run_search
 def search_options(kw: dict[str, Any]) -> SearchOptions:
     if kw.get("vllm"):
         raise ConfigError("`--vllm` is not supported: candidates are scored with transformers")
-    from ..devices import resolve_device
+    from ..runtime.devices import resolve_device
 
     device = resolve_device(kw.get("device", "cpu"), check=kw.get("executor") != "ray", what="--device")
     merge_device = "cuda" if kw.get("merge_cuda") else "cpu"
@@ -69,9 +69,9 @@ def run_evolve_command(genome_file: Path, storage_path: Path, kw: dict[str, Any]
     )
     click.echo(f"wrote {result.storage / 'best_config.yml'}, history.jsonl, summary.json, search.png")
     if merge_best is not None:
-        from ..api import run_merge
         from ..config import parse_config
-        from ..planner import MergeOptions
+        from ..engine.planner import MergeOptions
+        from ..engine.run import run_merge
 
         cfg = parse_config(best["config"], str(result.storage / "best_config.yml"))
         merged = run_merge(cfg, merge_best, MergeOptions(random_seed=options.random_seed), overwrite=kw["overwrite"])

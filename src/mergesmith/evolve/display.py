@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ..memory_limits import human
+from ..runtime.memory_limits import human
 
 
 def _h(n: float) -> str:

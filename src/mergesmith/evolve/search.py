@@ -142,7 +142,7 @@ def estimate(genome: Genome, loader: CandidateLoader, x0: np.ndarray, options: S
     """Per-candidate cost from the first candidate's plan (headers only), and the memory/disk choice."""
     import psutil
 
-    from ..report import probe_read_throughput
+    from ..engine.report import probe_read_throughput
 
     plan = loader.plan(genome.merge_config(x0))
     est = plan.estimate

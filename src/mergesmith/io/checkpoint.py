@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ..dtypes import SAFETENSORS_TO_TORCH, dtype_size, from_torch
 from ..errors import CheckpointError
+from .dtypes import SAFETENSORS_TO_TORCH, dtype_size, from_torch
 from .map_guard import GUARD
 from .readahead import advise_in_pieces, piece_size
 
@@ -225,7 +225,7 @@ class Checkpoint:
     def open(cls, ref: str) -> Checkpoint:
         """Open `ref` (directory, file, cached hub id, or `model+lora`), validating every header up front."""
         if "+" in ref and not Path(ref).expanduser().exists():
-            from .lora import LoraCheckpoint
+            from .lora_adapter import LoraCheckpoint
 
             return LoraCheckpoint.open_ref(ref)
         path = resolve_model_path(ref)

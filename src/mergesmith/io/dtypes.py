@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # safetensors header name -> torch dtype (only those torch can hold)
 SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {

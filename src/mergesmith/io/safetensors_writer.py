@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from ..dtypes import dtype_size, from_torch
 from . import safe_fs
 from ._test_hooks import kill_point
 from .direct_write import DirectWriter, pwrite_all
+from .dtypes import dtype_size, from_torch
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian by definition
     raise ImportError("mergesmith's safetensors writer needs a little-endian machine")

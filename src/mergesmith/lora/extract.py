@@ -38,14 +38,14 @@ from typing import Any
 
 import torch
 
-from .architecture import LM_HEAD_NAMES, embedding_for_head, find_layer_stack, ties_embeddings
-from .devices import resolve_device
-from .dtypes import from_torch, is_float
-from .errors import CheckpointError, ConfigError, OutputError
-from .io.checkpoint import Checkpoint
-from .io.journal import refuse_non_directory
-from .io.lora import ADAPTER_CONFIG, PEFT_PREFIX
-from .io.safetensors_writer import ShardWriter, write_file_atomic
+from ..engine.architecture import LM_HEAD_NAMES, embedding_for_head, find_layer_stack, ties_embeddings
+from ..errors import CheckpointError, ConfigError, OutputError
+from ..io.checkpoint import Checkpoint
+from ..io.dtypes import from_torch, is_float
+from ..io.journal import refuse_non_directory
+from ..io.lora_adapter import ADAPTER_CONFIG, PEFT_PREFIX
+from ..io.safetensors_writer import ShardWriter, write_file_atomic
+from ..runtime.devices import resolve_device
 
 ADAPTER_FILE = "adapter_model.safetensors"
 

@@ -13,13 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..api import MergeResult, execute_plan
+from ..engine.executor import ProgressEvent
+from ..engine.plan import Plan
+from ..engine.planner import MergeOptions
+from ..engine.run import MergeResult, execute_plan
 from ..errors import OutputError
-from ..executor import ProgressEvent
 from ..io.checkpoint import Checkpoint
 from ..io.journal import STATE_DIR, Journal, refuse_non_directory
-from ..plan import Plan
-from ..planner import MergeOptions
 from .config import MoEConfiguration, load_moe_config, validate_moe_config
 from .planner import MoEPlanner
 from .router import ROUTER_MODEL, GateJob, GateProgress

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import __version__
-from ..card import describe_ref, front_matter
+from ..engine.card import describe_ref, front_matter
 from .config import MoEConfiguration, dump_moe_config
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..architecture import (
+from ..engine.architecture import (
     LM_HEAD_NAMES,
     LayerStack,
     embedding_for_head,
@@ -29,12 +29,12 @@ from ..architecture import (
     rewrite_config,
     ties_embeddings,
 )
-from ..devices import resolve_device
-from ..dtypes import dtype_size, is_float, parse_config_dtype
+from ..engine.plan import Estimate, InputRef, Plan, TensorRecipe
+from ..engine.planner import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
-from ..plan import Estimate, InputRef, Plan, TensorRecipe
-from ..planner import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
+from ..io.dtypes import dtype_size, is_float, parse_config_dtype
+from ..runtime.devices import resolve_device
 from .arch import DENSE_MLP, OutputArchitecture, select_architecture
 from .card import moe_model_card
 from .config import PROMPT_MODES, Expert, MoEConfiguration, dump_moe_config

@@ -42,11 +42,11 @@ from typing import Any
 
 import torch
 
-from ..cache_root import cache_root, open_cache_dir
+from ..engine.planner import TOKENIZER_FILES, tensor_seed
 from ..errors import CheckpointError
 from ..io import safe_fs
 from ..io.checkpoint import Checkpoint, TensorInfo, read_safetensors_header
-from ..planner import TOKENIZER_FILES, tensor_seed
+from ..runtime.cache_root import cache_root, open_cache_dir
 from .config import PROMPT_MODES, Expert
 
 ROUTER_MODEL = "<router weights>"
@@ -81,7 +81,7 @@ def _version(package: str) -> str:
 
 
 def _tokenizer_root(base: Checkpoint) -> Path:
-    """Where the base's tokenizer lives (an adapter may ship its own, see io/lora.py)."""
+    """Where the base's tokenizer lives (an adapter may ship its own, see io/lora_adapter.py)."""
     return Path(getattr(base, "tokenizer_root", base.root))
 
 
@@ -367,7 +367,7 @@ def _load_model(job: GateJob) -> Any:
 def _apply_checkpoint_tensors(model: Any, base: Checkpoint) -> None:
     """Write the tensors a LoRA input changes (`model+lora`: merged deltas, saved modules) over the
     plain model transformers loaded from its root, so the forward pass sees the adapted model."""
-    from ..io.lora import LoraCheckpoint
+    from ..io.lora_adapter import LoraCheckpoint
 
     if not isinstance(base, LoraCheckpoint):
         return

@@ -31,15 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .api import MergeResult, build_plan, execute_plan
-from .config import parse_config, read_yaml
-from .errors import CheckpointError, ConfigError, MergesmithError
-from .executor import ProgressEvent
-from .io import safe_fs
-from .io.checkpoint import Checkpoint, resolve_model_path
-from .io.journal import Journal
-from .plan import Plan
-from .planner import MergeOptions
+from ..config import parse_config, read_yaml
+from ..engine.executor import ProgressEvent
+from ..engine.plan import Plan
+from ..engine.planner import MergeOptions
+from ..engine.run import MergeResult, build_plan, execute_plan
+from ..errors import CheckpointError, ConfigError, MergesmithError
+from ..io import safe_fs
+from ..io.checkpoint import Checkpoint, resolve_model_path
+from ..io.journal import Journal
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -119,7 +119,7 @@ def _resolvable(ref: str) -> bool:
     except CheckpointError:
         pass
     if "+" in ref:
-        from .io.lora import split_lora_ref
+        from ..io.lora_adapter import split_lora_ref
 
         try:
             resolve_model_path(split_lora_ref(ref)[0])
@@ -324,7 +324,7 @@ def _one_ray_for_all_stages(options: MergeOptions) -> AbstractContextManager[Non
     if options.executor != "ray":
         return nullcontext()
     try:
-        from .executors.ray import shared_local_ray
+        from ..engine.ray_executor import shared_local_ray
     except ConfigError:  # Ray is not installed: the first stage that needs it says so
         return nullcontext()
     return shared_local_ray()

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from .config import parse_config
-from .dtypes import from_torch
-from .errors import ConfigError
-from .io.checkpoint import Checkpoint, TensorInfo
+from ..config import parse_config
+from ..errors import ConfigError
+from ..io.checkpoint import Checkpoint, TensorInfo
+from ..io.dtypes import from_torch
 
 log = logging.getLogger("mergesmith")
 if not log.handlers:  # a library prints nothing unless the program configures logging (else lastResort would)
@@ -129,9 +129,9 @@ def merge_state_dicts(
     `tensor_set`: "exact" refuses a tensor some inputs lack, "intersection" leaves it out, "union"
     merges it from those that hold it. Problems raise ConfigError/CheckpointError with one line.
     """
-    from .executor import compute
-    from .planner import MergeOptions
-    from .raw import RawPlanner, check_raw_config
+    from ..engine.executor import compute
+    from ..engine.planner import MergeOptions
+    from .merge import RawPlanner, check_raw_config
 
     names, states = _as_list(state_dicts)
     if not states:
@@ -182,14 +182,14 @@ def merge_state_dicts(
         allow_crimes=allow_crimes,
         device=str(run_on),
     )
-    from .methods import require_method
+    from ..methods import require_method
 
     if require_method(config.merge_method, SOURCE).randomized and options.random_seed is None:
         options.random_seed = secrets.randbelow(2**31)
     plan = RawPlanner(config, checkpoints, options, SOURCE, tensor_set).build()
     for warning in plan.warnings:
         log.warning("%s", warning)
-    from .dtypes import to_torch
+    from ..io.dtypes import to_torch
 
     compute_dtype = to_torch(plan.compute_dtype)
     explicit = bool(plan.options.get("explicit_dtype"))

@@ -22,14 +22,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .api import MergeResult, choose_random_seed, execute_plan, open_checkpoints
-from .config import ConditionalParameter, MergeConfiguration, Parameters, load_config
-from .dtypes import is_float
-from .errors import CheckpointError, ConfigError
-from .executor import ProgressEvent
-from .io.checkpoint import Checkpoint
-from .plan import InputRef, Plan, TensorRecipe
-from .planner import MergeOptions, NormalizedSlice, Planner, SourceRange
+from ..config import ConditionalParameter, MergeConfiguration, Parameters, load_config
+from ..engine.executor import ProgressEvent
+from ..engine.plan import InputRef, Plan, TensorRecipe
+from ..engine.planner import MergeOptions, NormalizedSlice, Planner, SourceRange
+from ..engine.run import MergeResult, choose_random_seed, execute_plan, open_checkpoints
+from ..errors import CheckpointError, ConfigError
+from ..io.checkpoint import Checkpoint
+from ..io.dtypes import is_float
 
 TENSOR_SETS = ("exact", "union", "intersection")
 _NOT_RAW = {

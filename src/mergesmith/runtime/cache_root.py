@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .io import safe_fs
+from ..io import safe_fs
 
 CACHE_ENV = "MERGESMITH_CACHE_DIR"
 

@@ -6,7 +6,7 @@ not a torch assertion halfway through with an output directory left behind.
 
 from __future__ import annotations
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 DEVICES = ("cpu", "cuda", "mps", "auto")
 

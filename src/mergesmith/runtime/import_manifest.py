@@ -3,7 +3,7 @@
 Why: with a cold page cache, importing torch and the rest of a merge's modules (about 1,200 modules, 53 MB of
 bytecode and extension libraries here) takes 3-4 s, and most of it is waiting: Python opens and reads each
 module's file one at a time, at the disk's latency, not its bandwidth. Reading those files first, eight at a
-time, turns the waits into a short burst (cold `import mergesmith.api` on this VM, 3 runs each: median 3.2 s
+time, turns the waits into a short burst (cold `import mergesmith.engine.run` on this VM, 3 runs each: median 3.2 s
 without, 2.75 s with the read-ahead running beside the import; reading *all* of torch's, numpy's and the
 standard library's bytecode instead was slower than nothing, 3.6-4.5 s, as it reads far more than is used).
 
@@ -26,9 +26,9 @@ import sys
 import threading
 from pathlib import Path
 
+from ..errors import OutputError
+from ..io import safe_fs
 from .cache_root import cache_root, open_cache_dir
-from .errors import OutputError
-from .io import safe_fs
 
 READERS = 8
 """Files read at once: enough to keep this disk's queue busy with small files (one reader waits on each)."""

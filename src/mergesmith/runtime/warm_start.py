@@ -54,7 +54,7 @@ def _holds_something(out_dir: Path) -> bool:
 
 def _read_ahead(config_file: Path) -> None:
     try:
-        from .validation.safe_yaml import load_documents
+        from ..validation.safe_yaml import load_documents
 
         config = load_documents(config_file.read_text(), all_documents=False)  # refuses alias bombs unwalked
         directories = list(dict.fromkeys(_local_model_dirs(config, config_file.parent)))
@@ -70,7 +70,7 @@ def _paged_files(directory: Path) -> list[Path]:
     """The model's safetensors files the merge will read through the page cache: not those on filesystems
     where it reads around it (io.direct_read), for which read-ahead into the cache would only cost (copying
     freshly read cache pages out again took 40% of the CPU of a 1 B linear merge on this VM)."""
-    from .io.direct_write import direct_io_supported
+    from ..io.direct_write import direct_io_supported
 
     return [f for f in sorted(directory.glob("*.safetensors")) if not direct_io_supported(f)]
 
@@ -80,7 +80,7 @@ Piece = tuple[Path, int, int]
 
 
 def _file_pieces(path: Path, length: int) -> list[Piece]:
-    from .io.readahead import piece_ranges, piece_size
+    from ..io.readahead import piece_ranges, piece_size
 
     end = min(length, path.stat().st_size)
     return [(path, offset, n) for offset, n in piece_ranges(0, end, piece_size(path))]

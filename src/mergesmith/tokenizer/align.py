@@ -283,7 +283,7 @@ def _model_index(model: str, refs: Sequence[str], key: str, tensor: str) -> int:
 
 def merge_vocabulary(recipe: Any, load: Callable[[Any], torch.Tensor]) -> torch.Tensor:
     """The `vocab_merge` op: align every input to the output vocabulary, then run the merge method."""
-    from ..dtypes import to_torch
+    from ..io.dtypes import to_torch
 
     params = dict(recipe.params)
     table = lookup(str(params[MAP_PARAM]))

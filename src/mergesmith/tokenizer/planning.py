@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..architecture import LM_HEAD_NAMES, embedding_for_head
+from ..engine.architecture import LM_HEAD_NAMES, embedding_for_head
+from ..engine.plan import InputRef, TensorRecipe
 from ..errors import CheckpointError, ConfigError
-from ..plan import InputRef, TensorRecipe
 from .align import (
     DTYPE_PARAM,
     MAP_PARAM,
@@ -42,7 +42,7 @@ from .build import VocabularyBuild, build_vocabulary, load_tokenizer, require_tr
 from .templates import resolve_chat_template
 
 if TYPE_CHECKING:
-    from ..planner import Planner
+    from ..engine.planner import Planner
 
 # Load-time arguments transformers 5 writes back into tokenizer_config.json; a saved
 # `local_files_only: true` would make the published model refuse to load from the hub.

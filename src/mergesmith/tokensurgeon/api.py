@@ -12,12 +12,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..api import MergeResult, execute_plan
-from ..executor import ProgressEvent
+from ..engine.executor import ProgressEvent
+from ..engine.plan import Plan
+from ..engine.planner import MergeOptions
+from ..engine.run import MergeResult, execute_plan
 from ..io.checkpoint import Checkpoint
 from ..io.journal import Journal, refuse_non_directory
-from ..plan import Plan
-from ..planner import MergeOptions
 from .planner import SurgeryOptions, TokenSurgeonPlanner
 
 

@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..architecture import LM_HEAD_NAMES, embedding_for_head
+from ..engine.architecture import LM_HEAD_NAMES, embedding_for_head
+from ..engine.plan import InputRef, TensorRecipe
 from ..errors import CheckpointError, ConfigError
-from ..plan import InputRef, TensorRecipe
 from ..tokenizer.planning import TokenizerPlan
 from .planner import _tokenizer_root, staged_generation_config
 from .table import TransplantTable, register, transplant_rows
 from .vocab import Vocabulary, assign_rows, load_vocabulary
 
 if TYPE_CHECKING:
-    from ..planner import Planner
+    from ..engine.planner import Planner
 
 PREFIX = "transplant:"
 MERGE_OP = "transplant_merge"
@@ -47,7 +47,7 @@ def transplant_donor(source: str | None) -> str | None:
 def plan_transplant(planner: Planner, recipes: list[TensorRecipe], source: str) -> TokenizerPlan:
     """Rewrite the embedding and lm_head recipes of a merge to transplant every input onto the donor's
     vocabulary before merging; the output gets the donor's tokenizer files, vocab size and token ids."""
-    from ..planner import TOKENIZER_FILES
+    from ..engine.planner import TOKENIZER_FILES
 
     donor_ref = transplant_donor(source) or ""
     key = f"{planner.source}: `tokenizer_source`"
@@ -142,7 +142,7 @@ def plan_transplant(planner: Planner, recipes: list[TensorRecipe], source: str) 
 
 def transplant_merge_op(recipe: Any, load: Callable[[Any], torch.Tensor]) -> torch.Tensor:
     """The registered op: transplant each input onto the donor's vocabulary, then merge (or copy)."""
-    from ..dtypes import to_torch
+    from ..io.dtypes import to_torch
     from ..tokenizer.align import merge_rows
     from .table import lookup
 

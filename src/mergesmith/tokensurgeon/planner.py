@@ -25,11 +25,11 @@ from typing import Any
 
 import yaml
 
-from ..architecture import LM_HEAD_NAMES, embedding_for_head, find_layer_stack, ties_embeddings
+from ..engine.architecture import LM_HEAD_NAMES, embedding_for_head, find_layer_stack, ties_embeddings
+from ..engine.plan import InputRef, Plan, TensorRecipe
+from ..engine.planner import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
-from ..plan import InputRef, Plan, TensorRecipe
-from ..planner import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
 from ..tokenizer.align import staging_root, write_atomic
 from .approximate import omp_block_bytes
 from .table import METHODS, NEEDS_DONOR, OP, TransplantTable, register
