@@ -15,8 +15,9 @@ Names are imported on first use, so `import mergesmith` stays cheap (no torch) u
 
 import sys
 
+from .version import __version__ as __version__  # the package version, as before
+
 TYPE_CHECKING = False  # not `from typing import ...`: typing alone costs more than this whole module
-__version__ = "0.1.0"
 
 _EXPORTS = {
     "merge": "python_api",
