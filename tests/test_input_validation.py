@@ -149,7 +149,7 @@ def test_nan_weight_is_refused_before_anything_is_written(
 
 
 def test_good_parameters_pass_without_warnings() -> None:
-    from mergesmith.validation.parameter_values import check_parameter_values
+    from mergesmith.config.parameter_values import check_parameter_values
 
     config = parse_config(
         _ties(
@@ -458,7 +458,7 @@ def test_output_made_non_finite_by_the_merge_is_reported_at_the_end(
 def test_count_nonfinite_is_exact() -> None:
     import torch
 
-    from mergesmith.validation.nonfinite import count_nonfinite
+    from mergesmith.engine.nonfinite import count_nonfinite
 
     x = torch.zeros(1000)
     assert count_nonfinite(x) == 0

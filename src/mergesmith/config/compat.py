@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _NUMBER_RE = re.compile(r"^\s*[-+]?(\d[\d_]*\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$")
 """A decimal number as YAML 1.2 writes it (`1e-5`, `1E3`, `.5e-2`, `+2.`); NaN and infinities are not

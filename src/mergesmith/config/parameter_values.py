@@ -26,8 +26,8 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from ..config import ConditionalParameter, MergeConfiguration, Parameters
 from ..errors import ConfigError
+from .schema import ConditionalParameter, MergeConfiguration, Parameters
 
 _EPSILON_METHODS = frozenset({"della", "della_linear", "ram", "ramplus"})
 _T_UNIT_METHODS = frozenset({"slerp"})

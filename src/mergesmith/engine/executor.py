@@ -29,9 +29,9 @@ from ..methods.keyed_random import MaskStream
 from ..runtime.devices import resolve_device
 from ..runtime.memory_limits import MemoryWatch, human
 from ..runtime.memory_release import release_free_heap
-from ..validation.nonfinite import NonFiniteMonitor
 from .blocks import row_blocks, two_pass
 from .input_feed import InputFeed, open_feed
+from .nonfinite import NonFiniteMonitor
 from .plan import InputRef, Plan, ShardPlan, TensorRecipe
 from .planner import automatic_budget, recipe_memory
 
@@ -174,7 +174,7 @@ def compute(
     the others (None) are read from their checkpoint's memory map. `spent(index)` is called once a loaded
     input will not be read again (converted to the compute dtype, or done with by the method), so that
     its memory can go back early, as a mapped input's pages are dropped. `monitor` counts the non-finite values
-    of every input as it is loaded and of the output before it is returned (validation.nonfinite).
+    of every input as it is loaded and of the output before it is returned (engine/nonfinite.py).
 
     Two-pass methods (blocks.two_pass): with `gather` the rows are folded into `gather.state` by the method's
     totals pass and nothing is returned; `totals` hands the finished totals to the second pass."""

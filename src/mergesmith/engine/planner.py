@@ -129,7 +129,7 @@ class Planner:
             self._check_architectures()
         self.compute_dtype = parse_config_dtype(config.dtype, "dtype") if config.dtype else "F32"
         self.out_dtype = self._out_dtype()
-        from ..validation.parameter_values import check_parameter_values
+        from ..config.parameter_values import check_parameter_values
 
         # what reading the config ignored, then parameter values worth a warning (the refusals ran at parsing)
         self.warnings: list[str] = list(config.warnings) + check_parameter_values(config, config_source)
@@ -243,7 +243,7 @@ class Planner:
             value = resolve(p.name, levels, tensor, t)
             if is_missing(value):
                 if p.required:
-                    from ..config_compat import ignored_near_miss
+                    from ..config.compat import ignored_near_miss
 
                     message = (
                         f"{self.source}: `parameters.{p.name}` is required by method {self.spec.name!r} "

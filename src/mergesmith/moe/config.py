@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from ..config import known_dtype_name, read_yaml
-from ..config_compat import Findings, Schema, copy_document, prune
+from ..config.compat import Findings, Schema, copy_document, prune
 from ..errors import ConfigError
 
 GateMode = Literal["hidden", "cheap_embed", "random", "uniform_random", "hidden_avg", "hidden_last"]

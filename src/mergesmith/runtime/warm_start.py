@@ -54,7 +54,7 @@ def _holds_something(out_dir: Path) -> bool:
 
 def _read_ahead(config_file: Path) -> None:
     try:
-        from ..validation.safe_yaml import load_documents
+        from ..io.safe_yaml import load_documents
 
         config = load_documents(config_file.read_text(), all_documents=False)  # refuses alias bombs unwalked
         directories = list(dict.fromkeys(_local_model_dirs(config, config_file.parent)))
