@@ -21,6 +21,7 @@ from mergesmith.engine.run import run_merge
 from mergesmith.errors import CheckpointError, OutputError
 from mergesmith.io.checkpoint import Checkpoint
 from mergesmith.io.lora_adapter import LoraCheckpoint
+from mergesmith.io.references import open_checkpoint
 from mergesmith.lora.extract import extract_lora
 from tests.helpers import load_causal_lm, read_state_dict
 
@@ -67,7 +68,7 @@ def peft_adapter(tiny_models: Any, tmp_path_factory: pytest.TempPathFactory) -> 
 def test_lora_input_matches_peft_merge(peft_adapter: tuple[Path, Path, dict]) -> None:
     """Every tensor read through `base+adapter` equals PEFT's merge_and_unload, read lazily."""
     base, adapter, merged = peft_adapter
-    ckpt = Checkpoint.open(f"{base}+{adapter}")
+    ckpt = open_checkpoint(f"{base}+{adapter}")
     assert isinstance(ckpt, LoraCheckpoint) and ckpt.root == base
     assert set(ckpt.tensors) == set(merged)
     changed = 0
@@ -103,19 +104,19 @@ def test_lora_input_in_a_merge(peft_adapter: tuple[Path, Path, dict], tmp_path: 
 def test_lora_ref_problems_are_one_line(peft_adapter: tuple[Path, Path, dict], tmp_path: Path) -> None:
     base, adapter, _ = peft_adapter
     with pytest.raises(CheckpointError, match="cannot read as model\\+lora"):
-        Checkpoint.open(f"{base}+{tmp_path / 'missing'}")
+        open_checkpoint(f"{base}+{tmp_path / 'missing'}")
     bad = tmp_path / "dora"
     shutil.copytree(adapter, bad)
     cfg = json.loads((bad / "adapter_config.json").read_text())
     (bad / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     with pytest.raises(CheckpointError, match="DoRA"):
-        Checkpoint.open(f"{base}+{bad}")
+        open_checkpoint(f"{base}+{bad}")
     (bad / "adapter_config.json").write_text(json.dumps({**cfg, "r": 3}))
     with pytest.raises(CheckpointError, match="rank 4 but the config says r=3"):
-        Checkpoint.open(f"{base}+{bad}")
+        open_checkpoint(f"{base}+{bad}")
     (bad / "adapter_config.json").write_text(json.dumps({**cfg, "peft_type": "IA3"}))
     with pytest.raises(CheckpointError, match="only LORA"):
-        Checkpoint.open(f"{base}+{bad}")
+        open_checkpoint(f"{base}+{bad}")
 
 
 def _peft_logits(base: Path, adapter: Path, merge: bool = True) -> torch.Tensor:
@@ -152,7 +153,7 @@ def test_extract_error_shrinks_with_rank_and_vanishes_at_full_rank(tiny_models: 
         errors.append(float((_peft_logits(base, tmp_path / f"r{rank}") - target).abs().max()))
     assert all(a > b for a, b in zip(errors, errors[1:])), errors
     assert errors[-1] < 1e-4 < errors[0], errors
-    back = Checkpoint.open(f"{base}+{tmp_path / 'r32'}")
+    back = open_checkpoint(f"{base}+{tmp_path / 'r32'}")
     want = read_state_dict(ft)
     for name in back.tensors:
         torch.testing.assert_close(back.get(name), want[name], atol=1e-5, rtol=1e-4, msg=name)
@@ -187,7 +188,7 @@ def test_extract_tied_embeddings_biases_and_embed_lora(tiny_models: Any, tmp_pat
     torch.testing.assert_close(factored_logits, target, atol=1e-4, rtol=1e-4)
     want = read_state_dict(ft)
     for adapter in ("whole", "factored"):  # read back as an input: the fine-tune's tensors, biases included
-        back = Checkpoint.open(f"{base}+{tmp_path / adapter}")
+        back = open_checkpoint(f"{base}+{tmp_path / adapter}")
         for name in ("model.embed_tokens.weight", "model.layers.1.self_attn.k_proj.bias"):
             torch.testing.assert_close(back.get(name), want[name], atol=1e-5, rtol=1e-4, msg=name)
 
@@ -292,15 +293,15 @@ def test_adapter_config_is_part_of_the_identity(peft_adapter: tuple[Path, Path, 
     base, adapter, _ = peft_adapter
     copy = tmp_path / "adapter"
     shutil.copytree(adapter, copy)
-    before = Checkpoint.open(f"{base}+{copy}")
+    before = open_checkpoint(f"{base}+{copy}")
     identity = before.identity()
     assert before.tokenizer_root == base
     q = "model.layers.0.self_attn.q_proj.weight"
     cfg = json.loads((copy / "adapter_config.json").read_text())
     (copy / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": 2 * cfg["lora_alpha"]}))
-    after = Checkpoint.open(f"{base}+{copy}")
+    after = open_checkpoint(f"{base}+{copy}")
     assert after.identity() != identity
     plain = Checkpoint.open(str(base)).get(q)
     torch.testing.assert_close(after.get(q) - plain, 2 * (before.get(q) - plain), atol=1e-6, rtol=1e-4)
     shutil.copy2(base / "tokenizer.json", copy / "tokenizer.json")
-    assert Checkpoint.open(f"{base}+{copy}").tokenizer_root == copy
+    assert open_checkpoint(f"{base}+{copy}").tokenizer_root == copy

@@ -17,6 +17,7 @@ from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.direct_read import pool_bytes
 from ..io.dtypes import dtype_size, is_float, parse_config_dtype
+from ..io.references import open_checkpoint
 from ..methods import MethodSpec, require_method
 from ..methods.keyed_random import STREAM_NAME as KEYED_STREAM
 from ..runtime.devices import resolve_device
@@ -530,7 +531,7 @@ class Planner:
             files.extend(tokenizer_files)
         elif self.options.copy_tokenizer:
             tok_ref = self._tokenizer_source()
-            tok_root = self.ckpts[tok_ref].root if tok_ref in self.ckpts else Checkpoint.open(tok_ref).root
+            tok_root = self.ckpts[tok_ref].root if tok_ref in self.ckpts else open_checkpoint(tok_ref).root
             for name in TOKENIZER_FILES:
                 if (tok_root / name).is_file():
                     files.append((str(tok_root / name), name))

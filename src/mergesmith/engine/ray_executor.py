@@ -32,6 +32,7 @@ from typing import Any
 from ..errors import CheckpointError, ConfigError, MergeInterrupted, MergesmithError, OutputError
 from ..io.checkpoint import Checkpoint, resolve_model_path
 from ..io.journal import Journal
+from ..io.references import open_checkpoint
 from .executor import LocalExecutor, ProgressEvent
 from .plan import Plan, ShardPlan
 
@@ -83,7 +84,7 @@ def _open_inputs(plan: Plan, shard: ShardPlan, paths: dict[str, str]) -> dict[st
     """Open the inputs this shard reads and check they are the files the driver planned from."""
     checkpoints: dict[str, Checkpoint] = {}
     for ref in sorted({i.model for recipe in shard.recipes for i in recipe.inputs}):
-        ckpt = Checkpoint.open(paths[ref])
+        ckpt = open_checkpoint(paths[ref])
         ckpt.ref = ref
         expected = plan.input_identities.get(ref)
         if expected is not None and [list(x) for x in ckpt.identity()] != [list(x) for x in expected]:

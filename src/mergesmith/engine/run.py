@@ -43,6 +43,7 @@ from ..io import safe_fs
 from ..io._test_hooks import kill_point
 from ..io.checkpoint import Checkpoint
 from ..io.journal import STATE_DIR, Journal, ensure_writable_dir, partial_path, refuse_non_directory
+from ..io.references import open_checkpoint
 from ..io.safetensors_writer import file_checksum, write_file_atomic
 from ..methods import require_method
 from .executor import LocalExecutor, ProgressEvent
@@ -78,7 +79,7 @@ def as_config(config: str | Path | MergeConfiguration, strict: bool = False) -> 
 
 def open_checkpoints(config: MergeConfiguration) -> dict[str, Checkpoint]:
     """Open (and validate the headers of) every model the config names."""
-    return {ref: Checkpoint.open(ref) for ref in config.referenced_models()}
+    return {ref: open_checkpoint(ref) for ref in config.referenced_models()}
 
 
 def build_plan(

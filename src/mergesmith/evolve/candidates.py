@@ -28,6 +28,7 @@ from ..engine.planner import MergeOptions, Planner
 from ..errors import ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import to_torch
+from ..io.references import open_checkpoint
 
 CANDIDATE_DIR = "candidate"
 SMALL_MODEL_BYTES = 64 << 20
@@ -60,7 +61,7 @@ def plan_candidate(
     cfg = parse_config(config, source)
     missing = [ref for ref in cfg.referenced_models() if ref not in checkpoints]
     for ref in missing:
-        checkpoints[ref] = Checkpoint.open(ref)
+        checkpoints[ref] = open_checkpoint(ref)
     options = MergeOptions(
         copy_tokenizer=False,
         write_model_card=False,
@@ -171,7 +172,7 @@ def load_tokenizer(genome_models: list[str], base_model: str | None, tokenizer_s
             "with one model's tokenizer: name the base or one of the models"
         )
     ref = tokenizer_source if tokenizer_source not in (None, "base") else (base_model or genome_models[0])
-    root = Checkpoint.open(ref).root
+    root = open_checkpoint(ref).root
     try:
         tok = AutoTokenizer.from_pretrained(str(root), trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - any failure to load is the user's model directory

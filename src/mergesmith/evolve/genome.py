@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..io.checkpoint import Checkpoint
+from ..io.references import open_checkpoint
 from ..methods import MethodSpec, require_method
 from .config import GenomeDefinition
 
@@ -76,7 +76,7 @@ class Genome:
             raise ConfigError(f"{source}: `genome.models`: slerp needs at least two models")
         layers: dict[str, int] = {}
         for ref in [*definition.models, *([definition.base_model] if definition.base_model else [])]:
-            ckpt = Checkpoint.open(ref)
+            ckpt = open_checkpoint(ref)
             n = (ckpt.config or {}).get("num_hidden_layers")
             if not isinstance(n, int):
                 raise ConfigError(f"{source}: model {ref!r}: its config.json has no `num_hidden_layers`")

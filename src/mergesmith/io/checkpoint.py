@@ -223,11 +223,9 @@ class Checkpoint:
     # ----- opening -------------------------------------------------------------------------
     @classmethod
     def open(cls, ref: str) -> Checkpoint:
-        """Open `ref` (directory, file, cached hub id, or `model+lora`), validating every header up front."""
-        if "+" in ref and not Path(ref).expanduser().exists():
-            from .lora_adapter import LoraCheckpoint
+        """Open `ref` (directory, file or cached hub id), validating every header up front.
 
-            return LoraCheckpoint.open_ref(ref)
+        A `model+lora` reference is opened by `io.references.open_checkpoint`, which knows every form."""
         path = resolve_model_path(ref)
         root = path if path.is_dir() else path.parent
         config = _read_config(root / "config.json") if (root / "config.json").is_file() else None

@@ -109,10 +109,10 @@ class LoraCheckpoint(Checkpoint):
         )
 
     @classmethod
-    def open_ref(cls, ref: str) -> LoraCheckpoint:
-        """Open `model+lora`: validate the adapter against the model's headers, read nothing else."""
-        model_ref, adapter_dir = split_lora_ref(ref)
-        base = Checkpoint.open(model_ref)
+    def over(cls, ref: str, base: Checkpoint, adapter_dir: Path) -> LoraCheckpoint:
+        """`base` seen through the adapter in `adapter_dir` (for the reference `ref`, `model+lora`): validate
+        the adapter against the model's headers, read nothing else. The base is opened by the caller
+        (io.references), which knows every form a model reference takes."""
         config_path = adapter_dir / ADAPTER_CONFIG
         try:
             lora_config = json.loads(config_path.read_text(encoding="utf-8"))

@@ -44,6 +44,7 @@ from ..io.checkpoint import Checkpoint
 from ..io.dtypes import from_torch, is_float
 from ..io.journal import refuse_non_directory
 from ..io.lora_adapter import ADAPTER_CONFIG, PEFT_PREFIX
+from ..io.references import open_checkpoint
 from ..io.safetensors_writer import ShardWriter, write_file_atomic
 from ..runtime.devices import resolve_device
 
@@ -112,7 +113,7 @@ def extract_lora(
         raise ConfigError(f"`--sv-epsilon` must not be negative, got {sv_epsilon}")
     out = Path(out_dir)
     _check_out(out, overwrite)
-    ft, bs = Checkpoint.open(model), Checkpoint.open(base)
+    ft, bs = open_checkpoint(model), open_checkpoint(base)
     extra = sorted(set(ft.tensors) - set(bs.tensors))
     if extra:
         raise CheckpointError(f"model {model!r} has tensors the base lacks, e.g. {extra[0]!r}; not a fine-tune of it")

@@ -20,6 +20,7 @@ from ..engine.run import MergeResult, execute_plan
 from ..errors import OutputError
 from ..io.checkpoint import Checkpoint
 from ..io.journal import STATE_DIR, Journal, refuse_non_directory
+from ..io.references import open_checkpoint
 from .config import MoEConfiguration, load_moe_config, validate_moe_config
 from .planner import MoEPlanner
 from .router import ROUTER_MODEL, GateJob, GateProgress
@@ -49,7 +50,7 @@ def build_moe_plan(
         options.random_seed = (
             previous.random_seed if previous and previous.random_seed is not None else secrets.randbelow(2**31)
         )
-    checkpoints = {ref: Checkpoint.open(ref) for ref in cfg.referenced_models()}
+    checkpoints = {ref: open_checkpoint(ref) for ref in cfg.referenced_models()}
     plan, gates = MoEPlanner(cfg, checkpoints, options, source).build()
     plan.warnings[:0] = cfg.warnings  # what reading the config ignored, first
     return plan, checkpoints, gates

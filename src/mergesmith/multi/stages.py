@@ -38,8 +38,9 @@ from ..engine.planner import MergeOptions
 from ..engine.run import MergeResult, build_plan, execute_plan
 from ..errors import CheckpointError, ConfigError, MergesmithError
 from ..io import safe_fs
-from ..io.checkpoint import Checkpoint, resolve_model_path
+from ..io.checkpoint import resolve_model_path
 from ..io.journal import Journal
+from ..io.references import open_checkpoint
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -136,7 +137,7 @@ def _check_input(source: Path, stage: Stage, ref: str, checked: set[str]) -> Non
         return
     checked.add(ref)
     try:
-        Checkpoint.open(ref).close()
+        open_checkpoint(ref).close()
     except CheckpointError as exc:
         raise CheckpointError(f"{source}: {stage.label}: {exc}") from None
 

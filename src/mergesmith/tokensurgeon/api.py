@@ -18,6 +18,7 @@ from ..engine.planner import MergeOptions
 from ..engine.run import MergeResult, execute_plan
 from ..io.checkpoint import Checkpoint
 from ..io.journal import Journal, refuse_non_directory
+from ..io.references import open_checkpoint
 from .planner import SurgeryOptions, TokenSurgeonPlanner
 
 
@@ -42,8 +43,8 @@ def build_tokensurgeon_plan(
             previous.random_seed if previous and previous.random_seed is not None else secrets.randbelow(2**31)
         )
     base_ref, donor_ref = str(base), str(donor)
-    base_ck = Checkpoint.open(base_ref)
-    donor_ck = base_ck if donor_ref == base_ref else Checkpoint.open(donor_ref)
+    base_ck = open_checkpoint(base_ref)
+    donor_ck = base_ck if donor_ref == base_ref else open_checkpoint(donor_ref)
     planner = TokenSurgeonPlanner(base_ck, donor_ck, options, surgery, base_ref, donor_ref)
     plan, counts = planner.build()
     return plan, {base_ref: base_ck, donor_ref: donor_ck}, counts

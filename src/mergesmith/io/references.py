@@ -1,0 +1,21 @@
+"""Opening a model by the reference a config gives: a directory, a file, a cached hub id, or `model+lora`.
+
+Why a module of its own: the plain reader (checkpoint.py) and the LoRA view over it (lora_adapter.py)
+sit one above the other; the choice between them, by the form of the reference, sits above both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .checkpoint import Checkpoint
+from .lora_adapter import LoraCheckpoint, split_lora_ref
+
+
+def open_checkpoint(ref: str) -> Checkpoint:
+    """Open `ref`, validating every header up front; `model+lora` reads as the model with the adapter merged in
+    (the model part may itself be any reference)."""
+    if "+" in ref and not Path(ref).expanduser().exists():
+        model_ref, adapter_dir = split_lora_ref(ref)
+        return LoraCheckpoint.over(ref, open_checkpoint(model_ref), adapter_dir)
+    return Checkpoint.open(ref)
