@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from mergesmith.engine.architecture import PER_LAYER_KEYS
-from mergesmith.engine.planner import MergeOptions
+from mergesmith.engine.planning import MergeOptions
 from mergesmith.engine.run import run_merge
 from tests.helpers import DEFAULT_TOKEN_IDS, read_state_dict
 

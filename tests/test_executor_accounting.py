@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from mergesmith.engine.executor import ProgressEvent
-from mergesmith.engine.planner import MergeOptions
+from mergesmith.engine.planning import MergeOptions
 from mergesmith.engine.run import run_merge
 from mergesmith.errors import MergeInterrupted
 
@@ -111,7 +111,7 @@ def _record_budgets(monkeypatch: Any) -> list[Any]:
 
 
 def test_the_memory_budget_bounds_the_bytes_in_flight(tmp_path: Path, tiny_models: Any, monkeypatch: Any) -> None:
-    from mergesmith.engine.planner import automatic_budget, recipe_memory
+    from mergesmith.engine.planning import automatic_budget, recipe_memory
 
     cfg = _linear_config(tmp_path, tiny_models)
     budgets = _record_budgets(monkeypatch)
@@ -138,7 +138,7 @@ def test_the_memory_budget_bounds_the_bytes_in_flight(tmp_path: Path, tiny_model
 
 
 def test_automatic_budget_lets_the_giants_take_turns_but_not_alike_tensors() -> None:
-    from mergesmith.engine.planner import automatic_budget
+    from mergesmith.engine.planning import automatic_budget
 
     assert automatic_budget([10] * 8, 4) == 40  # tensors all alike: four at a time
     # llama-like: embedding and head of 100, MLP matrices of 18, attention of 6 (size-weighted median: 18)

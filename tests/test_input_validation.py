@@ -579,7 +579,7 @@ def test_map_guard_leaves_other_sigbus_alone() -> None:
 def test_strict_refuses_nan_in_an_input_on_ray(tmp_path: Path, poisoned: Path, tuned: list[Path]) -> None:
     """The Ray executor's workers run the same check; --strict reaches them (their warnings stay there)."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'mergesmith[ray]')")
-    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.planning import MergeOptions
     from mergesmith.engine.run import run_merge
     from mergesmith.errors import CheckpointError
 

@@ -21,7 +21,7 @@ import yaml
 
 from mergesmith.cli import main
 from mergesmith.engine.executor import ProgressEvent
-from mergesmith.engine.planner import MergeOptions
+from mergesmith.engine.planning import MergeOptions
 from mergesmith.engine.run import run_merge
 from mergesmith.errors import MergeInterrupted
 from mergesmith.io.journal import STATE_DIR, Journal

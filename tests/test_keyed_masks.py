@@ -154,7 +154,7 @@ def three_models(tiny_models):
 
 def _run(method, models, out: Path, *, threads=1, max_memory=None, stop_after=None, shard=40_000):
     from mergesmith.config import parse_config
-    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.planning import MergeOptions
     from mergesmith.engine.run import run_merge
 
     base, a, b = models

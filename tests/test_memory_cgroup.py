@@ -166,7 +166,7 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import mergesmith
 
     mergesmith.merge_raw(config, root / "ref", out_shard_size="20M", threads=2)
-    from mergesmith.engine.planner import MergeOptions, automatic_budget, recipe_memory
+    from mergesmith.engine.planning import MergeOptions, automatic_budget, recipe_memory
     from mergesmith.raw.merge import build_raw_plan
 
     plan, _checkpoints = build_raw_plan(config, MergeOptions(threads=THREADS))

@@ -226,7 +226,7 @@ def test_keyed_masks_are_not_mergekits(case, inputs):
 
 
 def _run_mergesmith(case: str, out_dir: Path) -> dict[str, torch.Tensor]:
-    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.planning import MergeOptions
     from mergesmith.engine.run import run_merge
 
     options = MergeOptions(random_seed=MANIFEST["cases"][case]["random_seed"], copy_tokenizer=False)

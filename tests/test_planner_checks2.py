@@ -111,7 +111,7 @@ def _linear_cfg(tmp_path: Path, tiny_models: Any) -> Path:
 def test_run_merge_on_a_missing_device_is_a_user_error_before_anything_is_written(
     tmp_path, tiny_models, no_gpu, device
 ):
-    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.planning import MergeOptions
     from mergesmith.engine.run import run_merge
     from mergesmith.errors import ConfigError
 
@@ -122,7 +122,7 @@ def test_run_merge_on_a_missing_device_is_a_user_error_before_anything_is_writte
 
 
 def test_run_merge_device_auto_falls_back_to_cpu(tmp_path, tiny_models, no_gpu):
-    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.planning import MergeOptions
     from mergesmith.engine.run import build_plan, run_merge
 
     cfg = _linear_cfg(tmp_path, tiny_models)
@@ -134,7 +134,7 @@ def test_run_merge_device_auto_falls_back_to_cpu(tmp_path, tiny_models, no_gpu):
 
 
 def test_device_is_not_checked_for_the_ray_executor(tmp_path, tiny_models, no_gpu):
-    from mergesmith.engine.planner import MergeOptions
+    from mergesmith.engine.planning import MergeOptions
     from mergesmith.engine.run import build_plan
 
     options = MergeOptions(device="cuda", executor="ray")
@@ -259,7 +259,7 @@ def test_recipe_memory_covers_the_measured_peak(memory_inputs, method, store, co
     import torch
 
     from mergesmith.engine.executor import compute as compute_recipe
-    from mergesmith.engine.planner import recipe_memory
+    from mergesmith.engine.planning import recipe_memory
     from mergesmith.io.dtypes import dtype_size, to_torch
 
     n = 4
@@ -302,7 +302,7 @@ def test_recipe_memory_of_tensors_larger_than_a_mix_chunk(large_memory_inputs, m
     from mergesmith.engine.blocks import block_numel, row_blocks
     from mergesmith.engine.executor import Gathered
     from mergesmith.engine.executor import compute as compute_recipe
-    from mergesmith.engine.planner import recipe_memory
+    from mergesmith.engine.planning import recipe_memory
     from mergesmith.io.dtypes import dtype_size, to_torch
     from mergesmith.methods import get_method
 

@@ -13,7 +13,7 @@ import yaml
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'mergesmith[ray]')")
 
 from mergesmith.cli import main  # noqa: E402
-from mergesmith.engine.planner import MergeOptions  # noqa: E402
+from mergesmith.engine.planning import MergeOptions  # noqa: E402
 from mergesmith.engine.ray_executor import KILL_ONCE_ENV  # noqa: E402
 from mergesmith.engine.run import build_plan, execute_plan, run_merge  # noqa: E402
 from mergesmith.errors import CheckpointError, MergeInterrupted, MergesmithError  # noqa: E402

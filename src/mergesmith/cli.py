@@ -156,7 +156,7 @@ def _raw_merge_options(f: Any) -> Any:
 
 
 def _options(kw: dict[str, Any]):
-    from .engine.planner import MergeOptions
+    from .engine.planning import MergeOptions
 
     executor = kw.get("executor") or "local"
     if kw.get("ray_address") and executor != "ray":

@@ -33,7 +33,7 @@ from .blocks import row_blocks, two_pass
 from .input_feed import InputFeed, open_feed
 from .nonfinite import NonFiniteMonitor
 from .plan import InputRef, Plan, ShardPlan, TensorRecipe
-from .planner import automatic_budget, recipe_memory
+from .planning import automatic_budget, recipe_memory
 
 JOURNAL_INTERVAL_S = 1.0
 PREFETCH_BYTES = 512 << 20

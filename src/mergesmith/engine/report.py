@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import OutputError
 from ..io.checkpoint import Checkpoint
 from .plan import Plan
-from .planner import MergeOptions
+from .planning import MergeOptions
 
 PROBE_BYTES = 256 << 20
 

@@ -48,7 +48,8 @@ from ..io.safetensors_writer import file_checksum, write_file_atomic
 from ..methods import require_method
 from .executor import LocalExecutor, ProgressEvent
 from .plan import Plan
-from .planner import MergeOptions, Planner
+from .planner import Planner
+from .planning import MergeOptions
 from .report import over_budget_warning
 
 try:
@@ -127,7 +128,7 @@ def completion_marker(plan: Plan) -> str:
 def _owned_outputs(out_dir: Path) -> list[Path]:
     """Files a merge writes (and so may remove with --overwrite); other files are left alone."""
     names = {"config.json", INDEX_NAME, "README.md", "mergesmith_config.yml", "generation_config.json"}
-    from .planner import TOKENIZER_FILES
+    from .planning import TOKENIZER_FILES
 
     names.update(TOKENIZER_FILES)
     # config.json and the index go first: a directory that still has them must still have every shard.

@@ -24,7 +24,8 @@ import torch
 from ..config import parse_config
 from ..engine.executor import compute
 from ..engine.plan import Plan
-from ..engine.planner import MergeOptions, Planner
+from ..engine.planner import Planner
+from ..engine.planning import MergeOptions
 from ..errors import ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import to_torch

@@ -141,7 +141,7 @@ class MethodSpec:
       c the compute dtype's size: the inputs (read or converted), the method's stacked copies and
       temporaries, and dtype-independent ones (int64 sort indices, float32 magnitudes). Measured peaks of
       the allocations (torch profiler) plus the inputs at the compute width, with a margin; see
-      `planner.recipe_memory` and tests/test_planner_checks2.py.
+      `engine.planning.recipe_memory` and tests/test_planner_checks2.py.
     - `memory_chunked`, `memory_chunk_elements`: for a method that does part of its work in chunks of at
       most `memory_chunk_elements` entries (the task-vector family mixes in chunks), that part's temporaries
       are (per input, fixed) compute-dtype copies over min(e, chunk) entries, not over the whole tensor.

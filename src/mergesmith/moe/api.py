@@ -15,7 +15,7 @@ from typing import Any
 
 from ..engine.executor import ProgressEvent
 from ..engine.plan import Plan
-from ..engine.planner import MergeOptions
+from ..engine.planning import MergeOptions
 from ..engine.run import MergeResult, execute_plan
 from ..errors import OutputError
 from ..io.checkpoint import Checkpoint

@@ -30,7 +30,7 @@ from ..engine.architecture import (
     ties_embeddings,
 )
 from ..engine.plan import Estimate, InputRef, Plan, TensorRecipe
-from ..engine.planner import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
+from ..engine.planning import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import dtype_size, is_float, parse_config_dtype

@@ -34,7 +34,7 @@ from typing import Any
 from ..config import parse_config, read_yaml
 from ..engine.executor import ProgressEvent
 from ..engine.plan import Plan
-from ..engine.planner import MergeOptions
+from ..engine.planning import MergeOptions
 from ..engine.run import MergeResult, build_plan, execute_plan
 from ..errors import CheckpointError, ConfigError, MergesmithError
 from ..io import safe_fs

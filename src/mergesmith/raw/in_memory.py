@@ -130,7 +130,7 @@ def merge_state_dicts(
     merges it from those that hold it. Problems raise ConfigError/CheckpointError with one line.
     """
     from ..engine.executor import compute
-    from ..engine.planner import MergeOptions
+    from ..engine.planning import MergeOptions
     from .merge import RawPlanner, check_raw_config
 
     names, states = _as_list(state_dicts)

@@ -25,7 +25,8 @@ from typing import Any
 from ..config import ConditionalParameter, MergeConfiguration, Parameters, load_config
 from ..engine.executor import ProgressEvent
 from ..engine.plan import InputRef, Plan, TensorRecipe
-from ..engine.planner import MergeOptions, NormalizedSlice, Planner, SourceRange
+from ..engine.planner import NormalizedSlice, Planner, SourceRange
+from ..engine.planning import MergeOptions
 from ..engine.run import MergeResult, choose_random_seed, execute_plan, open_checkpoints
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint

@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -42,7 +42,25 @@ from .build import VocabularyBuild, build_vocabulary, load_tokenizer, require_tr
 from .templates import resolve_chat_template
 
 if TYPE_CHECKING:
-    from ..engine.planner import Planner
+    from ..config import MergeConfiguration
+    from ..engine.architecture import LayerStack
+    from ..engine.planning import MergeOptions
+    from ..io.checkpoint import Checkpoint
+
+
+class Planner(Protocol):
+    """What a vocabulary step (this one, tokensurgeon/merge.py's transplant) reads from the merge planner
+    that calls it (engine/planner.py), described here so the steps need not import the planner above them."""
+
+    config: MergeConfiguration
+    options: MergeOptions
+    source: str  # where the config came from, for error lines
+    ckpts: dict[str, Checkpoint]
+    base: Checkpoint
+    base_ref: str
+    compute_dtype: str
+    stacks: dict[str, LayerStack | None]
+    transplant_summary: dict[str, Any]  # what a transplant did, for the plan's report
 
 # Load-time arguments transformers 5 writes back into tokenizer_config.json; a saved
 # `local_files_only: true` would make the published model refuse to load from the hub.

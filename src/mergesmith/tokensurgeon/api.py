@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..engine.executor import ProgressEvent
 from ..engine.plan import Plan
-from ..engine.planner import MergeOptions
+from ..engine.planning import MergeOptions
 from ..engine.run import MergeResult, execute_plan
 from ..io.checkpoint import Checkpoint
 from ..io.journal import Journal, refuse_non_directory

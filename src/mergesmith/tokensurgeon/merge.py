@@ -17,20 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..engine.architecture import LM_HEAD_NAMES, embedding_for_head
 from ..engine.plan import InputRef, TensorRecipe
 from ..errors import CheckpointError, ConfigError
-from ..tokenizer.planning import TokenizerPlan
+from ..tokenizer.planning import Planner, TokenizerPlan
 from .planner import _tokenizer_root, staged_generation_config
 from .table import TransplantTable, register, transplant_rows
 from .vocab import Vocabulary, assign_rows, load_vocabulary
-
-if TYPE_CHECKING:
-    from ..engine.planner import Planner
 
 PREFIX = "transplant:"
 MERGE_OP = "transplant_merge"
@@ -47,7 +44,7 @@ def transplant_donor(source: str | None) -> str | None:
 def plan_transplant(planner: Planner, recipes: list[TensorRecipe], source: str) -> TokenizerPlan:
     """Rewrite the embedding and lm_head recipes of a merge to transplant every input onto the donor's
     vocabulary before merging; the output gets the donor's tokenizer files, vocab size and token ids."""
-    from ..engine.planner import TOKENIZER_FILES
+    from ..engine.planning import TOKENIZER_FILES
 
     donor_ref = transplant_donor(source) or ""
     key = f"{planner.source}: `tokenizer_source`"

@@ -27,7 +27,7 @@ import yaml
 
 from ..engine.architecture import LM_HEAD_NAMES, embedding_for_head, find_layer_stack, ties_embeddings
 from ..engine.plan import InputRef, Plan, TensorRecipe
-from ..engine.planner import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
+from ..engine.planning import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
 from ..tokenizer.align import staging_root, write_atomic
