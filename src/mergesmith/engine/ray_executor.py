@@ -7,7 +7,7 @@ from (size, mtime and header hash, as in the plan's fingerprint: a node that mou
 fails loudly instead of writing a wrong shard), and runs `LocalExecutor` on its one shard, which
 writes the shard under `.mergesmith/partial/`, fsyncs it and renames it into place. The driver owns
 the journal: it records each shard as its task returns, so an interrupted Ray merge resumes exactly
-like a local one (with either executor), and `api.execute_plan` writes the index and config.json
+like a local one (with either executor), and `engine.run.execute_plan` writes the index and config.json
 after the last shard, as always.
 
 A task whose worker process dies (killed, out of memory, node lost) is retried by Ray up to

@@ -108,9 +108,15 @@ def build_plan(
 
 
 def choose_random_seed(cfg: MergeConfiguration, source: str, options: MergeOptions, out_dir: str | Path | None) -> None:
-    """Set `options.random_seed` for a randomised method without one: the seed an interrupted run in
-    `out_dir` recorded (so the rerun plans the same bytes and resumes), or a new one."""
-    if require_method(cfg.merge_method, source).randomized and options.random_seed is None:
+    """Set `options.random_seed` for a randomised method without one (see `reuse_or_draw_seed`)."""
+    if require_method(cfg.merge_method, source).randomized:
+        reuse_or_draw_seed(options, out_dir)
+
+
+def reuse_or_draw_seed(options: MergeOptions, out_dir: str | Path | None) -> None:
+    """Without a seed in `options`: the seed an interrupted run in `out_dir` recorded (so the rerun plans the
+    same bytes and resumes), or a new one. Every planner whose output draws random numbers asks this."""
+    if options.random_seed is None:
         previous = Journal.load(Path(out_dir)) if out_dir is not None else None
         options.random_seed = (
             previous.random_seed if previous and previous.random_seed is not None else secrets.randbelow(2**31)
@@ -335,6 +341,46 @@ def _write_index_and_config(out_dir: Path, plan: Plan) -> None:
         write_file_atomic(out_dir / "config.json", (json.dumps(plan.output_config, indent=2) + "\n").encode())
 
 
+@dataclass
+class RunControls:
+    """How a run into a directory is driven, the same for every command: `execute_plan`'s keywords."""
+
+    overwrite: bool = False
+    force: bool = False
+    on_plan: Callable[[Plan], None] | None = None
+    on_progress: Callable[[ProgressEvent], None] | None = None
+    stop: threading.Event | None = None
+    verify: bool = False
+
+
+def run_planned(
+    plan_into: Callable[[MergeOptions, Path], tuple[Plan, dict[str, Any]]],
+    out_dir: str | Path,
+    options: MergeOptions | None,
+    controls: RunControls,
+) -> MergeResult:
+    """The sequence every command that writes a model runs: start the clock, plan (`plan_into`, given the
+    options and the output directory, returns the plan and its opened inputs), write the plan with
+    `execute_plan`. Merge, raw merge, MoE and tokensurgeon differ only in their `plan_into`."""
+    started = time.monotonic()
+    out = Path(out_dir)
+    options = options or MergeOptions()
+    plan, inputs = plan_into(options, out)
+    return execute_plan(
+        plan,
+        inputs,
+        out,
+        options,
+        overwrite=controls.overwrite,
+        force=controls.force,
+        on_plan=controls.on_plan,
+        on_progress=controls.on_progress,
+        stop=controls.stop,
+        started=started,
+        verify=controls.verify,
+    )
+
+
 def run_merge(
     config: str | Path | MergeConfiguration,
     out_dir: str | Path,
@@ -349,27 +395,17 @@ def run_merge(
 ) -> MergeResult:
     """Merge into `out_dir`; rerunning after an interruption resumes where it stopped (`verify`: see
     `execute_plan`)."""
-    started = time.monotonic()
-    out = Path(out_dir)
-    refuse_non_directory(out)
-    options = options or MergeOptions()
-    plan, checkpoints = build_plan(config, options, out)
-    over_budget = over_budget_warning(plan, options.max_memory)  # as `plan` says it, at the merge's start
-    if over_budget is not None and over_budget not in plan.warnings:
-        plan.warnings.append(over_budget)
-    return execute_plan(
-        plan,
-        checkpoints,
-        out,
-        options,
-        overwrite=overwrite,
-        force=force,
-        on_plan=on_plan,
-        on_progress=on_progress,
-        stop=stop,
-        started=started,
-        verify=verify,
-    )
+
+    def plan_into(options: MergeOptions, out: Path) -> tuple[Plan, dict[str, Checkpoint]]:
+        refuse_non_directory(out)
+        plan, checkpoints = build_plan(config, options, out)
+        over_budget = over_budget_warning(plan, options.max_memory)  # as `plan` says it, at the merge's start
+        if over_budget is not None and over_budget not in plan.warnings:
+            plan.warnings.append(over_budget)
+        return plan, checkpoints
+
+    controls = RunControls(overwrite, force, on_plan, on_progress, stop, verify)
+    return run_planned(plan_into, out_dir, options, controls)
 
 
 def execute_plan(

@@ -1,14 +1,12 @@
 """The MoE Python API: plan an assembly from headers, then compute router weights and write it.
 
-Writing goes through `api.execute_plan`, the output protocol every planner shares, so an MoE
+Writing goes through `engine.run.execute_plan`, the output protocol every planner shares, so an MoE
 assembly resumes after an interruption, checks the disk and reports progress like a merge.
 """
 
 from __future__ import annotations
 
-import secrets
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,7 @@ from typing import Any
 from ..engine.executor import ProgressEvent
 from ..engine.plan import Plan
 from ..engine.planning import MergeOptions
-from ..engine.run import MergeResult, execute_plan
+from ..engine.run import MergeResult, RunControls, reuse_or_draw_seed, run_planned
 from ..errors import OutputError
 from ..io.checkpoint import Checkpoint
 from ..io.journal import STATE_DIR, Journal, refuse_non_directory
@@ -45,11 +43,8 @@ def build_moe_plan(
     else:
         cfg = load_moe_config(config, allow_all_same=allow_all_same, strict=options.strict)
         source = str(config)
-    if cfg.needs_seed() and options.random_seed is None:
-        previous = Journal.load(Path(out_dir)) if out_dir is not None and Path(out_dir).is_dir() else None
-        options.random_seed = (
-            previous.random_seed if previous and previous.random_seed is not None else secrets.randbelow(2**31)
-        )
+    if cfg.needs_seed():
+        reuse_or_draw_seed(options, out_dir)
     checkpoints = {ref: open_checkpoint(ref) for ref in cfg.referenced_models()}
     plan, gates = MoEPlanner(cfg, checkpoints, options, source).build()
     plan.warnings[:0] = cfg.warnings  # what reading the config ignored, first
@@ -83,30 +78,19 @@ def run_moe(
     stop: threading.Event | None = None,
 ) -> MergeResult:
     """Assemble the MoE model into `out_dir`; rerunning after an interruption resumes where it stopped."""
-    started = time.monotonic()
-    out = Path(out_dir)
-    options = options or MergeOptions()
-    plan, checkpoints, gates = build_moe_plan(config, options, out, allow_all_same=allow_all_same)
-    _refuse_early(out, plan, overwrite)
-    # the planner's warnings (e.g. a router pass over --max-memory) before that pass, its own after
-    for warning in plan.warnings:
-        if on_warning is not None:
-            on_warning(warning)
-    router, router_warnings = gates.materialize(on_gate_progress)
-    plan.warnings.extend(router_warnings)
-    for warning in router_warnings:
-        if on_warning is not None:
-            on_warning(warning)
-    inputs: dict[str, Any] = {**checkpoints, ROUTER_MODEL: router}
-    return execute_plan(
-        plan,
-        inputs,
-        out,
-        options,
-        overwrite=overwrite,
-        force=force,
-        on_plan=on_plan,
-        on_progress=on_progress,
-        stop=stop,
-        started=started,
-    )
+
+    def plan_into(options: MergeOptions, out: Path) -> tuple[Plan, dict[str, Any]]:
+        plan, checkpoints, gates = build_moe_plan(config, options, out, allow_all_same=allow_all_same)
+        _refuse_early(out, plan, overwrite)
+        # the planner's warnings (e.g. a router pass over --max-memory) before that pass, its own after
+        for warning in plan.warnings:
+            if on_warning is not None:
+                on_warning(warning)
+        router, router_warnings = gates.materialize(on_gate_progress)
+        plan.warnings.extend(router_warnings)
+        for warning in router_warnings:
+            if on_warning is not None:
+                on_warning(warning)
+        return plan, {**checkpoints, ROUTER_MODEL: router}
+
+    return run_planned(plan_into, out_dir, options, RunControls(overwrite, force, on_plan, on_progress, stop))

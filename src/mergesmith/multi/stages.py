@@ -284,7 +284,7 @@ def run_multi(
     """Run every stage of a multi-stage file in dependency order; returns one result per stage, in run order.
 
     `lazy=False` reruns stages even when their output is complete (mergekit-multi's `--no-lazy`);
-    `verify=True` checksums a complete stage's shards before skipping it (see `api.execute_plan`).
+    `verify=True` checksums a complete stage's shards before skipping it (see `engine.run.execute_plan`).
     """
     source = str(config_path)
     stages = load_stages(config_path, strict=bool(options and options.strict))

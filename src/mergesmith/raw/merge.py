@@ -10,14 +10,13 @@ Planning reuses `Planner`'s recipe and parameter machinery with its architecture
 (no layer stacks, no tied-head lookup, no tokenizer, no model card); execution and the output
 protocol are the ordinary journaled ones, so raw merges resume, shard and run on Ray like any other.
 The output directory holds `model.safetensors` (or shards and an index) and `mergesmith_config.yml`;
-see `api.completion_marker` for what marks it complete when there is no config.json.
+see `engine.run.completion_marker` for what marks it complete when there is no config.json.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from ..engine.executor import ProgressEvent
 from ..engine.plan import InputRef, Plan, TensorRecipe
 from ..engine.planner import NormalizedSlice, Planner, SourceRange
 from ..engine.planning import MergeOptions
-from ..engine.run import MergeResult, choose_random_seed, execute_plan, open_checkpoints
+from ..engine.run import MergeResult, RunControls, choose_random_seed, open_checkpoints, run_planned
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import is_float
@@ -200,20 +199,10 @@ def run_raw_merge(
     verify: bool = False,
 ) -> MergeResult:
     """Merge state dicts into `out_dir`; rerunning after an interruption resumes where it stopped
-    (`verify`: see `api.execute_plan`)."""
-    started = time.monotonic()
-    options = options or MergeOptions()
-    plan, checkpoints = build_raw_plan(config, options, out_dir, tensor_set)
-    return execute_plan(
-        plan,
-        checkpoints,
-        out_dir,
-        options,
-        overwrite=overwrite,
-        force=force,
-        on_plan=on_plan,
-        on_progress=on_progress,
-        stop=stop,
-        started=started,
-        verify=verify,
-    )
+    (`verify`: see `engine.run.execute_plan`)."""
+
+    def plan_into(options: MergeOptions, out: Path) -> tuple[Plan, dict[str, Checkpoint]]:
+        return build_raw_plan(config, options, out, tensor_set)
+
+    controls = RunControls(overwrite, force, on_plan, on_progress, stop, verify)
+    return run_planned(plan_into, out_dir, options, controls)

@@ -1,4 +1,4 @@
-"""Run a tokenizer transplant: plan from headers and tokenizers, then write through `api.execute_plan`.
+"""Run a tokenizer transplant: plan from headers and tokenizers, then write through `engine.run.execute_plan`.
 
 Writing goes through the output protocol every planner shares, so a transplant resumes after an
 interruption, checks the disk and reports progress like a merge.
@@ -6,18 +6,16 @@ interruption, checks the disk and reports progress like a merge.
 
 from __future__ import annotations
 
-import secrets
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from ..engine.executor import ProgressEvent
 from ..engine.plan import Plan
 from ..engine.planning import MergeOptions
-from ..engine.run import MergeResult, execute_plan
+from ..engine.run import MergeResult, RunControls, reuse_or_draw_seed, run_planned
 from ..io.checkpoint import Checkpoint
-from ..io.journal import Journal, refuse_non_directory
+from ..io.journal import refuse_non_directory
 from ..io.references import open_checkpoint
 from .planner import SurgeryOptions, TokenSurgeonPlanner
 
@@ -37,11 +35,8 @@ def build_tokensurgeon_plan(
     surgery = surgery or SurgeryOptions()
     options = options or MergeOptions()
     surgery.check()
-    if surgery.needs_seed and options.random_seed is None:
-        previous = Journal.load(Path(out_dir)) if out_dir is not None and Path(out_dir).is_dir() else None
-        options.random_seed = (
-            previous.random_seed if previous and previous.random_seed is not None else secrets.randbelow(2**31)
-        )
+    if surgery.needs_seed:
+        reuse_or_draw_seed(options, out_dir)
     base_ref, donor_ref = str(base), str(donor)
     base_ck = open_checkpoint(base_ref)
     donor_ck = base_ck if donor_ref == base_ref else open_checkpoint(donor_ref)
@@ -64,21 +59,13 @@ def run_tokensurgeon(
     stop: threading.Event | None = None,
 ) -> tuple[MergeResult, dict[str, dict[str, int]]]:
     """Write BASE with DONOR's tokenizer into `out_dir`; rerunning after an interruption resumes."""
-    started = time.monotonic()
-    out = Path(out_dir)
-    refuse_non_directory(out)
-    options = options or MergeOptions()
-    plan, checkpoints, counts = build_tokensurgeon_plan(base, donor, surgery, options, out)
-    result = execute_plan(
-        plan,
-        checkpoints,
-        out,
-        options,
-        overwrite=overwrite,
-        force=force,
-        on_plan=on_plan,
-        on_progress=on_progress,
-        stop=stop,
-        started=started,
-    )
+    counts: dict[str, dict[str, int]] = {}
+
+    def plan_into(options: MergeOptions, out: Path) -> tuple[Plan, dict[str, Checkpoint]]:
+        refuse_non_directory(out)
+        plan, checkpoints, found = build_tokensurgeon_plan(base, donor, surgery, options, out)
+        counts.update(found)
+        return plan, checkpoints
+
+    result = run_planned(plan_into, out_dir, options, RunControls(overwrite, force, on_plan, on_progress, stop))
     return result, counts
