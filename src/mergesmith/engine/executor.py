@@ -305,8 +305,21 @@ def advise_inputs(
             ckpt.advise(ref.tensor, advice, start * row_bytes, end * row_bytes)
 
 
-class LocalExecutor:
-    """Runs every unfinished shard of a plan into `out_dir`, journaling as it goes."""
+@dataclass(frozen=True)
+class ExecutionSettings:
+    """How a plan is run, whichever executor runs it (from the merge options): none of it changes output bytes."""
+
+    threads: int = 1
+    max_memory: int | None = None  # bytes in flight; None: the automatic budget
+    device: str = "cpu"
+    strict: bool = False  # NaN/inf in an input or output is an error, not a warning
+
+
+class Executor:
+    """What every executor is given: the plan, its opened inputs, the output directory and its journal, the
+    settings, and where to report progress and when to stop. Each runs the plan's unfinished shards (`run`)
+    and journals the finished ones, so either executor resumes a run the other began (LocalExecutor here,
+    RayExecutor in ray_executor.py)."""
 
     def __init__(
         self,
@@ -314,25 +327,44 @@ class LocalExecutor:
         checkpoints: dict[str, Checkpoint],
         out_dir: Path,
         journal: Journal,
+        settings: ExecutionSettings | None = None,
         *,
-        threads: int = 1,
-        max_memory: int | None = None,
-        device: str = "cpu",
         on_progress: Callable[[ProgressEvent], None] | None = None,
         stop: threading.Event | None = None,
-        watch_memory: bool = True,
-        strict: bool = False,
     ) -> None:
         self.plan = plan
-        self.watch_memory = watch_memory
         self.ckpts = checkpoints
         self.out_dir = out_dir
         self.journal = journal
-        self.threads = max(1, threads)
-        self.budget = MemoryBudget(max_memory)
-        self.device = torch.device(resolve_device(device, check=False))  # `auto` from a caller; checked at plan time
+        self.settings = settings or ExecutionSettings()
+        self.threads = max(1, self.settings.threads)
         self.on_progress = on_progress
         self.stop = stop or threading.Event()
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+
+class LocalExecutor(Executor):
+    """Runs every unfinished shard of a plan into `out_dir` on a thread pool, journaling as it goes."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        checkpoints: dict[str, Checkpoint],
+        out_dir: Path,
+        journal: Journal,
+        settings: ExecutionSettings | None = None,
+        *,
+        on_progress: Callable[[ProgressEvent], None] | None = None,
+        stop: threading.Event | None = None,
+        watch_memory: bool = True,
+    ) -> None:
+        super().__init__(plan, checkpoints, out_dir, journal, settings, on_progress=on_progress, stop=stop)
+        self.watch_memory = watch_memory
+        self.budget = MemoryBudget(self.settings.max_memory)
+        # `auto` from a caller; checked at plan time
+        self.device = torch.device(resolve_device(self.settings.device, check=False))
         self.compute_dtype = to_torch(plan.compute_dtype)
         self.explicit_dtype = bool(plan.options.get("explicit_dtype"))
         self._lock = threading.Lock()
@@ -342,7 +374,7 @@ class LocalExecutor:
         self._bytes = 0
         self._error: BaseException | None = None
         self._feed: InputFeed | None = None
-        self.monitor = NonFiniteMonitor(strict)  # NaN/inf in inputs and outputs; `warnings()` after run
+        self.monitor = NonFiniteMonitor(self.settings.strict)  # NaN/inf in inputs and outputs; `warnings()` after run
 
     def _open_writer(self, shard: ShardPlan) -> ShardWriter:
         writer = ShardWriter(

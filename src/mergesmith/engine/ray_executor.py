@@ -33,7 +33,7 @@ from ..errors import CheckpointError, ConfigError, MergeInterrupted, MergesmithE
 from ..io.checkpoint import Checkpoint, resolve_model_path
 from ..io.journal import Journal
 from ..io.references import open_checkpoint
-from .executor import LocalExecutor, ProgressEvent
+from .executor import ExecutionSettings, Executor, LocalExecutor, ProgressEvent
 from .plan import Plan, ShardPlan
 
 try:
@@ -137,11 +137,8 @@ def write_shard(
         checkpoints,
         out,
         journal,
-        threads=threads,
-        max_memory=max_memory,
-        device=device,
+        ExecutionSettings(threads, max_memory, device, strict),  # strict: NaN/inf refused in the worker
         on_progress=_kill_once(kill_once, shard.filename) if kill_once else None,
-        strict=strict,  # NaN/inf in an input refused in the worker (its warnings stay there)
     ).run()
     return journal.finished[shard.filename]
 
@@ -179,7 +176,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else exc.__class__.__name__
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     """Runs every unfinished shard of a plan as a Ray task; same arguments as `LocalExecutor` plus `address`.
 
     Joins the Ray cluster at `address` (or RAY_ADDRESS, or starts a local Ray) unless Ray is already
@@ -192,28 +189,19 @@ class RayExecutor:
         checkpoints: dict[str, Checkpoint],
         out_dir: Path,
         journal: Journal,
+        settings: ExecutionSettings | None = None,
         *,
-        threads: int = 1,
-        max_memory: int | None = None,
-        device: str = "cpu",
         on_progress: Callable[[ProgressEvent], None] | None = None,
         stop: threading.Event | None = None,
         address: str | None = None,
         max_retries: int | None = None,
-        strict: bool = False,
     ) -> None:
-        self.plan = plan
-        self.ckpts = checkpoints
-        self.out_dir = Path(out_dir).resolve()
-        self.journal = journal
-        self.threads = max(1, min(threads, TASK_THREADS))
-        self.max_memory = max_memory
-        self.device = device
-        self.on_progress = on_progress
-        self.stop = stop or threading.Event()
+        super().__init__(
+            plan, checkpoints, Path(out_dir).resolve(), journal, settings, on_progress=on_progress, stop=stop
+        )
+        self.threads = min(self.threads, TASK_THREADS)
         self.address = address
         self.max_retries = MAX_RETRIES if max_retries is None else max_retries
-        self.strict = strict
         self._done = 0
         self._bytes = 0
 
@@ -260,7 +248,7 @@ class RayExecutor:
             task = _write_shard_task.options(
                 name=f"mergesmith:{shard.filename}",
                 num_cpus=1,
-                num_gpus=1 if self.device.startswith("cuda") else 0,
+                num_gpus=1 if self.settings.device.startswith("cuda") else 0,
                 max_retries=self.max_retries,
                 retry_exceptions=False,
             )
@@ -271,10 +259,10 @@ class RayExecutor:
                 paths,
                 self.journal.partial.get(shard.filename),
                 self.threads,
-                self.max_memory,
-                self.device,
+                self.settings.max_memory,
+                self.settings.device,
                 kill_once,
-                self.strict,
+                self.settings.strict,
             )
             in_flight[ref] = shard
         try:

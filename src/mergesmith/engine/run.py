@@ -46,7 +46,7 @@ from ..io.journal import STATE_DIR, Journal, ensure_writable_dir, partial_path, 
 from ..io.references import open_checkpoint
 from ..io.safetensors_writer import file_checksum, write_file_atomic
 from ..methods import require_method
-from .executor import LocalExecutor, ProgressEvent
+from .executor import ExecutionSettings, Executor, LocalExecutor, ProgressEvent
 from .plan import Plan
 from .planner import Planner
 from .planning import MergeOptions
@@ -475,24 +475,16 @@ def _write_plan(
         _remove(stale)
     journal.save()
     _check_space(out, plan, journal, force)
-    executor_cls: Any = LocalExecutor
-    extra: dict[str, Any] = {"strict": options.strict}
+    settings = ExecutionSettings(options.threads, options.max_memory, options.device, options.strict)
+    executor: Executor
     if options.executor == "ray":
         from .ray_executor import RayExecutor  # Ray is optional: imported only when asked for
 
-        executor_cls, extra = RayExecutor, {"address": options.ray_address, "strict": options.strict}
-    executor = executor_cls(
-        plan,
-        checkpoints,
-        out,
-        journal,
-        threads=options.threads,
-        max_memory=options.max_memory,
-        device=options.device,
-        on_progress=on_progress,
-        stop=stop,
-        **extra,
-    )
+        executor = RayExecutor(
+            plan, checkpoints, out, journal, settings, on_progress=on_progress, stop=stop, address=options.ray_address
+        )
+    else:
+        executor = LocalExecutor(plan, checkpoints, out, journal, settings, on_progress=on_progress, stop=stop)
     executor.run()
     monitor = getattr(executor, "monitor", None)
     warnings = monitor.warnings() if monitor is not None else []
