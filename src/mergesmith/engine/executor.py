@@ -33,7 +33,7 @@ from .blocks import row_blocks, two_pass
 from .input_feed import InputFeed, open_feed
 from .nonfinite import NonFiniteMonitor
 from .plan import InputRef, Plan, ShardPlan, TensorRecipe
-from .planning import automatic_budget, recipe_memory
+from .planning import MergeOptions, automatic_budget, recipe_memory
 
 JOURNAL_INTERVAL_S = 1.0
 PREFETCH_BYTES = 512 << 20
@@ -313,6 +313,12 @@ class ExecutionSettings:
     max_memory: int | None = None  # bytes in flight; None: the automatic budget
     device: str = "cpu"
     strict: bool = False  # NaN/inf in an input or output is an error, not a warning
+    ray_address: str | None = None  # the Ray cluster to join (RayExecutor only; None: RAY_ADDRESS or a local Ray)
+
+    @classmethod
+    def of(cls, options: MergeOptions) -> ExecutionSettings:
+        """The settings a merge's options give."""
+        return cls(options.threads, options.max_memory, options.device, options.strict, options.ray_address)
 
 
 class Executor:
@@ -340,6 +346,10 @@ class Executor:
         self.threads = max(1, self.settings.threads)
         self.on_progress = on_progress
         self.stop = stop or threading.Event()
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Set up what this kind of executor needs beyond what every one is given."""
 
     def run(self) -> None:
         raise NotImplementedError
@@ -348,25 +358,14 @@ class Executor:
 class LocalExecutor(Executor):
     """Runs every unfinished shard of a plan into `out_dir` on a thread pool, journaling as it goes."""
 
-    def __init__(
-        self,
-        plan: Plan,
-        checkpoints: dict[str, Checkpoint],
-        out_dir: Path,
-        journal: Journal,
-        settings: ExecutionSettings | None = None,
-        *,
-        on_progress: Callable[[ProgressEvent], None] | None = None,
-        stop: threading.Event | None = None,
-        watch_memory: bool = True,
-    ) -> None:
-        super().__init__(plan, checkpoints, out_dir, journal, settings, on_progress=on_progress, stop=stop)
-        self.watch_memory = watch_memory
+    watch_memory = True  # sample the memory this process may use while it runs (see MemoryWatch)
+
+    def _prepare(self) -> None:
         self.budget = MemoryBudget(self.settings.max_memory)
         # `auto` from a caller; checked at plan time
         self.device = torch.device(resolve_device(self.settings.device, check=False))
-        self.compute_dtype = to_torch(plan.compute_dtype)
-        self.explicit_dtype = bool(plan.options.get("explicit_dtype"))
+        self.compute_dtype = to_torch(self.plan.compute_dtype)
+        self.explicit_dtype = bool(self.plan.options.get("explicit_dtype"))
         self._lock = threading.Lock()
         self._writers: dict[str, ShardWriter] = {}
         self._remaining: dict[str, int] = {}

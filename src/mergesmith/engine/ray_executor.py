@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -177,31 +176,17 @@ def _first_line(exc: BaseException) -> str:
 
 
 class RayExecutor(Executor):
-    """Runs every unfinished shard of a plan as a Ray task; same arguments as `LocalExecutor` plus `address`.
+    """Runs every unfinished shard of a plan as a Ray task; same arguments as `LocalExecutor`.
 
-    Joins the Ray cluster at `address` (or RAY_ADDRESS, or starts a local Ray) unless Ray is already
+    Joins the Ray cluster at the settings' `ray_address` (or RAY_ADDRESS, or starts a local Ray) unless Ray is already
     initialised in this process, and shuts down only what it started.
     """
 
-    def __init__(
-        self,
-        plan: Plan,
-        checkpoints: dict[str, Checkpoint],
-        out_dir: Path,
-        journal: Journal,
-        settings: ExecutionSettings | None = None,
-        *,
-        on_progress: Callable[[ProgressEvent], None] | None = None,
-        stop: threading.Event | None = None,
-        address: str | None = None,
-        max_retries: int | None = None,
-    ) -> None:
-        super().__init__(
-            plan, checkpoints, Path(out_dir).resolve(), journal, settings, on_progress=on_progress, stop=stop
-        )
+    def _prepare(self) -> None:
+        self.max_retries = MAX_RETRIES  # read here, when the run starts (tests lower it)
+        self.out_dir = Path(self.out_dir).resolve()
         self.threads = min(self.threads, TASK_THREADS)
-        self.address = address
-        self.max_retries = MAX_RETRIES if max_retries is None else max_retries
+        self.address = self.settings.ray_address
         self._done = 0
         self._bytes = 0
 

@@ -475,16 +475,13 @@ def _write_plan(
         _remove(stale)
     journal.save()
     _check_space(out, plan, journal, force)
-    settings = ExecutionSettings(options.threads, options.max_memory, options.device, options.strict)
-    executor: Executor
+    executor_cls: type[Executor] = LocalExecutor
     if options.executor == "ray":
         from .ray_executor import RayExecutor  # Ray is optional: imported only when asked for
 
-        executor = RayExecutor(
-            plan, checkpoints, out, journal, settings, on_progress=on_progress, stop=stop, address=options.ray_address
-        )
-    else:
-        executor = LocalExecutor(plan, checkpoints, out, journal, settings, on_progress=on_progress, stop=stop)
+        executor_cls = RayExecutor
+    settings = ExecutionSettings.of(options)
+    executor = executor_cls(plan, checkpoints, out, journal, settings, on_progress=on_progress, stop=stop)
     executor.run()
     monitor = getattr(executor, "monitor", None)
     warnings = monitor.warnings() if monitor is not None else []
