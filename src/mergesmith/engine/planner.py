@@ -18,7 +18,6 @@ from ..io.dtypes import is_float, parse_config_dtype
 from ..io.references import open_checkpoint
 from ..methods import MethodSpec, require_method
 from ..methods.keyed_random import STREAM_NAME as KEYED_STREAM
-from ..runtime.devices import resolve_device
 from .architecture import (
     LM_HEAD_NAMES,
     LayerMapError,
@@ -34,7 +33,7 @@ from .architecture import (
 )
 from .parameters import is_missing, resolve
 from .plan import Estimate, InputRef, Plan, ShardPlan, TensorRecipe
-from .planning import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
+from .planning import TOKENIZER_FILES, MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class NormalizedSlice:
         return self.sources[0].end - self.sources[0].start
 
 
-class Planner:
+class Planner(ModelPlanner):
     """Builds the Plan for one merge configuration over opened checkpoints."""
 
     # The base model's config.json gives the layer count and the output config; a raw merge
@@ -73,12 +72,8 @@ class Planner:
         options: MergeOptions,
         config_source: str = "config",
     ) -> None:
-        self.config = config
-        self.ckpts = checkpoints
-        # `auto` resolved, cuda/mps checked here, before any output is written (not for Ray: its workers hold the GPUs)
-        options.device = resolve_device(options.device, check=options.executor != "ray")
-        self.options = options
-        self.source = config_source
+        super().__init__(config, checkpoints, options, config_source)
+        self.config: MergeConfiguration = config
         self.spec: MethodSpec = require_method(config.merge_method, config_source)
         self.base_ref = config.base_or_first_model()
         self.base = checkpoints[self.base_ref]
@@ -125,15 +120,7 @@ class Planner:
             return parse_config_dtype(self.config.out_dtype, "out_dtype")
         if self.config.dtype:
             return parse_config_dtype(self.config.dtype, "dtype")
-        cfg = self.base.config or {}
-        named = cfg.get("torch_dtype") or cfg.get("dtype") or (cfg.get("text_config") or {}).get("torch_dtype")
-        if isinstance(named, str):
-            try:
-                return parse_config_dtype(named, "torch_dtype")
-            except ConfigError:
-                pass
-        float_dtypes = [i.dtype for i in self.base.tensors.values() if is_float(i.dtype)]
-        return max(set(float_dtypes), key=float_dtypes.count) if float_dtypes else "F32"
+        return self.base_dtype()
 
     # ----- slices ----------------------------------------------------------------------------
     def _slices(self) -> list[NormalizedSlice]:
@@ -606,7 +593,7 @@ class Planner:
             files_to_copy=self.files_to_copy(tokenizer_plan.files if tokenizer_plan is not None else None),
             config_yaml=config_yaml,
             model_card=card,
-            input_identities={ref: [list(x) for x in ck.identity()] for ref, ck in self.ckpts.items()},
+            input_identities=self.input_identities(list(self.ckpts)),
             options={
                 "out_shard_size": self.options.out_shard_size,
                 "random_seed": self.options.random_seed if self.spec.randomized else None,

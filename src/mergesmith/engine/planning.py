@@ -12,8 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import ConfigError
+from ..io.checkpoint import Checkpoint
 from ..io.direct_read import pool_bytes
-from ..io.dtypes import dtype_size
+from ..io.dtypes import dtype_size, is_float, parse_config_dtype
+from ..runtime.devices import resolve_device
 from .plan import Estimate, InputRef, ShardPlan, TensorRecipe
 
 TOKENIZER_FILES = (
@@ -47,6 +50,38 @@ class MergeOptions:
     ray_address: str | None = None
     strict: bool = False  # --strict: every warning (config keys and parameters, plan, non-finite inputs) is an error
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ModelPlanner:
+    """What the planners of a whole model (a merge, an MoE assembly) start from: the config, the opened
+    checkpoints, the options with their device checked, and where the config came from."""
+
+    base: Checkpoint  # the checkpoint whose config.json and tensor names the output follows (set by the planner)
+
+    def __init__(self, config: Any, checkpoints: dict[str, Checkpoint], options: MergeOptions, source: str) -> None:
+        self.config = config
+        self.ckpts = checkpoints
+        # `auto` resolved, cuda/mps checked here, before any output is written (not for Ray: its workers hold the GPUs)
+        options.device = resolve_device(options.device, check=options.executor != "ray")
+        self.options = options
+        self.source = source
+
+    def base_dtype(self) -> str:
+        """The output dtype when the config names none: the one the base's config.json names (`torch_dtype`, or
+        `text_config`'s), else the most common float dtype among its tensors."""
+        cfg = self.base.config or {}
+        named = cfg.get("torch_dtype") or cfg.get("dtype") or (cfg.get("text_config") or {}).get("torch_dtype")
+        if isinstance(named, str):
+            try:
+                return parse_config_dtype(named, "torch_dtype")
+            except ConfigError:
+                pass
+        float_dtypes = [i.dtype for i in self.base.tensors.values() if is_float(i.dtype)]
+        return max(set(float_dtypes), key=float_dtypes.count) if float_dtypes else "F32"
+
+    def input_identities(self, refs: Sequence[str]) -> dict[str, list[list[Any]]]:
+        """The identities (files, sizes, mtimes, header hashes) of the inputs `refs`, for the plan's fingerprint."""
+        return {ref: [list(x) for x in self.ckpts[ref].identity()] for ref in refs}
 
 
 def tensor_seed(global_seed: int, tensor_name: str) -> int:

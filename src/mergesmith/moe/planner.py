@@ -30,18 +30,17 @@ from ..engine.architecture import (
     ties_embeddings,
 )
 from ..engine.plan import Estimate, InputRef, Plan, TensorRecipe
-from ..engine.planning import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
+from ..engine.planning import TOKENIZER_FILES, MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import dtype_size, is_float, parse_config_dtype
-from ..runtime.devices import resolve_device
 from .arch import DENSE_MLP, OutputArchitecture, select_architecture
 from .card import moe_model_card
 from .config import PROMPT_MODES, Expert, MoEConfiguration, dump_moe_config
 from .router import ROUTER_MODEL, GateJob, router_tensor, shared_router_tensor
 
 
-class MoEPlanner:
+class MoEPlanner(ModelPlanner):
     """Builds the Plan (and the router-weights job) for one MoE config over opened checkpoints."""
 
     def __init__(
@@ -51,12 +50,8 @@ class MoEPlanner:
         options: MergeOptions,
         source: str = "config",
     ) -> None:
-        self.config = config
-        self.ckpts = checkpoints
-        # the router pass runs on options.device: checked before anything is written (Ray: see Planner)
-        options.device = resolve_device(options.device, check=options.executor != "ray")
-        self.options = options
-        self.source = source
+        super().__init__(config, checkpoints, options, source)  # the router pass runs on the device checked there
+        self.config: MoEConfiguration = config
         self.base = checkpoints[config.base_model]
         if self.base.config is None:
             raise CheckpointError(f"base_model {config.base_model!r}: no config.json in {self.base.root}")
@@ -109,14 +104,7 @@ class MoEPlanner:
     def _out_dtype(self) -> str:
         if self.config.dtype:
             return parse_config_dtype(self.config.dtype, "dtype")
-        named = self.base_cfg.get("torch_dtype") or self.base_cfg.get("dtype")
-        if isinstance(named, str):
-            try:
-                return parse_config_dtype(named, "torch_dtype")
-            except ConfigError:
-                pass
-        floats = [i.dtype for i in self.base.tensors.values() if is_float(i.dtype)]
-        return max(set(floats), key=floats.count) if floats else "F32"
+        return self.base_dtype()
 
     # ----- recipes ---------------------------------------------------------------------------
     def _copy(self, out_name: str, ref: str, tensor: str) -> TensorRecipe:
@@ -320,9 +308,7 @@ class MoEPlanner:
         card = moe_model_card(self.config, self.arch.name, seed) if self.options.write_model_card else None
         # The router weights enter the fingerprint by their key (options["moe"]), not by their file,
         # which is written later and may be rewritten: identities list only files that exist now.
-        identities: dict[str, Any] = {
-            ref: [list(x) for x in self.ckpts[ref].identity()] for ref in self.config.referenced_models()
-        }
+        identities = self.input_identities(self.config.referenced_models())
         plan = Plan(
             shards=cut_shards(recipes, self.options.out_shard_size),
             output_config=output_config,
