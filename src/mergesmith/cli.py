@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -332,14 +333,35 @@ _verify_option = click.option(
 )
 
 
+def _output_options(
+    overwrite_help: str = "Replace a different merge already in OUT_DIR.", verify: bool = True
+) -> Callable[[Any], Any]:
+    """The options of every command that writes a model into OUT_DIR: --overwrite, --force, --quiet and
+    (where a rerun may trust a complete output) --verify, in that order in --help."""
+
+    def apply(command: Any) -> Any:
+        if verify:
+            command = _verify_option(command)
+        command = click.option("--quiet", "-q", is_flag=True, help="No progress display.")(command)
+        command = click.option("--force", is_flag=True, help="Start even if the disk looks too small.")(command)
+        return click.option("--overwrite", is_flag=True, help=overwrite_help)(command)
+
+    return apply
+
+
+def _run_shown(run: Callable[..., Any], quiet: bool, *args: Any, **kwargs: Any) -> Any:
+    """`run(*args, **kwargs)` under the progress display (none with -q) and Ctrl-C handling every command that
+    writes a model uses: the plan's warnings first, then the bar; an interrupt stops at a resumable point."""
+    with _Interrupts() as interrupts, _merge_progress(quiet) as progress:
+        on_plan = _warn_then(quiet, progress.start)
+        return run(*args, on_plan=on_plan, on_progress=progress.update, stop=interrupts.stop, **kwargs)
+
+
 @cli.command(short_help="Merge a mergekit config into OUT_DIR (resumable).")
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @_merge_options
-@click.option("--overwrite", is_flag=True, help="Replace a different merge already in OUT_DIR.")
-@click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
-@_verify_option
+@_output_options()
 def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, verify: bool, **kw: Any) -> None:
     """Merge the models of CONFIG_FILE into OUT_DIR (rerun to resume an interrupted merge)."""
     from .runtime import import_manifest
@@ -353,30 +375,11 @@ def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet:
     if is_moe_config_file(config_file):
         raise ConfigError(f"{config_file}: this is a mergekit-moe config (it has `experts`); use `mergesmith moe`")
     options = _options(kw)
-    with _Interrupts() as interrupts, _merge_progress(quiet) as progress:
-        result = run_merge(
-            config_file,
-            out_dir,
-            options,
-            overwrite=overwrite,
-            force=force,
-            verify=verify,
-            on_plan=_warn_then(quiet, progress.start),
-            on_progress=progress.update,
-            stop=interrupts.stop,
-        )
-    import_manifest.record()  # for the next merge's start
-    _print_merge_warnings(result, quiet)
-    plan = result.plan
-    if result.already_complete:
-        click.echo(f"{out_dir}: already complete (same config and inputs); nothing to do")
-        return
-    seed = f", random seed {plan.random_seed}" if plan.random_seed is not None else ""
-    resumed = f", resumed with {result.shards_reused} finished shard(s)" if result.shards_reused else ""
-    click.echo(
-        f"wrote {out_dir} ({len(plan.recipes)} tensors in {len(plan.shards)} shard(s), "
-        f"{_human(plan.total_size)}) in {result.seconds:.1f}s{seed}{resumed}"
+    result = _run_shown(
+        run_merge, quiet, config_file, out_dir, options, overwrite=overwrite, force=force, verify=verify
     )
+    import_manifest.record()  # for the next merge's start
+    _report_result(out_dir, result, quiet=quiet)
 
 
 @cli.command("plan", short_help="Show what a merge will do and cost, from headers.")
@@ -439,10 +442,7 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
     "--tensor-union", "-u", is_flag=True, help="Merge a tensor some models lack from the models that have it."
 )
 @click.option("--tensor-intersection", "-i", is_flag=True, help="Leave out tensors that some models lack.")
-@click.option("--overwrite", is_flag=True, help="Replace a different merge already in OUT_DIR.")
-@click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
-@_verify_option
+@_output_options()
 def merge_raw(
     config_file: Path,
     out_dir: Path,
@@ -466,19 +466,10 @@ def merge_raw(
         raise ConfigError("give --tensor-union or --tensor-intersection, not both")
     options = _options(kw)
     tensor_set = "union" if tensor_union else "intersection" if tensor_intersection else "exact"
-    with _Interrupts() as interrupts, _merge_progress(quiet) as progress:
-        result = run_raw_merge(
-            config_file,
-            out_dir,
-            options,
-            tensor_set=tensor_set,
-            overwrite=overwrite,
-            force=force,
-            verify=verify,
-            on_plan=_warn_then(quiet, progress.start),
-            on_progress=progress.update,
-            stop=interrupts.stop,
-        )
+    result = _run_shown(
+        run_raw_merge, quiet, config_file, out_dir, options, tensor_set=tensor_set, overwrite=overwrite, force=force,
+        verify=verify,
+    )
     _report_result(out_dir, result)
 
 
@@ -506,8 +497,9 @@ def _print_merge_warnings(result: Any, quiet: bool, prefix: str = "") -> None:
             click.echo(f"{prefix}warning: {warning}", err=True)
 
 
-def _report_result(out_dir: Path, result: Any, prefix: str = "") -> None:
-    _print_merge_warnings(result, False, prefix)
+def _report_result(out_dir: Path, result: Any, prefix: str = "", quiet: bool = False) -> None:
+    """What the merge found while running (not with `quiet`), then where it wrote and what."""
+    _print_merge_warnings(result, quiet, prefix)
     plan = result.plan
     if result.already_complete:
         click.echo(f"{prefix}{out_dir}: already complete (same config and inputs); nothing to do")
@@ -566,10 +558,7 @@ class _StageProgress:
     show_default=True,
     help="Skip stages whose output is complete for the same config and inputs.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace model files in stage directories mergesmith did not write.")
-@click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
-@_verify_option
+@_output_options("Replace model files in stage directories mergesmith did not write.")
 def multi_cmd(
     config_file: Path,
     out_dir: Path,
@@ -631,9 +620,7 @@ def multi_cmd(
 )
 @click.option("--load-in-4bit", is_flag=True, hidden=True)
 @click.option("--load-in-8bit", is_flag=True, hidden=True)
-@click.option("--overwrite", is_flag=True, help="Replace a different merge already in OUT_DIR.")
-@click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@_output_options(verify=False)
 def moe_cmd(
     config_file: Path,
     out_dir: Path,
@@ -783,9 +770,7 @@ _MATCH = click.Choice(["no", "yes", "embed", "lm_head"])
 @click.option("--new-vocab-scale", "-nvs", type=float, default=None, help="Scale applied to new rows.")
 @click.option("--magikarp/--no-magikarp", default=False, hidden=True)
 @_merge_options
-@click.option("--overwrite", is_flag=True, help="Replace a different model already in OUT_DIR.")
-@click.option("--force", is_flag=True, help="Start even if the disk looks too small.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@_output_options("Replace a different model already in OUT_DIR.", verify=False)
 def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overwrite: bool, force: bool,
                      quiet: bool, **kw: Any) -> None:
     """Write BASE with DONOR's tokenizer into OUT_DIR (mergekit-tokensurgeon's options).
@@ -803,11 +788,9 @@ def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overw
              "subword_method", "batch_size", "new_vocab_noise", "new_vocab_scale")
     surgery = SurgeryOptions(**{n: kw.pop(n) for n in names})
     options = _options(kw)
-    with _Interrupts() as interrupts, _merge_progress(quiet) as progress:
-        result, counts = run_tokensurgeon(
-            base, donor, out_dir, surgery, options, overwrite=overwrite, force=force,
-            on_plan=_warn_then(quiet, progress.start), on_progress=progress.update, stop=interrupts.stop,
-        )
+    result, counts = _run_shown(
+        run_tokensurgeon, quiet, base, donor, out_dir, surgery, options, overwrite=overwrite, force=force
+    )
     if result.already_complete:
         click.echo(f"{out_dir}: already complete (same inputs and options); nothing to do")
         return
