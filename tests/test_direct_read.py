@@ -1,4 +1,4 @@
-"""Reading inputs around the page cache (io.direct_read) and ahead of the workers (input_stream).
+"""Reading inputs around the page cache (io.direct_read) and ahead of the workers (engine.input_feed).
 
 What must hold: the bytes of any range, at any alignment, are exactly the file's, whether they come
 around the cache, from the cache, or through a filesystem that refuses O_DIRECT; the pool never holds

@@ -8,7 +8,7 @@ the same output directory, config and options continue an interrupted merge, whi
 started it.
 
 The library prints nothing unless asked: `progress=True` shows a display fit for the place
-(notebook_progress), a callable gets every ProgressEvent; warnings go to the `mergesmith` logger
+(display/notebook.py), a callable gets every ProgressEvent; warnings go to the `mergesmith` logger
 (silent unless the program configures logging) and stay on the result's plan.
 """
 
