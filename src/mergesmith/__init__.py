@@ -15,7 +15,7 @@ Names are imported on first use, so `import mergesmith` stays cheap (no torch) u
 
 import sys
 
-from .version import __version__ as __version__  # the package version, as before
+from ._version import __version__ as __version__  # the package version, as before
 
 TYPE_CHECKING = False  # not `from typing import ...`: typing alone costs more than this whole module
 

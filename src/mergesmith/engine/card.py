@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from .._version import __version__
 from ..config import MergeConfiguration, dump_config
-from ..version import __version__
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 """`owner/name` as the Hub spells repository ids (one slash, no leading dot, no path segments)."""

@@ -116,7 +116,7 @@ class Plan:
 
     def fingerprint(self) -> str:
         """Hash of everything that decides the output bytes: recipes, inputs, options, tool version."""
-        from ..version import __version__
+        from .._version import __version__
 
         payload = {
             "version": __version__,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from .._version import __version__
 from ..engine.card import describe_ref, front_matter
-from ..version import __version__
 from .config import MoEConfiguration, dump_moe_config
 
 
