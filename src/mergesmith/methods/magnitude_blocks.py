@@ -170,9 +170,9 @@ def _unpacked(packed: np.ndarray, start: int, count: int) -> torch.Tensor:
     return torch.from_numpy(bits[skip:].view(np.bool_))
 
 
-SELECT_SCRATCH = 48 << 20
-"""sort_select's scratch beside its keys and mask on a large tensor: a partition's exchange chunks and kept stop
-positions (see sort_select._SWAP_CHUNK; ~40 MB measured on 32 M entries)."""
+SELECT_SCRATCH = 40 << 20
+"""sort_select's scratch beside its keys, mask and tracker on a large tensor: a partition's exchange chunks and
+kept stop positions (see sort_select._SWAP_CHUNK; ~30 MB measured on 32 M entries)."""
 
 
 def totals_memory(n_inputs: int, numel: int, compute_size: int) -> tuple[int, int]:
@@ -185,7 +185,7 @@ def totals_memory(n_inputs: int, numel: int, compute_size: int) -> tuple[int, in
     copies the keys first (the compute dtype's size an entry more). Kept: the packed masks, a bit an entry per
     task vector."""
     tasks = max(0, n_inputs - 1)
-    select = {2: 3, 4: 9}.get(compute_size, 17) * numel + min(16 * numel, SELECT_SCRATCH)
+    select = {2: 3, 4: 10}.get(compute_size, 17) * numel + min(16 * numel, SELECT_SCRATCH)
     kept = tasks * numel // 8
     return numel * compute_size * tasks + select + kept, kept
 
