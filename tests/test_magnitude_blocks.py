@@ -166,3 +166,73 @@ def test_executor_blocks_ranked_tensors_with_the_same_bytes(method, dtype, three
     assert _run(method, three_models, tmp_path / "blocked", dtype) == whole
     assert "model.embed_tokens.weight" in passes  # it really ran in row blocks, with a totals pass
     assert _run(method, three_models, tmp_path / "budget", dtype, threads=2, max_memory=200_000) == whole
+
+
+def test_zero_magnitudes_at_the_cut_are_left_out_with_the_same_bytes(monkeypatch):
+    """A bf16 task vector is often mostly exact zeros, and TIES' cut then lies among them: sort_select leaves the
+    zeros' choice free there (no replay to follow them), which changes the mask but not one output byte."""
+    from mergesmith.methods import sparsify
+
+    g = torch.Generator().manual_seed(9)
+    base = torch.randn(400, 400, generator=g).bfloat16()
+    step = torch.randint(-2, 3, (400, 400), generator=g).bfloat16() * 2.0**-6
+    step[torch.rand(400, 400, generator=g) < 0.6] = 0  # 60% unchanged entries
+    tensors = [base, (base.float() + step.float()).bfloat16(), (base.float() - step.float() * 0.5).bfloat16()]
+    delta = (tensors[1] - tensors[0]).abs().reshape(-1)
+    k = int(0.5 * delta.numel())
+    exact = sort_select.sorted_window_mask(delta, 0, k, True)
+    free = sort_select.sorted_window_mask(delta, 0, k, True, zeros_free=True)
+    assert not torch.equal(exact, free) and torch.equal(exact[delta != 0], free[delta != 0])
+    cases = [(method, rescale) for method in RANKED for rescale in (False, True)]
+    freed = {case: _whole(*case[:1], tensors, case[1], (0.5, 0.7)) for case in cases}
+    for case in cases:
+        assert _same_bits(_blocked(case[0], tensors, 33, case[1], (0.5, 0.7)), freed[case]), case
+    original = sort_select.sorted_window_mask
+    monkeypatch.setattr(sparsify, "sorted_window_mask", lambda *a, zeros_free=False, **kw: original(*a, **kw))
+    for case in cases:  # the whole-tensor merge with the sort's exact choice among the zeros
+        assert _same_bits(_whole(case[0], tensors, case[1], (0.5, 0.7)), freed[case]), case
+
+
+def test_the_estimate_admits_the_bench_embedding_under_300mb():
+    """Issue 17's case, by the executor's accounting: the 0.25b bench set's embedding (32000 x 1024, bf16,
+    a base and two task vectors) under `--max-memory 300MB` was estimated (and used) at about 1 GB whole; blocked,
+    its estimate is below the budget, so it no longer runs alone over it."""
+    from mergesmith.plan import InputRef, TensorRecipe
+    from mergesmith.planner import recipe_memory
+
+    spec = get_method("ties")
+    recipe = TensorRecipe(
+        "model.embed_tokens.weight", (32000, 1024), "BF16", "merge",
+        tuple(InputRef(f"m{i}", "model.embed_tokens.weight") for i in range(3)), "ties", 0,
+        tuple(tuple(({"weight": 0.5, "density": 0.5} if i else {}).items()) for i in range(3)),
+        tuple({p.name: p.default for p in spec.params}.items()), None,
+    )
+    assert blocks.two_pass(recipe)
+    assert 200e6 < recipe_memory(recipe, "BF16") < 300e6
+
+
+def test_a_replay_that_gives_up_merges_the_tensor_whole(three_models, tmp_path, monkeypatch):
+    """The blocked selection reorders the only copy of the magnitudes; where the replay gives up (a spent depth
+    budget: adversarial input, forced here) the executor merges that tensor whole instead, with the same bytes."""
+    from mergesmith import executor
+
+    whole = _run("ties", three_models, tmp_path / "whole", "bfloat16")
+    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 1024)
+    monkeypatch.setattr(sort_select, "REPLAY_MIN_ENTRIES", 0)
+    monkeypatch.setattr(sort_select, "depth_budget", lambda n: 0)
+    written: list[tuple[str, bool]] = []
+    compute_block = executor.LocalExecutor._compute_block
+
+    def spy(self, recipe, rows, put, whole=False, totals=None):
+        written.append((recipe.name, whole))
+        return compute_block(self, recipe, rows, put, whole=whole, totals=totals)
+
+    monkeypatch.setattr(executor.LocalExecutor, "_compute_block", spy)
+    passes: list[str] = []
+    gather = executor.LocalExecutor._gather_totals
+    monkeypatch.setattr(
+        executor.LocalExecutor, "_gather_totals", lambda self, r, b: passes.append(r.name) or gather(self, r, b)
+    )
+    assert _run("ties", three_models, tmp_path / "blocked", "bfloat16") == whole
+    assert "model.embed_tokens.weight" in passes  # the blocked pass was tried ...
+    assert ("model.embed_tokens.weight", True) in written  # ... and the tensor then merged whole
