@@ -221,6 +221,8 @@ def _keys_only_window(
     """
     if values.device.type != "cpu" or values.dim() != 1 or _KEY_VIEW.get(values.dtype) is not torch.int16:
         return None
+    if values.numel() >= 2**31:
+        return None  # the tracker packs positions into 32 bits, and kept stop positions are int32
     n = values.numel()
     keys = values.contiguous().view(torch.int16).numpy()
     if keys.min() < 0 or keys.max() > _INFINITY_BITS[values.dtype]:
