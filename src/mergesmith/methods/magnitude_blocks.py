@@ -170,22 +170,22 @@ def _unpacked(packed: np.ndarray, start: int, count: int) -> torch.Tensor:
     return torch.from_numpy(bits[skip:].view(np.bool_))
 
 
-SELECT_SCRATCH = 40 << 20
+SELECT_SCRATCH = 44 << 20
 """sort_select's scratch beside its keys, mask and tracker on a large tensor: a partition's exchange chunks and
-kept stop positions (see sort_select._SWAP_CHUNK; ~30 MB measured on 32 M entries)."""
+kept stop positions (see sort_select._SWAP_CHUNK; ~30 MB measured on 32 M bf16 entries)."""
 
 
 def totals_memory(n_inputs: int, numel: int, compute_size: int) -> tuple[int, int]:
     """(peak, kept) bytes of the pass over `numel` entries. The peak is the first task vector's selection: every
     task vector's magnitudes in the compute dtype, and what sort_select adds for one of them, which reorders its
-    keys in place: with 16-bit keys a bool mask and a tracker of 8 bytes for each entry of the magnitude the
+    keys (16 or 32 bits) in place: a bool mask and a tracker of 8 bytes for each entry of the magnitude the
     window's end cuts (counted for up to a quarter of the entries: measured 22% on bf16 deltas of 1% of the
-    weights, less on wider ones; more than half takes the packed replay, 8 bytes an entry); with float32 the
-    packed int64 keys and the mask; wider, torch's full sort. Besides, the partition's scratch. `rescale: true`
-    copies the keys first (the compute dtype's size an entry more). Kept: the packed masks, a bit an entry per
-    task vector."""
+    weights, less on wider ones; more than half takes the packed replay, 8 bytes an entry), and the partition's
+    scratch (with 32-bit keys 2 bytes an entry more, as measured on 5 M entries); float64 takes torch's full
+    sort. `rescale: true` copies the keys first (the compute dtype's size an entry more). Kept: the packed masks,
+    a bit an entry per task vector."""
     tasks = max(0, n_inputs - 1)
-    select = {2: 3, 4: 10}.get(compute_size, 17) * numel + min(16 * numel, SELECT_SCRATCH)
+    select = {2: 3, 4: 5}.get(compute_size, 17) * numel + min(16 * numel, SELECT_SCRATCH)
     kept = tasks * numel // 8
     return numel * compute_size * tasks + select + kept, kept
 

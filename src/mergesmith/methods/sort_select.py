@@ -212,49 +212,41 @@ class _Tracker:
 def _keys_only_window(
     values: torch.Tensor, lo: int, hi: int, descending: bool, consume: bool = False, zeros_free: bool = False
 ) -> np.ndarray | None:
-    """The window mask by replaying on the 16-bit keys alone (2 bytes an entry instead of 8); None where
-    this way does not apply, _ReplayGaveUp where the replay does not.
+    """The window mask by replaying on the keys alone (2 or 4 bytes an entry instead of 8); None where this
+    way does not apply, _ReplayGaveUp where the replay does not.
 
     A key's entries hold a run of consecutive ranks, which a histogram gives, so every key whose run lies
     inside [lo, hi) is in, every key whose run misses it is out, and only the entries of the (at most two)
     keys whose runs the window's ends cut need the replay to say which are in: only they are tracked.
     """
-    if values.device.type != "cpu" or values.dim() != 1 or _KEY_VIEW.get(values.dtype) is not torch.int16:
+    view = _KEY_VIEW.get(values.dtype)
+    if values.device.type != "cpu" or values.dim() != 1 or view is None:
         return None
     if values.numel() >= 2**31:
         return None  # the tracker packs positions into 32 bits, and kept stop positions are int32
     n = values.numel()
-    keys = values.contiguous().view(torch.int16).numpy()
+    keys = values.contiguous().view(view).numpy()
     if keys.min() < 0 or keys.max() > _INFINITY_BITS[values.dtype]:
         return None
-    counts = torch.zeros(1 << 15, dtype=torch.int64)
-    key_tensor = torch.from_numpy(keys)
-    for start in range(0, n, _BLOCK):  # torch's bincount takes int16 as it is; numpy's widens it first (2x slower)
-        counts += torch.bincount(key_tensor[start : start + _BLOCK], minlength=1 << 15)
-    counts = counts.numpy()
-    in_order = counts[::-1] if descending else counts
-    first_rank = np.concatenate(([0], np.cumsum(in_order)[:-1]))
-    last_rank = first_rank + in_order
-    present = in_order > 0
-    inside = present & (first_rank >= lo) & (last_rank <= hi)
-    split = present & ~inside & (first_rank < hi) & (last_rank > lo)
-    if descending:
-        inside, split = inside[::-1], split[::-1]
-    split_keys = [int(k) for k in np.flatnonzero(split) if not (zeros_free and k == 0)]  # free zeros: all out
-    if int(counts[split_keys].sum()) > n * KEYS_ONLY_MAX_TRACKED:
+    find = _narrow_window_keys if view is torch.int16 else _wide_window_keys
+    inside, split = find(keys, lo, hi, descending)
+    if zeros_free:
+        split.pop(0, None)  # free zeros: all out
+    split_keys = sorted(split)
+    tracked_count = sum(split.values())
+    if tracked_count > n * KEYS_ONLY_MAX_TRACKED:
         return None
-    # the keys wholly inside form one interval of key values (ranks follow key order)
-    inside_keys = np.flatnonzero(inside)
     mask = np.zeros(n, dtype=np.bool_)
     # both passes below go a block at a time: their temporaries stay a block big, not 2-3 bytes an entry
-    if inside_keys.size:  # keys - first <= last - first, unsigned: one comparison instead of two and an and
-        first, span = np.int16(inside_keys[0]), inside_keys[-1] - inside_keys[0]
+    if inside is not None:  # keys - first <= last - first, unsigned: one comparison instead of two and an and
+        first, span = keys.dtype.type(inside[0]), inside[1] - inside[0]
+        unsigned = np.uint16 if view is torch.int16 else np.uint32
         for start in range(0, n, _BLOCK):
             part = slice(start, start + _BLOCK)
-            np.less_equal(np.subtract(keys[part], first).view(np.uint16), span, out=mask[part])
+            np.less_equal(np.subtract(keys[part], first).view(unsigned), span, out=mask[part])
     if not split_keys:
         return mask
-    tracked = np.empty(int(counts[split_keys].sum()), dtype=np.int64)
+    tracked = np.empty(tracked_count, dtype=np.int64)
     filled = 0
     for start in range(0, n, _BLOCK):
         found = np.flatnonzero(_Tracker.of_keys(keys[start : start + _BLOCK], split_keys))
@@ -269,6 +261,67 @@ def _keys_only_window(
         raise _ReplayGaveUp
     mask[tracker.originals_in(lo, hi)] = True
     return mask
+
+
+def _narrow_window_keys(keys: np.ndarray, lo: int, hi: int, descending: bool) -> tuple[tuple[int, int] | None,
+                                                                                   dict[int, int]]:
+    """16-bit keys: the interval of key values wholly inside [lo, hi) (None: none is) and the keys the window's
+    ends cut, with their counts, from one histogram of all 32768 keys."""
+    n = keys.size
+    counts = torch.zeros(1 << 15, dtype=torch.int64)
+    key_tensor = torch.from_numpy(keys)
+    for start in range(0, n, _BLOCK):  # torch's bincount takes int16 as it is; numpy's widens it first (2x slower)
+        counts += torch.bincount(key_tensor[start : start + _BLOCK], minlength=1 << 15)
+    counts = counts.numpy()
+    in_order = counts[::-1] if descending else counts
+    first_rank = np.concatenate(([0], np.cumsum(in_order)[:-1]))
+    last_rank = first_rank + in_order
+    present = in_order > 0
+    inside = present & (first_rank >= lo) & (last_rank <= hi)
+    split = present & ~inside & (first_rank < hi) & (last_rank > lo)
+    if descending:
+        inside, split = inside[::-1], split[::-1]
+    inside_keys = np.flatnonzero(inside)  # one interval of key values (ranks follow key order)
+    interval = (int(inside_keys[0]), int(inside_keys[-1])) if inside_keys.size else None
+    return interval, {int(k): int(counts[k]) for k in np.flatnonzero(split)}
+
+
+def _wide_window_keys(keys: np.ndarray, lo: int, hi: int, descending: bool) -> tuple[tuple[int, int] | None,
+                                                                                 dict[int, int]]:
+    """32-bit keys (float32 magnitudes): as _narrow_window_keys, from a histogram of the high 16 bits and, for
+    the (at most two) buckets holding ranks lo and hi - 1, one of the low 16 bits of their entries."""
+    coarse = np.zeros(1 << 16, dtype=np.int64)
+    for start in range(0, keys.size, _BLOCK):
+        coarse += np.bincount(keys[start : start + _BLOCK] >> 16, minlength=1 << 16)
+
+    def key_at(rank: int) -> tuple[int, int, int]:
+        """The key at this rank of the sort, the rank of its first entry, and its count."""
+        order = coarse[::-1] if descending else coarse
+        running = np.cumsum(order)
+        at = int(np.searchsorted(running, rank, side="right"))
+        bucket = coarse.size - 1 - at if descending else at
+        before = int(running[at] - order[at])
+        fine = np.zeros(1 << 16, dtype=np.int64)
+        for start in range(0, keys.size, _BLOCK):
+            part = keys[start : start + _BLOCK]
+            fine += np.bincount(part[(part >> 16) == bucket] & 0xFFFF, minlength=1 << 16)
+        fine_order = fine[::-1] if descending else fine
+        fine_running = np.cumsum(fine_order)
+        within = int(np.searchsorted(fine_running, rank - before, side="right"))
+        low = fine.size - 1 - within if descending else within
+        count = int(fine_order[within])
+        return (bucket << 16) | low, before + int(fine_running[within]) - count, count
+
+    ends = [key_at(lo), key_at(hi - 1)]
+    whole = [first >= lo and first + count <= hi for _, first, count in ends]
+    (key_lo, _, _), (key_hi, _, _) = ends
+    # the keys strictly between the two ends' keys in sort order are inside, and each end's key if its run is
+    if descending:
+        interval = (key_hi + (0 if whole[1] else 1), key_lo - (0 if whole[0] else 1))
+    else:
+        interval = (key_lo + (0 if whole[0] else 1), key_hi - (0 if whole[1] else 1))
+    split = {key: count for (key, _, count), inside in zip(ends, whole) if not inside}
+    return (interval if interval[0] <= interval[1] else None), split
 
 
 def _packed_keys(values: torch.Tensor) -> np.ndarray | None:
