@@ -26,12 +26,13 @@ A heap-sorted range (a spent depth budget, which takes adversarial input) is not
 gets the full sort, as it does for NaN, negative zero or negative values (whose bit patterns do not order
 like their values) and for small tensors (where the full sort is cheaper than the bookkeeping).
 
-Two ways to keep track of which entry is which while the replay moves them. For bf16/fp16 magnitudes (the
-usual case) the replay moves the 16-bit bit patterns alone (non-negative floats order like their bit
-patterns), 2 bytes an entry: a histogram of the keys tells which keys lie wholly inside or outside the window,
-so only the entries of the (at most two) keys the window's ends cut are followed, by a sorted tracker. Otherwise
-(float32, or when those entries are more than half of all) each entry is one int64, its key in the high 32
-bits and its original index in the low 32, so a swap moves both. The Hoare scans are vectorised with numpy
+Two ways to keep track of which entry is which while the replay moves them. Usually the replay moves the bit
+patterns alone (non-negative floats order like their bit patterns), 2 bytes an entry for bf16/fp16 magnitudes
+and 4 for float32: a histogram of the keys (for float32, of their high 16 bits, then of the low 16 bits within
+the buckets at the window's ends) tells which keys lie wholly inside or outside the window, so only the entries
+of the (at most two) keys the window's ends cut are followed, by a sorted tracker. Otherwise (when those entries
+are more than half of all) each entry is one int64, its key in the high 32 bits and its original index in the
+low 32, so a swap moves both. The Hoare scans are vectorised with numpy
 (see `_partition`), whose comparisons, nonzero and fancy indexing are several times faster than torch's on
 one thread. Tests compare against `torch.sort` on many inputs.
 """
