@@ -236,3 +236,13 @@ def test_a_replay_that_gives_up_merges_the_tensor_whole(three_models, tmp_path, 
     assert _run("ties", three_models, tmp_path / "blocked", "bfloat16") == whole
     assert "model.embed_tokens.weight" in passes  # the blocked pass was tried ...
     assert ("model.embed_tokens.weight", True) in written  # ... and the tensor then merged whole
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize("method", RANKED)
+def test_row_blocks_on_a_cuda_device_give_the_whole_tensors_bytes(method):
+    """On another device the selection is that device's full sort, whole or from the gathered magnitudes."""
+    tensors = [t.cuda() for t in _models((300, 400), torch.bfloat16, ties=True)]
+    whole = _whole(method, tensors, False)
+    assert whole.device.type == "cuda"
+    assert _same_bits(_blocked(method, tensors, 64, False).cpu(), whole.cpu())
