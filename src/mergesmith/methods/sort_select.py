@@ -203,7 +203,7 @@ class _Tracker:
     def resort(self, first: int, last: int) -> None:
         """Restore the order after moves inside [first, last) (moves never leave the range they are in)."""
         a, b = np.searchsorted(self.entries, [first << _INDEX_BITS, last << _INDEX_BITS])
-        self.entries[a:b].sort()  # in place; the entries are distinct, so any sort gives this order
+        self.entries[a:b].sort(kind="stable")  # in place; timsort: the moves leave long sorted runs
 
     def originals_in(self, first: int, last: int) -> np.ndarray:
         a, b = np.searchsorted(self.entries, [first << _INDEX_BITS, last << _INDEX_BITS])
