@@ -174,3 +174,25 @@ def test_trimming_in_place_gives_the_same_bits_in_the_same_storage(rescale):
         kept = trim(scratch, in_place=True)
         assert kept.data_ptr() == scratch.data_ptr()
         assert torch.equal(kept.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", ["f32_of_bf16_deltas", "distinct", "few_values"])
+@pytest.mark.parametrize("n, density", [(1 << 17, 0.5), (300_001, 0.1), (2_500_000, 0.73)])
+def test_large_float32_windows_replay_the_32_bit_keys(kind, n, density):
+    """float32 magnitudes (the default compute dtype) replay on their 32-bit keys, tracking only the entries
+    of the magnitudes the window's ends cut (found by a histogram of the high 16 bits, then of the low 16 of
+    those buckets), with the default settings; bf16 differences computed in float32 tie a lot."""
+    generator = torch.Generator().manual_seed(n + len(kind))
+    if kind == "f32_of_bf16_deltas":
+        values = (magnitudes("bf16_deltas", n, generator).float() * 3).abs()
+    else:
+        values = magnitudes(kind, n, generator)
+    assert values.dtype == torch.float32
+    keys = values.view(torch.int32).numpy()
+    k = int(density * n)
+    inside, split = sort_select._wide_window_keys(keys, 0, k, True)
+    assert sum(split.values()) < n / 2 and (bool(split) or kind == "distinct")  # keys-only, not packed
+    assert torch.equal(sort_select.sorted_window_mask(values, 0, k, True), sorted_window_reference(values, 0, k, True))
+    lo, hi = n // 100, n // 100 + k // 2
+    assert torch.equal(sort_select.sorted_window_mask(values, lo, hi, False),
+                       sorted_window_reference(values, lo, hi, False))

@@ -26,6 +26,7 @@ from ..io.journal import Journal, partial_path
 from ..io.safetensors_writer import ShardWriter
 from ..methods import MergeInputs, require_method
 from ..methods.keyed_random import MaskStream
+from ..methods.registry import MERGE_WHOLE
 from ..runtime.devices import resolve_device
 from ..runtime.memory_limits import MemoryWatch, human
 from ..runtime.memory_release import release_free_heap
@@ -256,6 +257,7 @@ def compute(
         stream=stream,
         offset=offset,
         totals=totals,
+        whole_numel=recipe.numel(),
     )
     try:
         if gather is not None:
@@ -525,6 +527,13 @@ class LocalExecutor(Executor):
 
         Returns False when a stop request left the tensor unwritten."""
         blocks = row_blocks(recipe)
+        totals = None
+        if len(blocks) > 1 and two_pass(recipe):
+            totals = self._gather_totals(recipe, blocks)
+            if totals is None:
+                return False
+            if isinstance(totals, str) and totals == MERGE_WHOLE:  # the method's fallback: no blocks after all
+                blocks, totals = [(0, recipe.shape[0])], None
         if len(blocks) == 1:
 
             def put_whole(out: torch.Tensor) -> None:
@@ -537,11 +546,6 @@ class LocalExecutor(Executor):
 
             self._compute_block(recipe, blocks[0], put_whole, whole=True)
         else:
-            totals = None
-            if two_pass(recipe):
-                totals = self._gather_totals(recipe, blocks)
-                if totals is None:
-                    return False
             sink = writer.open_tensor(recipe.name)
             for rows in blocks:
                 if self.stop.is_set():

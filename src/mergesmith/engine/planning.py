@@ -174,7 +174,7 @@ def recipe_memory(recipe: TensorRecipe, compute_dtype: str) -> int:
     counted here (page cache the kernel may reclaim).
     """
     from ..methods import get_method
-    from .blocks import block_numel
+    from .blocks import block_numel, two_pass
 
     numel = block_numel(recipe)
     if recipe.op == "copy":
@@ -183,4 +183,10 @@ def recipe_memory(recipe: TensorRecipe, compute_dtype: str) -> int:
     spec = get_method(recipe.method or "") if recipe.op == "merge" else None
     if spec is None:  # other ops (tokenizer surgery, MoE gates): the generic bound
         return numel * dtype_size(compute_dtype) * (2 * n + 3) + numel * dtype_size(recipe.dtype)
-    return spec.working_memory(n, numel, dtype_size(compute_dtype)) + numel * dtype_size(recipe.dtype)
+    block = spec.working_memory(n, numel, dtype_size(compute_dtype)) + numel * dtype_size(recipe.dtype)
+    if spec.totals is not None and spec.totals.memory is not None and two_pass(recipe):
+        # a totals pass over the whole tensor (TIES' magnitudes) peaks before the first block is merged; what it
+        # keeps (the packed masks) is held beside every block's working set
+        peak, kept = spec.totals.memory(n, recipe.numel(), dtype_size(compute_dtype))
+        return max(peak, block + kept)
+    return block

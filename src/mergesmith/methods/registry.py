@@ -64,6 +64,7 @@ class MergeInputs:
     the whole output tensor (in C order), so a row block draws what the whole tensor would at those entries.
     `totals` is what the method's `totals` pass gathered over all row blocks of the tensor (None when the
     tensor is merged whole, or the pass is not needed: the method then computes them itself).
+    `whole_numel` is the entry count of the whole output tensor, whose row block `tensors` may be (0: unknown).
     """
 
     tensors: Sequence[torch.Tensor]
@@ -76,6 +77,7 @@ class MergeInputs:
     stream: MaskStream | None = None
     offset: int = 0
     totals: Any = None
+    whole_numel: int = 0
 
     def done_with(self, index: int) -> None:
         """Say that `tensors[index]` will not be read again by this call.
@@ -100,6 +102,11 @@ class MergeInputs:
 MergeFn = Callable[[MergeInputs], torch.Tensor]
 
 
+MERGE_WHOLE = "merge the tensor whole"
+"""What a TotalsPass's `finish` returns where the blocked pass cannot go on (TIES: sort_select's replay gave up
+on keys it had already reordered): the executor then merges that tensor whole, by the method's own path."""
+
+
 @dataclass(frozen=True)
 class TotalsPass:
     """A first pass over a tensor's row blocks for a method that is elementwise except for a few per-tensor
@@ -108,12 +115,16 @@ class TotalsPass:
     `needed(params)` says, from the resolved global parameters, whether the pass is needed at all;
     `gather(state, inputs)` folds one row block (handed over in row order; `state` is None for the first) and
     returns the new state; `finish(state)` turns it into `MergeInputs.totals` for the second pass, which then
-    writes each block exactly as the whole-tensor merge would have written those rows.
+    writes each block exactly as the whole-tensor merge would have written those rows. `memory(n_inputs, numel,
+    compute dtype size)`, where given, is (the bytes the pass holds at its peak, the bytes its result keeps
+    through the merge pass) over a tensor of `numel` entries (TIES' magnitudes, then its packed masks): see
+    engine.planning.recipe_memory.
     """
 
     needed: Callable[[dict[str, Any]], bool]
     gather: Callable[[Any, MergeInputs], Any]
     finish: Callable[[Any], Any]
+    memory: Callable[[int, int, int], tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)

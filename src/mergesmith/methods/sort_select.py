@@ -26,12 +26,13 @@ A heap-sorted range (a spent depth budget, which takes adversarial input) is not
 gets the full sort, as it does for NaN, negative zero or negative values (whose bit patterns do not order
 like their values) and for small tensors (where the full sort is cheaper than the bookkeeping).
 
-Two ways to keep track of which entry is which while the replay moves them. For bf16/fp16 magnitudes (the
-usual case) the replay moves the 16-bit bit patterns alone (non-negative floats order like their bit
-patterns), 2 bytes an entry: a histogram of the keys tells which keys lie wholly inside or outside the window,
-so only the entries of the (at most two) keys the window's ends cut are followed, by a sorted tracker. Otherwise
-(float32, or when those entries are more than half of all) each entry is one int64, its key in the high 32
-bits and its original index in the low 32, so a swap moves both. The Hoare scans are vectorised with numpy
+Two ways to keep track of which entry is which while the replay moves them. Usually the replay moves the bit
+patterns alone (non-negative floats order like their bit patterns), 2 bytes an entry for bf16/fp16 magnitudes
+and 4 for float32: a histogram of the keys (for float32, of their high 16 bits, then of the low 16 bits within
+the buckets at the window's ends) tells which keys lie wholly inside or outside the window, so only the entries
+of the (at most two) keys the window's ends cut are followed, by a sorted tracker. Otherwise (when those entries
+are more than half of all) each entry is one int64, its key in the high 32 bits and its original index in the
+low 32, so a swap moves both. The Hoare scans are vectorised with numpy
 (see `_partition`), whose comparisons, nonzero and fancy indexing are several times faster than torch's on
 one thread. Tests compare against `torch.sort` on many inputs.
 """
@@ -58,8 +59,16 @@ _NEAR_END = 1 << 10
 """A stop within this many of either end of its block is found by scanning from that end (the first and last
 stops of a scan are asked for at every partition, and usually lie within a few entries of the ends)."""
 
-_SWAP_CHUNK = 1 << 21
-"""Exchanges done per vectorised step: bounds the scratch memory of a partition to a few chunks."""
+_KEPT_BLOCKS = 2
+"""Blocks whose stop positions a scan keeps at once. The crossing's bisection asks about the same one or two
+blocks again and again; the chunk bounds each about another, once. Keeping every block asked about held up to
+a tensor's worth of int64 positions (about 2 bytes an entry of a 32 M-entry embedding); a dropped block is found
+again from the entries, which no exchange has touched yet when its stops are asked for."""
+
+_SWAP_CHUNK = 1 << 18
+"""Exchanges done per vectorised step: bounds the scratch memory of a partition to a few chunks (their int64
+positions and the moved entries: with the kept blocks' positions, ~30 MB at this size, measured on a 32 M-entry
+bf16 selection, against ~100 MB at 1 << 21, for about the same CPU time)."""
 
 _INDEX_BITS = 32
 _INDEX_MASK = (1 << _INDEX_BITS) - 1
@@ -68,13 +77,23 @@ _INFINITY_BITS = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float
 
 
 def sorted_window_mask(
-    values: torch.Tensor, lo: int, hi: int, descending: bool, remake: Callable[[], torch.Tensor] | None = None
+    values: torch.Tensor,
+    lo: int,
+    hi: int,
+    descending: bool,
+    remake: Callable[[], torch.Tensor] | None = None,
+    zeros_free: bool = False,
 ) -> torch.Tensor:
     """Boolean mask over the 1-D tensor `values`: True for the entries that
     `torch.sort(values.float(), descending=descending)` puts at positions [lo, hi).
 
     With `remake` (which makes `values` afresh), `values`, a temporary of the caller's, may be reordered in
     place, saving a tensor-sized copy; `remake` is called if the full sort is needed after all.
+
+    With `zeros_free`, where an end of the window cuts the run of exact zeros, which of the zeros are in may
+    differ from the sort's choice (here: none): for a caller that multiplies task vector entries by the mask,
+    a zero entry is zero either way. It spares following the zeros through the replay: a bf16 task vector is
+    often mostly exact zeros, and the window's end then lies among them.
 
     On the CPU the sort's own choice among equal values is reproduced without the full sort (see the module
     docstring); on another device the full sort on that device is used, as mergekit would.
@@ -89,13 +108,14 @@ def sorted_window_mask(
     if replayable:
         consume = remake is not None and values.is_contiguous()
         try:
-            mask = _keys_only_window(values, lo, hi, descending, consume)
+            mask = _keys_only_window(values, lo, hi, descending, consume, zeros_free)
         except _ReplayGaveUp:
             mask, replayable = None, False  # the packed replay would make the same moves and give up too
+            if consume:
+                assert remake is not None
+                values = remake()  # the replay reordered them (a None above left them as they were)
         if mask is not None:
             return torch.from_numpy(mask)
-        if consume:
-            values = remake()  # the replay may have reordered them
     packed = _packed_keys(values) if replayable else None
     if packed is not None:
         dtype = values.dtype
@@ -127,15 +147,21 @@ class _Tracker:
     form one slice."""
 
     def __init__(self, original: np.ndarray, keys: list[int]) -> None:
-        self.entries = (original.astype(np.int64) << _INDEX_BITS) | original
+        self.entries = original << _INDEX_BITS
+        self.entries |= original
         self.keys = keys
         self._later: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def tracked(self, keys: np.ndarray) -> np.ndarray:
-        found = keys == self.keys[0]
-        for key in self.keys[1:]:
+    @staticmethod
+    def of_keys(keys: np.ndarray, tracked_keys: list[int]) -> np.ndarray:
+        """Which of `keys` are among `tracked_keys`."""
+        found = keys == tracked_keys[0]
+        for key in tracked_keys[1:]:
             found |= keys == key
         return found
+
+    def tracked(self, keys: np.ndarray) -> np.ndarray:
+        return self.of_keys(keys, self.keys)
 
     def move(self, old: np.ndarray, new: np.ndarray) -> None:
         """Entries at positions `old` (those tracked; the rest are ignored) are now at `new`."""
@@ -153,7 +179,8 @@ class _Tracker:
             return
         slots, hit = self._slots(old[found] + base)
         if later:
-            self._later.append((slots, new[found][hit] + base))
+            # as int32 (positions and slots are below 2**31): a partition's pending moves are 8 bytes each
+            self._later.append((slots.astype(np.int32), (new[found][hit] + base).astype(np.int32)))
         else:
             self._write(slots, new[found][hit] + base)
 
@@ -176,7 +203,7 @@ class _Tracker:
     def resort(self, first: int, last: int) -> None:
         """Restore the order after moves inside [first, last) (moves never leave the range they are in)."""
         a, b = np.searchsorted(self.entries, [first << _INDEX_BITS, last << _INDEX_BITS])
-        self.entries[a:b] = np.sort(self.entries[a:b], kind="stable")
+        self.entries[a:b].sort(kind="stable")  # in place; timsort: the moves leave long sorted runs
 
     def originals_in(self, first: int, last: int) -> np.ndarray:
         a, b = np.searchsorted(self.entries, [first << _INDEX_BITS, last << _INDEX_BITS])
@@ -184,21 +211,64 @@ class _Tracker:
 
 
 def _keys_only_window(
-    values: torch.Tensor, lo: int, hi: int, descending: bool, consume: bool = False
+    values: torch.Tensor, lo: int, hi: int, descending: bool, consume: bool = False, zeros_free: bool = False
 ) -> np.ndarray | None:
-    """The window mask by replaying on the 16-bit keys alone (2 bytes an entry instead of 8); None where
-    this way does not apply, _ReplayGaveUp where the replay does not.
+    """The window mask by replaying on the keys alone (2 or 4 bytes an entry instead of 8); None where this
+    way does not apply, _ReplayGaveUp where the replay does not.
 
     A key's entries hold a run of consecutive ranks, which a histogram gives, so every key whose run lies
     inside [lo, hi) is in, every key whose run misses it is out, and only the entries of the (at most two)
     keys whose runs the window's ends cut need the replay to say which are in: only they are tracked.
     """
-    if values.device.type != "cpu" or values.dim() != 1 or _KEY_VIEW.get(values.dtype) is not torch.int16:
+    view = _KEY_VIEW.get(values.dtype)
+    if values.device.type != "cpu" or values.dim() != 1 or view is None:
         return None
+    if values.numel() >= 2**31:
+        return None  # the tracker packs positions into 32 bits, and kept stop positions are int32
     n = values.numel()
-    keys = values.contiguous().view(torch.int16).numpy()
+    keys = values.contiguous().view(view).numpy()
     if keys.min() < 0 or keys.max() > _INFINITY_BITS[values.dtype]:
         return None
+    find = _narrow_window_keys if view is torch.int16 else _wide_window_keys
+    inside, split = find(keys, lo, hi, descending)
+    if zeros_free:
+        split.pop(0, None)  # free zeros: all out
+    split_keys = sorted(split)
+    tracked_count = sum(split.values())
+    if tracked_count > n * KEYS_ONLY_MAX_TRACKED:
+        return None
+    mask = np.zeros(n, dtype=np.bool_)
+    # both passes below go a block at a time: their temporaries stay a block big, not 2-3 bytes an entry
+    if inside is not None:  # keys - first <= last - first, unsigned: one comparison instead of two and an and
+        first, span = keys.dtype.type(inside[0]), inside[1] - inside[0]
+        unsigned = np.uint16 if view is torch.int16 else np.uint32
+        for start in range(0, n, _BLOCK):
+            part = slice(start, start + _BLOCK)
+            np.less_equal(np.subtract(keys[part], first).view(unsigned), span, out=mask[part])
+    if not split_keys:
+        return mask
+    tracked = np.empty(tracked_count, dtype=np.int64)
+    filled = 0
+    for start in range(0, n, _BLOCK):
+        found = np.flatnonzero(_Tracker.of_keys(keys[start : start + _BLOCK], split_keys))
+        found += start
+        tracked[filled : filled + found.size] = found
+        filled += found.size
+    tracker = _Tracker(tracked, split_keys)
+    del tracked
+    if not consume:
+        keys = keys.copy()  # the replay reorders them
+    if not _replay(keys, lo, hi, descending, shift=0, tracker=tracker):
+        raise _ReplayGaveUp
+    mask[tracker.originals_in(lo, hi)] = True
+    return mask
+
+
+def _narrow_window_keys(keys: np.ndarray, lo: int, hi: int, descending: bool) -> tuple[tuple[int, int] | None,
+                                                                                   dict[int, int]]:
+    """16-bit keys: the interval of key values wholly inside [lo, hi) (None: none is) and the keys the window's
+    ends cut, with their counts, from one histogram of all 32768 keys."""
+    n = keys.size
     counts = torch.zeros(1 << 15, dtype=torch.int64)
     key_tensor = torch.from_numpy(keys)
     for start in range(0, n, _BLOCK):  # torch's bincount takes int16 as it is; numpy's widens it first (2x slower)
@@ -212,28 +282,47 @@ def _keys_only_window(
     split = present & ~inside & (first_rank < hi) & (last_rank > lo)
     if descending:
         inside, split = inside[::-1], split[::-1]
-    split_keys = [int(k) for k in np.flatnonzero(split)]
-    if int(counts[split_keys].sum()) > n * KEYS_ONLY_MAX_TRACKED:
-        return None
-    # the keys wholly inside form one interval of key values (ranks follow key order)
-    inside_keys = np.flatnonzero(inside)
-    if inside_keys.size:  # keys - first <= last - first, unsigned: one comparison instead of two and an and
-        mask = np.subtract(keys, np.int16(inside_keys[0])).view(np.uint16) <= inside_keys[-1] - inside_keys[0]
+    inside_keys = np.flatnonzero(inside)  # one interval of key values (ranks follow key order)
+    interval = (int(inside_keys[0]), int(inside_keys[-1])) if inside_keys.size else None
+    return interval, {int(k): int(counts[k]) for k in np.flatnonzero(split)}
+
+
+def _wide_window_keys(keys: np.ndarray, lo: int, hi: int, descending: bool) -> tuple[tuple[int, int] | None,
+                                                                                 dict[int, int]]:
+    """32-bit keys (float32 magnitudes): as _narrow_window_keys, from a histogram of the high 16 bits and, for
+    the (at most two) buckets holding ranks lo and hi - 1, one of the low 16 bits of their entries."""
+    coarse = np.zeros(1 << 16, dtype=np.int64)
+    for start in range(0, keys.size, _BLOCK):
+        coarse += np.bincount(keys[start : start + _BLOCK] >> 16, minlength=1 << 16)
+
+    def key_at(rank: int) -> tuple[int, int, int]:
+        """The key at this rank of the sort, the rank of its first entry, and its count."""
+        order = coarse[::-1] if descending else coarse
+        running = np.cumsum(order)
+        at = int(np.searchsorted(running, rank, side="right"))
+        bucket = coarse.size - 1 - at if descending else at
+        before = int(running[at] - order[at])
+        fine = np.zeros(1 << 16, dtype=np.int64)
+        for start in range(0, keys.size, _BLOCK):
+            part = keys[start : start + _BLOCK]
+            fine += np.bincount(part[(part >> 16) == bucket] & 0xFFFF, minlength=1 << 16)
+        fine_order = fine[::-1] if descending else fine
+        fine_running = np.cumsum(fine_order)
+        within = int(np.searchsorted(fine_running, rank - before, side="right"))
+        low = fine.size - 1 - within if descending else within
+        count = int(fine_order[within])
+        return (bucket << 16) | low, before + int(fine_running[within]) - count, count
+
+    ends = [key_at(lo), key_at(hi - 1)]
+    whole = [first >= lo and first + count <= hi for _, first, count in ends]
+    (key_lo, _, _), (key_hi, _, _) = ends
+    # the keys strictly between the two ends' keys in sort order are inside, and each end's key if its run is
+    if descending:
+        interval = (key_hi + (0 if whole[1] else 1), key_lo - (0 if whole[0] else 1))
     else:
-        mask = np.zeros(n, dtype=np.bool_)
-    if not split_keys:
-        return mask
-    is_split = keys == split_keys[0]
-    for key in split_keys[1:]:
-        is_split |= keys == key
-    tracker = _Tracker(np.flatnonzero(is_split), split_keys)
-    del is_split
-    if not consume:
-        keys = keys.copy()  # the replay reorders them
-    if not _replay(keys, lo, hi, descending, shift=0, tracker=tracker):
-        raise _ReplayGaveUp
-    mask[tracker.originals_in(lo, hi)] = True
-    return mask
+        interval = (key_lo + (0 if whole[0] else 1), key_hi - (0 if whole[1] else 1))
+    split = {key: count for (key, _, count), inside in zip(ends, whole) if not inside}
+    return (interval if interval[0] <= interval[1] else None), split
 
 
 def _packed_keys(values: torch.Tensor) -> np.ndarray | None:
@@ -341,8 +430,10 @@ class _Stops:
         found = self._found.get(block)
         if found is None:
             start = block * _BLOCK
-            found = np.flatnonzero(self.mask(start, start + _BLOCK))
+            found = np.flatnonzero(self.mask(start, start + _BLOCK)).astype(np.int32)  # kept: half the bytes
             found += start
+            if len(self._found) >= _KEPT_BLOCKS:  # the oldest goes: a block's positions are 8 bytes a stop
+                del self._found[next(iter(self._found))]
             self._found[block] = found
         return found
 

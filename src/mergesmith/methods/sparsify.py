@@ -26,6 +26,8 @@ the same way; on the CPU sort_select finds that sort's window without paying for
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .keyed_random import MaskStream
@@ -70,16 +72,64 @@ def magnitudes_of(delta: torch.Tensor) -> torch.Tensor:
     return delta.abs().reshape(-1)
 
 
+KEEP_ALL = "keep all"
+"""A selection that keeps the task vector untouched (density 1 or more: no ranking, no rescale)."""
+
+ZEROS = "zeros"
+"""A selection that replaces the task vector by zeros (TIES with density 0 or less)."""
+
+
+@dataclass(frozen=True)
+class Window:
+    """The entries torch.sort(|d|, descending) puts at positions [lo, hi) survive."""
+
+    lo: int
+    hi: int
+    descending: bool
+
+
+Selection = Window | str
+"""What a magnitude rule keeps of a task vector of n entries: a Window, KEEP_ALL or ZEROS. One function per rule
+says it, so the whole-tensor path and the row-block path (magnitude_blocks.py) cannot disagree."""
+
+
+def magnitude_window(n: int, density: float) -> Selection:
+    """TIES trim: the max(1, floor(density * n)) largest magnitudes."""
+    if density >= 1:
+        return KEEP_ALL
+    if density <= 0 or n == 0:
+        return ZEROS
+    return Window(0, max(1, int(density * n)), descending=True)
+
+
+def outliers_window(n: int, density: float, gamma: float) -> Selection:
+    """Breadcrumbs: drop the floor(gamma * n) largest magnitudes and the smallest, keeping floor(density * n)."""
+    if density >= 1:
+        return KEEP_ALL
+    keep = int(density * n)
+    top = int(gamma * n)
+    bottom = max(0, n - keep - top)
+    return Window(bottom, bottom + keep, descending=False)
+
+
+def apply_selection(delta: torch.Tensor, selection: Selection, rescale: bool, in_place: bool) -> torch.Tensor:
+    """`delta` with only the selected entries kept (see keep_l1_norm for `rescale` and `in_place`)."""
+    if selection == KEEP_ALL:
+        return delta
+    if selection == ZEROS:
+        return torch.zeros_like(delta)
+    assert isinstance(selection, Window)
+    mask = sorted_window_mask(
+        magnitudes_of(delta), selection.lo, selection.hi, selection.descending, remake=lambda: magnitudes_of(delta),
+        zeros_free=True,  # a zero entry of the task vector is zero whether it is kept or not
+    )
+    return keep_l1_norm(delta, mask.reshape_as(delta), rescale, in_place)
+
+
 def magnitude(delta: torch.Tensor, density: float, rescale: bool = False, in_place: bool = False) -> torch.Tensor:
     """TIES trim: keep the max(1, floor(density * n)) largest-magnitude entries (written over `delta` with
     `in_place`)."""
-    if density >= 1:
-        return delta
-    if density <= 0 or delta.numel() == 0:
-        return torch.zeros_like(delta)
-    k = max(1, int(density * delta.numel()))
-    mask = sorted_window_mask(magnitudes_of(delta), 0, k, descending=True, remake=lambda: magnitudes_of(delta))
-    return keep_l1_norm(delta, mask.reshape_as(delta), rescale, in_place)
+    return apply_selection(delta, magnitude_window(delta.numel(), density), rescale, in_place)
 
 
 def magnitude_outliers(
@@ -87,16 +137,7 @@ def magnitude_outliers(
 ) -> torch.Tensor:
     """Breadcrumbs: drop the gamma largest-magnitude entries and the smallest, keeping floor(density * n)
     (written over `delta` with `in_place`)."""
-    if density >= 1:
-        return delta
-    n = delta.numel()
-    keep = int(density * n)
-    top = int(gamma * n)
-    bottom = max(0, n - keep - top)
-    mask = sorted_window_mask(
-        magnitudes_of(delta), bottom, bottom + keep, descending=False, remake=lambda: magnitudes_of(delta)
-    )
-    return keep_l1_norm(delta, mask.reshape_as(delta), rescale, in_place)
+    return apply_selection(delta, outliers_window(delta.numel(), density, gamma), rescale, in_place)
 
 
 def random_drop(delta: torch.Tensor, density: float, generator: torch.Generator, rescale: bool = True) -> torch.Tensor:

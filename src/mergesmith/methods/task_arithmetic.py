@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import sparsify
+from . import magnitude_blocks, sparsify
 from .common import as_bool, check_same_shape, require_base, require_generator
 from .keyed_random import MaskStream
 from .reductions import BlockedTotal
@@ -226,6 +226,8 @@ class _Family:
         others = inputs.others()
         if not others:
             return base
+        if isinstance(inputs.totals, magnitude_blocks.Selected):  # one row block of a ranked tensor
+            return self._mix(inputs, base, magnitude_blocks.sparsified(inputs, inputs.totals))
         params = inputs.params
         rescale = as_bool(params["rescale"], "rescale")
         deltas = base.new_empty((len(others), *base.shape))
@@ -353,7 +355,9 @@ class _Family:
             memory_chunk_elements=MIX_CHUNK,
             model_params_problem=self.model_params_problem,
             keyed_random=self.keyed is not None,
-            totals=None
+            totals=_RANKED_TOTALS[self.sparsifier](self.rescale)
+            if self.sparsifier in _RANKED_TOTALS
+            else None
             if self.keyed is None
             else TotalsPass(
                 needed=lambda params: as_bool(params.get("rescale", self.rescale), "rescale"),
@@ -362,6 +366,16 @@ class _Family:
             ),
         )
 
+
+# TIES and Breadcrumbs rank whole task vectors; in row blocks a totals pass makes that selection (magnitude_blocks.py)
+_RANKED_TOTALS: dict[Sparsifier, Callable[[bool], TotalsPass]] = {
+    _magnitude: lambda rescale: magnitude_blocks.totals_pass(
+        lambda params, n: sparsify.magnitude_window(n, float(params["density"])), rescale
+    ),
+    _outliers: lambda rescale: magnitude_blocks.totals_pass(
+        lambda params, n: sparsify.outliers_window(n, float(params["density"]), float(params["gamma"])), rescale
+    ),
+}
 
 _GAMMA = ParamSpec("gamma", 0.01, non_base=True)
 _EPSILON = ParamSpec("epsilon", 0.15, non_base=True)

@@ -1,0 +1,200 @@
+"""TIES and Breadcrumbs in row blocks: the whole-tensor magnitude selection made by a totals pass.
+
+Why: TIES keeps the top-k magnitudes of each *whole* task vector (Breadcrumbs a middle band of them), so it
+was merged whole, and an embedding's working set (stacked float task vectors, their magnitudes, sort keys,
+sign-election temporaries: ~30 bytes an entry with bf16 and two task vectors) did not fit a small
+`--max-memory` (issue 17: 1 GB for a 300 MB budget on the 0.25b bench set). But only the selection needs the
+whole tensor; everything after it (the kept entries, the rescale, the sign election, the mix) is elementwise.
+
+So, like DARE's L1 norms, the selection is a totals pass (registry.TotalsPass):
+- `gather`, per row block: each task vector's magnitudes |x_i - base| in the compute dtype, written into one
+  buffer per task vector (2 bytes an entry for bf16/fp16, the sort_select replay's own keys);
+- `finish`: per task vector in turn, `sorted_window_mask` over that buffer, the very call the whole-tensor path
+  makes on the very same values (so the same entries survive, ties included, as mergekit's sort keeps them),
+  and the rescale factor (|d|_1 / |kept|_1, the same blocked sums); then the buffer goes and the mask is kept
+  packed, one bit an entry;
+- the merge pass, per row block: the task vectors again, times their masks (and factors), then the mix.
+
+Every operation a kept entry goes through is the one the whole-tensor path applies to it, so the bytes are the
+same whatever the block size (tests/test_magnitude_blocks.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .common import as_bool, check_same_shape, require_base
+from .reductions import BlockedTotal, total
+from .registry import MERGE_WHOLE, MergeInputs, TotalsPass
+from .sort_select import sorted_window_mask
+from .sparsify import L1_EPS, ZEROS, Selection, Window
+
+Rule = Callable[[dict[str, Any], int], Selection]
+"""(one task vector's model parameters, entries of the whole tensor) -> what of it survives."""
+
+_CHUNK = 1 << 20
+"""Entries per step of finish's rescale sum: its temporaries stay a few MB."""
+
+
+@dataclass
+class _Gathering:
+    """The totals pass's state: per task vector, its model parameters and its magnitudes so far (one buffer
+    over the whole tensor where its size is known, else the blocks in order), None where no ranking is needed."""
+
+    params: list[dict[str, Any]]
+    rescale: bool
+    keys: list[torch.Tensor | list[torch.Tensor] | None]
+    numel: int = 0
+
+
+@dataclass
+class Selected:
+    """The totals pass's result, the merge pass's `MergeInputs.totals`: per task vector the kept entries as
+    packed bits over the whole tensor (or KEEP_ALL / ZEROS), and the rescale factor (None: no rescale)."""
+
+    kept: list[np.ndarray | str] = field(default_factory=list)
+    factors: list[torch.Tensor | None] = field(default_factory=list)
+
+
+def gather(rule: Rule, default_rescale: bool, state: _Gathering | None, inputs: MergeInputs) -> _Gathering:
+    """Fold one row block: write each ranked task vector's magnitudes where its entries lie in the tensor."""
+    check_same_shape(inputs, "magnitude selection")
+    base = inputs.tensors[require_base(inputs, "magnitude selection")]
+    others = inputs.others()
+    n = base.numel()
+    if state is None:
+        params = [dict(inputs.model_params[i]) for i in others]
+        whole = inputs.whole_numel
+        ranked = [isinstance(rule(p, max(whole, n)), Window) for p in params]  # the kind does not depend on n > 0
+        keys: list[torch.Tensor | list[torch.Tensor] | None] = [
+            (base.new_empty(whole) if whole else []) if r else None for r in ranked
+        ]
+        state = _Gathering(params, as_bool(inputs.params.get("rescale", default_rescale), "rescale"), keys)
+    for row, i in enumerate(others):
+        buffer = state.keys[row]
+        if buffer is None:
+            inputs.done_with(i)
+            continue
+        if isinstance(buffer, list):
+            out = base.new_empty(base.shape)
+            buffer.append(out.view(-1))
+        else:
+            out = buffer[inputs.offset : inputs.offset + n].view(base.shape)
+        torch.sub(inputs.tensors[i], base, out=out)  # the whole path's difference, into its place
+        inputs.done_with(i)
+        out.abs_()  # magnitudes_of's values
+    state.numel += n
+    return state
+
+
+class _GaveUp(Exception):
+    """sort_select's replay gave up on keys it had reordered (a spent depth budget: adversarial input)."""
+
+
+def _gave_up() -> torch.Tensor:
+    raise _GaveUp
+
+
+def finish(rule: Rule, state: _Gathering) -> Selected | str:
+    """Select each task vector's survivors, one task vector at a time (its magnitudes go as its mask is made);
+    MERGE_WHOLE where sort_select could not replay the sort on keys it may reorder (they are the only copy)."""
+    selected = Selected()
+    for row, params in enumerate(state.params):
+        selection = rule(params, state.numel)
+        buffer, state.keys[row] = state.keys[row], None
+        if not isinstance(selection, Window):
+            selected.kept.append(selection)
+            selected.factors.append(None)
+            continue
+        assert buffer is not None  # gather kept the magnitudes of every task vector a Window ranks
+        keys = torch.cat(buffer) if isinstance(buffer, list) else buffer
+        del buffer
+        window = (selection.lo, selection.hi, selection.descending)
+        if not state.rescale:
+            # the keys are ours to reorder (no copy), and the call holds the only reference, so the packed
+            # replay (float32) drops them once it has packed them
+            only = [keys]
+            del keys
+            try:
+                mask = sorted_window_mask(only.pop(), *window, remake=_gave_up, zeros_free=True)
+            except _GaveUp:
+                return MERGE_WHOLE
+            selected.kept.append(np.packbits(mask.cpu().numpy()))
+            selected.factors.append(None)
+            continue
+        before = total(keys)
+        mask = sorted_window_mask(keys, *window, zeros_free=True)  # a copy is reordered: |d * mask| needs keys
+        after = BlockedTotal()  # total(|d * mask|) in pieces: the same bits, no tensor-sized temporary
+        for start in range(0, keys.numel(), _CHUNK):
+            piece = slice(start, start + _CHUNK)
+            after.add((keys[piece] * mask[piece].to(keys.device)).abs_())
+        after_sum = after.result()
+        del keys
+        selected.kept.append(np.packbits(mask.cpu().numpy()))
+        selected.factors.append(None if before < L1_EPS or after_sum < L1_EPS else before / after_sum)
+    return selected
+
+
+def sparsified(inputs: MergeInputs, selected: Selected) -> torch.Tensor:
+    """The merge pass over one row block: the stacked task vectors with what the selection kept of them, as
+    the whole-tensor path leaves them before its mix."""
+    check_same_shape(inputs, "magnitude selection")
+    base = inputs.tensors[require_base(inputs, "magnitude selection")]
+    others = inputs.others()
+    deltas = base.new_empty((len(others), *base.shape))
+    for row, i in enumerate(others):
+        delta, kept = deltas[row], selected.kept[row]
+        if isinstance(kept, str) and kept == ZEROS:
+            delta.zero_()
+            inputs.done_with(i)
+            continue
+        torch.sub(inputs.tensors[i], base, out=delta)
+        inputs.done_with(i)
+        if isinstance(kept, np.ndarray):
+            delta.mul_(_unpacked(kept, inputs.offset, delta.numel()).view(delta.shape).to(delta.device))
+            factor = selected.factors[row]
+            if factor is not None:
+                delta.mul_(factor)
+    return deltas
+
+
+def _unpacked(packed: np.ndarray, start: int, count: int) -> torch.Tensor:
+    """Bits [start, start + count) of a packed mask, as a bool tensor."""
+    first, skip = divmod(start, 8)
+    bits = np.unpackbits(packed[first : (start + count + 7) // 8], count=skip + count)
+    return torch.from_numpy(bits[skip:].view(np.bool_))
+
+
+SELECT_SCRATCH = 44 << 20
+"""sort_select's scratch beside its keys, mask and tracker on a large tensor: a partition's exchange chunks and
+kept stop positions (see sort_select._SWAP_CHUNK; ~30 MB measured on 32 M bf16 entries)."""
+
+
+def totals_memory(n_inputs: int, numel: int, compute_size: int) -> tuple[int, int]:
+    """(peak, kept) bytes of the pass over `numel` entries. The peak is the first task vector's selection: every
+    task vector's magnitudes in the compute dtype, and what sort_select adds for one of them, which reorders its
+    keys (16 or 32 bits) in place: a bool mask and a tracker of 8 bytes for each entry of the magnitude the
+    window's end cuts (counted for up to a quarter of the entries: measured 22% on bf16 deltas of 1% of the
+    weights, less on wider ones; more than half takes the packed replay, 8 bytes an entry), and the partition's
+    scratch (with 32-bit keys 2 bytes an entry more, as measured on 5 M entries); float64 takes torch's full
+    sort. `rescale: true` copies the keys first (the compute dtype's size an entry more). Kept: the packed masks,
+    a bit an entry per task vector."""
+    tasks = max(0, n_inputs - 1)
+    select = {2: 3, 4: 5}.get(compute_size, 17) * numel + min(16 * numel, SELECT_SCRATCH)
+    kept = tasks * numel // 8
+    return numel * compute_size * tasks + select + kept, kept
+
+
+def totals_pass(rule: Rule, default_rescale: bool) -> TotalsPass:
+    """The TotalsPass of a method that ranks magnitudes by `rule` (needed whenever the tensor is cut in blocks)."""
+    return TotalsPass(
+        needed=lambda params: True,
+        gather=lambda state, inputs: gather(rule, default_rescale, state, inputs),
+        finish=lambda state: finish(rule, state),
+        memory=totals_memory,
+    )
