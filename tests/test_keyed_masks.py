@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mergesmith import blocks
-from mergesmith.methods import get_method, sparsify
+from mergesmith.methods import get_method, keyed_merge
 from mergesmith.methods.keyed_random import CHUNK, MaskStream
 from mergesmith.methods.reductions import BlockedTotal, total
 from mergesmith.methods.registry import MergeInputs
@@ -60,7 +60,7 @@ def test_dare_keeps_density_within_sampling_error(p):
 
 def test_della_keeps_density_on_average_and_more_of_the_large_entries():
     delta = torch.randn(512, 4096, generator=torch.Generator().manual_seed(0))
-    mask = sparsify.della_keep(MaskStream(9), 0, 0, delta, 0.4, 0.2)
+    mask = keyed_merge.keep_flags(MaskStream(9), keyed_merge.Vector(1, 0, 1.0, 0.4, 0.2), 0, delta).float()
     n = delta.numel()
     assert abs(mask.mean().item() - 0.4) < 5 * math.sqrt(0.4 * 0.6 / n)
     large = delta.abs() > delta.abs().median(dim=1, keepdim=True).values
@@ -136,7 +136,7 @@ def test_rescale_keeps_each_task_vectors_l1_norm_exactly_as_the_formula_says():
     out = spec.merge(MergeInputs([base, tuned], 0, mp, params, None, "t", stream=MaskStream(2)))
     delta = tuned - base
     kept = out - base
-    mask = sparsify.dare_keep(MaskStream(2), 0, 0, delta, 0.3)
+    mask = keyed_merge.keep_flags(MaskStream(2), keyed_merge.Vector(1, 0, 1.0, 0.3), 0, delta).float()
     factor = total(delta.abs()) / total((delta * mask).abs())
     assert torch.equal(out, base + delta * mask * factor)
     assert kept.abs().sum().item() == pytest.approx(delta.abs().sum().item(), rel=1e-4)
