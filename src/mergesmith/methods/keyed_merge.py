@@ -84,9 +84,8 @@ class _Buffers(threading.local):
         key = (name, dtype, device)
         buf = self.pool.get(key)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, CHUNK_ELEMENTS if numel <= CHUNK_ELEMENTS else numel), dtype=dtype,
-                              device=device)
-            if numel <= 4 * CHUNK_ELEMENTS:  # a one-row tensor may be larger than a chunk: not kept
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            if numel <= CHUNK_ELEMENTS:  # kept for the next chunk; a one-row tensor may be larger: not kept
                 self.pool[key] = buf
         return buf[:numel].view(tuple(shape))
 

@@ -317,7 +317,7 @@ class _Family:
             memory_fixed=self.memory[0][1],
             memory_bytes=self.memory[0][2],
             memory_chunked=self.memory[1],
-            memory_chunk_elements=MIX_CHUNK,
+            memory_chunk_elements=keyed_merge.CHUNK_ELEMENTS if self.keyed is not None else MIX_CHUNK,
             model_params_problem=self.model_params_problem,
             keyed_random=self.keyed is not None,
             totals=None
@@ -341,6 +341,9 @@ _SUM = ((4.5, 1, 0), (0.0, 0.0))
 _CONSENSUS = ((4.75, 0.5, 0), (1.0, 2.0))
 _DELLA = ((4.0, 0.5, 28), (0.0, 0.0))
 _RANKED = ((3.0, 1, 32), (0.0, 0.0))
+# DARE and DELLA from the keyed stream (keyed_merge.py): the inputs at the compute width, and float32 work buffers,
+# DELLA's sort keys, draws and masks over one chunk of keyed_merge.CHUNK_ELEMENTS (in compute-width units).
+_KEYED = ((2.0, 0, 0), (2.0, 18.0))
 
 FAMILY: tuple[_Family, ...] = (
     _Family(
@@ -370,7 +373,7 @@ FAMILY: tuple[_Family, ...] = (
         randomized=True,
         keyed=_dare_keyed,
         description="DARE random drop, linear sum",
-        memory=_SUM,
+        memory=_KEYED,
     ),
     _Family(
         "dare_ties",
@@ -381,7 +384,7 @@ FAMILY: tuple[_Family, ...] = (
         randomized=True,
         keyed=_dare_keyed,
         description="DARE random drop, TIES sign",
-        memory=_CONSENSUS,
+        memory=_KEYED,
     ),
     _Family(
         "breadcrumbs",
@@ -413,7 +416,7 @@ FAMILY: tuple[_Family, ...] = (
         randomized=True,
         keyed=_della_keyed,
         description="DELLA MagPrune, TIES sign",
-        memory=_DELLA,
+        memory=_KEYED,
         model_params_problem=_della_params_problem,
     ),
     _Family(
@@ -426,7 +429,7 @@ FAMILY: tuple[_Family, ...] = (
         randomized=True,
         keyed=_della_keyed,
         description="DELLA, linear sum",
-        memory=_RANKED,
+        memory=_KEYED,
         model_params_problem=_della_params_problem,
     ),
 )
