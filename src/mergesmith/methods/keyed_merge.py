@@ -187,36 +187,48 @@ def _base32(base: torch.Tensor) -> torch.Tensor:
     return b.copy_(base)
 
 
+@dataclass
+class Totals:
+    """The totals pass's state, then its result: per task vector (|d|_1, |d * keep|_1) (BlockedTotal while
+    gathering, floats once finished), and DELLA's keep flags packed a bit an entry by (vector, first entry of
+    the chunk): its per-row ranking costs several draws, so the merge pass unpacks them instead of ranking again."""
+
+    norms: list
+    masks: dict[tuple[int, int], np.ndarray]
+
+
 def gather(
-    norms: list[tuple[BlockedTotal, BlockedTotal]] | None,
+    state: Totals | None,
     tensors: Sequence[torch.Tensor],
     base_index: int,
     vectors: Sequence[Vector],
     stream: MaskStream,
     offset: int,
-) -> list[tuple[BlockedTotal, BlockedTotal]]:
+) -> Totals:
     """Fold the rows of `tensors` (flat position `offset` on) into each vector's (|d|_1, |d * keep|_1)."""
-    if norms is None:
-        norms = [(BlockedTotal(), BlockedTotal()) for _ in vectors]
+    if state is None:
+        state = Totals([(BlockedTotal(), BlockedTotal()) for _ in vectors], {})
     shape = tuple(tensors[base_index].shape)
     width = math.prod(shape[1:]) if len(shape) > 1 else 0
     for r0, r1 in row_chunks(shape):
         base32 = _base32(_chunk(tensors[base_index], r0, r1))
-        for vec, (before, after) in zip(vectors, norms):
+        for k, (vec, (before, after)) in enumerate(zip(vectors, state.norms)):
             if vec.density >= 1:
                 continue
             d = _task_vector("d0", _chunk(tensors[vec.index], r0, r1), base32)
             keep = keep_flags(stream, vec, offset + r0 * width, d)
+            assert keep is not None
+            if vec.epsilon is not None:
+                state.masks[(k, offset + r0 * width)] = np.packbits(keep.cpu().numpy().reshape(-1))
             mags = _BUFFERS.get("abs", d.shape, F32, d.device)
             torch.abs(d, out=mags)
             before.add(mags)
-            assert keep is not None
             after.add(mags.mul_(keep))
-    return norms
+    return state
 
 
-def finish(norms: list[tuple[BlockedTotal, BlockedTotal]]) -> list[tuple[float, float]]:
-    return [(float(before.result()), float(after.result())) for before, after in norms]
+def finish(state: Totals) -> Totals:
+    return Totals([(float(before.result()), float(after.result())) for before, after in state.norms], state.masks)
 
 
 def _factor(vec: Vector, mix: Mix, norms: tuple[float, float] | None) -> float:
@@ -236,13 +248,15 @@ def merge(
     mix: Mix,
     stream: MaskStream,
     offset: int,
-    norms: list[tuple[float, float]] | None,
+    totals: Totals | None,
 ) -> torch.Tensor:
-    """The merged rows, in the base's dtype: `norms` from a totals pass over the whole tensor (finish), or None
+    """The merged rows, in the base's dtype: `totals` from a totals pass over the whole tensor (finish), or None
     to gather them here from these rows (the whole tensor) first, where the rescale needs them."""
     base = tensors[base_index]
-    if norms is None and mix.rescale and any(v.density < 1 for v in vectors):
-        norms = finish(gather(None, tensors, base_index, vectors, stream, offset))
+    if totals is None and mix.rescale and any(v.density < 1 for v in vectors):
+        totals = finish(gather(None, tensors, base_index, vectors, stream, offset))
+    norms = None if totals is None else totals.norms
+    kept = {} if totals is None else totals.masks
     out = torch.empty(base.shape, dtype=base.dtype, device=base.device)
     shape = tuple(base.shape)
     width = math.prod(shape[1:]) if len(shape) > 1 else 0
@@ -252,7 +266,12 @@ def merge(
         weighted = []
         for k, vec in enumerate(vectors):
             d = _task_vector(f"d{k}", _chunk(tensors[vec.index], r0, r1), base32)
-            keep = keep_flags(stream, vec, offset + r0 * width, d)
+            packed = kept.get((k, offset + r0 * width))
+            if packed is not None:
+                flags = np.unpackbits(packed, count=d.numel()).view(np.bool_)
+                keep = torch.from_numpy(flags).view(d.shape).to(d.device)
+            else:
+                keep = keep_flags(stream, vec, offset + r0 * width, d)
             if keep is not None:
                 d.mul_(keep)
             weighted.append(d.mul_(factors[k]))
