@@ -95,15 +95,15 @@ _BUFFERS = _Buffers()
 
 def row_chunks(shape: Sequence[int]) -> list[tuple[int, int]]:
     """[start, end) ranges of dim 0 of about CHUNK_ELEMENTS entries each (whole rows: DELLA ranks rows)."""
-    rows = shape[0] if len(shape) else 1
-    per_row = max(1, math.prod(shape[1:])) if len(shape) > 1 else (1 if len(shape) else 1)
-    if len(shape) == 1:
-        return [(0, rows)]  # a 1-D tensor is one row to DELLA; small anyway (norms, biases)
+    if len(shape) <= 1:
+        return [(0, shape[0] if shape else 1)]  # 0-D, or 1-D: one row to DELLA; small anyway (norms, biases)
+    rows, per_row = shape[0], max(1, math.prod(shape[1:]))
     step = max(1, CHUNK_ELEMENTS // per_row)
     return [(r, min(r + step, rows)) for r in range(0, rows, step)] or [(0, 0)]
 
 
 def _chunk(t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of a tensor of 2 or more dims; a 0-D or 1-D tensor is one chunk (as a 1-D view)."""
     return t.reshape(1) if t.dim() == 0 else (t if t.dim() == 1 else t[r0:r1])
 
 
