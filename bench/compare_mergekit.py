@@ -117,6 +117,8 @@ class Runner:
         for i in range(runs):
             order = self.tools.names if i % 2 == 0 else list(reversed(self.tools.names))
             for tool in order:
+                if tool == "mergekit" and a.mergekit_runs is not None and i >= a.mergekit_runs:
+                    continue
                 bl.rm_out(outs[tool])
                 bl.log(f"[{size} {case}] run {i + 1}/{runs} {tool} ...")
                 r = bl.run_timed(self.tools.command(tool, case, cfg_path, outs[tool]), cold=self.cold,
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--with-mergekit", action="store_true", help="install (scripts/mergekit_venv.sh) and run mergekit")
     ap.add_argument("--size", choices=sorted(SIZES), default="1b")
     ap.add_argument("--runs", type=int, default=3, help="runs per tool and case; medians reported (default 3)")
+    ap.add_argument("--mergekit-runs", type=int, default=None,
+                    help="runs of mergekit per case (default: --runs); fewer when its slow cases do not fit the time")
     ap.add_argument("--floor-runs", type=int, default=2, help="runs of the I/O floor measurement (default 2)")
     ap.add_argument("--methods", default=",".join(DEFAULT_CASES),
                     help=f"comma-separated cases of {', '.join(CASES)} ('' for none); "

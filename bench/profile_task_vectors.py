@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from mergesmith.methods import get_method
+from mergesmith.methods import keyed_merge as km
 from mergesmith.methods.keyed_random import MaskStream
 from mergesmith.methods.reductions import BlockedTotal
 from mergesmith.methods.registry import MergeInputs
@@ -75,26 +76,34 @@ def main() -> None:
 
     stream = MaskStream(3)
     delta = models[1] - models[0]
-    mask = stream.keep(0, 0, shape, 0.5)
-    deltas = torch.stack([delta, models[2] - models[0]])
     probs = torch.full(shape, 0.5, dtype=dtype if dtype == torch.bfloat16 else torch.float32)
     rows = delta.abs()
+    f32 = [m.float() for m in models]
+    d32 = f32[1] - f32[0]
+    buf, mags = torch.empty(shape), torch.empty(shape)
+    keep = km.keep_flags(stream, km.Vector(1, 0, 0.5, 0.5), 0, d32)
+    dare, della = km.Vector(1, 0, 0.5, 0.5), km.Vector(1, 0, 0.5, 0.5, 0.1)
+    weighted = [d32.clone(), (f32[2] - f32[0])]
+    mix_sum, mix_lin = km.Mix("sum", False, True, 1.0), km.Mix(None, False, True, 1.0)
     stages: list[tuple[str, Callable[[], object]]] = [
-        ("task vector (x - base)", lambda: models[1] - models[0]),
-        ("keyed draw (Philox) + compare", lambda: stream.keep(0, 0, shape, 0.5)),
-        ("torch.bernoulli (mergekit's draw)", lambda: torch.bernoulli(probs, generator=g)),
-        ("bool mask -> work dtype", lambda: mask.to(dtype)),
-        ("L1 norm pass (abs + blocked sum)", lambda: BlockedTotal().add(delta.abs())),
-        ("mask * delta * factor", lambda: delta * mask.to(dtype) * 1.5),
-        ("DELLA ranks: argsort per row", lambda: torch.argsort(rows, dim=1)),
-        ("mix, sign election (2 vectors)", lambda: merge_task_vectors(models[0], deltas, [0.5, 0.5],
-                                                                       consensus="sum", normalize=True)),
-        ("mix, plain sum (2 vectors)", lambda: merge_task_vectors(models[0], deltas, [0.5, 0.5],
-                                                                   consensus=None, normalize=False)),
+        ("before: torch.bernoulli (mergekit's draw)", lambda: torch.bernoulli(probs, generator=g)),
+        ("before: DELLA ranks, torch argsort per row", lambda: torch.argsort(rows, dim=1)),
+        ("before: mix with sign election, bf16", lambda: merge_task_vectors(
+            models[0], torch.stack([delta, models[2] - models[0]]), [0.5, 0.5], consensus="sum", normalize=True)),
+        ("task vector: float32 copy - base", lambda: buf.copy_(models[1]).sub_(f32[0])),
+        ("keyed draw (Philox) + compare", lambda: km.keep_flags(stream, dare, 0, d32)),
+        ("DELLA keep: rank sort + draw + compare", lambda: km.keep_flags(stream, della, 0, d32)),
+        ("mask x delta, x weight*rescale", lambda: buf.copy_(d32).mul_(keep).mul_(0.7)),
+        ("L1 norms: abs, blocked sums", lambda: BlockedTotal().add(torch.abs(d32, out=mags))),
+        ("mix, sign election (2 vectors)", lambda: km._mix([w.clone() for w in weighted], [0.5, 0.5], mix_sum)),
+        ("mix, plain sum (2 vectors)", lambda: km._mix([w.clone() for w in weighted], [0.5, 0.5], mix_lin)),
+        ("  (the clones in the two mixes above)", lambda: [w.clone() for w in weighted]),
+        ("base + mix, rounded to the output dtype", lambda: buf.add_(f32[0]).to(dtype)),
     ]
-    print("\nstages (ns per entry of one task vector, or of the output for the mix):")
+    print("\nstages, on whole 1024x1024 tensors (the merge works on chunks of keyed_merge.CHUNK_ELEMENTS, in cache)")
+    print("(ns per entry of one task vector, or of the output for the mix):")
     for label, fn in stages:
-        print(f"  {label:36s} {per_entry(fn, n, args.reps):6.1f}")
+        print(f"  {label:44s} {per_entry(fn, n, args.reps):6.1f}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mergesmith.engine import blocks
-from mergesmith.methods import get_method, sparsify
+from mergesmith.methods import get_method, keyed_merge
 from mergesmith.methods.keyed_random import CHUNK, MaskStream
 from mergesmith.methods.reductions import BlockedTotal, total
 from mergesmith.methods.registry import MergeInputs
@@ -60,7 +60,7 @@ def test_dare_keeps_density_within_sampling_error(p):
 
 def test_della_keeps_density_on_average_and_more_of_the_large_entries():
     delta = torch.randn(512, 4096, generator=torch.Generator().manual_seed(0))
-    mask = sparsify.della_keep(MaskStream(9), 0, 0, delta, 0.4, 0.2)
+    mask = keyed_merge.keep_flags(MaskStream(9), keyed_merge.Vector(1, 0, 1.0, 0.4, 0.2), 0, delta).float()
     n = delta.numel()
     assert abs(mask.mean().item() - 0.4) < 5 * math.sqrt(0.4 * 0.6 / n)
     large = delta.abs() > delta.abs().median(dim=1, keepdim=True).values
@@ -136,7 +136,7 @@ def test_rescale_keeps_each_task_vectors_l1_norm_exactly_as_the_formula_says():
     out = spec.merge(MergeInputs([base, tuned], 0, mp, params, None, "t", stream=MaskStream(2)))
     delta = tuned - base
     kept = out - base
-    mask = sparsify.dare_keep(MaskStream(2), 0, 0, delta, 0.3)
+    mask = keyed_merge.keep_flags(MaskStream(2), keyed_merge.Vector(1, 0, 1.0, 0.3), 0, delta).float()
     factor = total(delta.abs()) / total((delta * mask).abs())
     assert torch.equal(out, base + delta * mask * factor)
     assert kept.abs().sum().item() == pytest.approx(delta.abs().sum().item(), rel=1e-4)
@@ -224,3 +224,47 @@ def test_keyed_masks_are_drawn_on_the_cpu_for_any_device(method):
     gpu = on("cuda")
     assert gpu.device.type == "cuda"
     torch.testing.assert_close(gpu.cpu(), on("cpu"), rtol=1e-4, atol=1e-5)
+
+
+# ----- the float32 arithmetic (keyed_merge.py) ------------------------------------------------------------------
+
+
+def _reference_mix(tensors, masks, weights, factors, consensus, normalize):
+    """The family's formula in float64 with torch.where, on given keep masks and per-vector multipliers."""
+    base = tensors[0].double()
+    ws = torch.stack([(x.double() - base) * m.double() * f for x, m, f in zip(tensors[1:], masks, factors)])
+    w = torch.tensor(weights, dtype=torch.float64).view(-1, 1, 1)
+    if consensus is None:
+        mixed = ws.sum(0)
+        return base + (mixed / sum(weights) if normalize else mixed)
+    votes = ws.sum(0) if consensus == "sum" else ws.sign().sum(0)
+    keep = torch.where(votes >= 0, ws > 0, ws < 0)
+    mixed = (ws * keep).sum(0)
+    if normalize:
+        divisor = (w * keep).sum(0)
+        mixed = mixed / torch.where(divisor == 0, 1.0, divisor)
+    return base + mixed
+
+
+@pytest.mark.parametrize("consensus", [None, "sum", "count"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_float32_mix_is_the_formula_rounded_once(consensus, normalize):
+    """keyed_merge's in-place float32 mix (positive and negative sums picked by lerp, weights of the elected side)
+    agrees with a float64 evaluation of the formula with torch.where on the same masks, to float32 rounding."""
+    tensors = _models((64, 300), torch.float32, n=4, seed=3)
+    vectors = [keyed_merge.Vector(i, i - 1, w, d) for i, w, d in ((1, 0.6, 0.4), (2, 0.3, 0.7), (3, 0.5, 0.5))]
+    mix = keyed_merge.Mix(consensus, normalize, False, 1.0)
+    out = keyed_merge.merge(tensors, 0, vectors, mix, MaskStream(8), 0, None)
+    masks = [keyed_merge.keep_flags(MaskStream(8), v, 0, tensors[0]) for v in vectors]
+    ref = _reference_mix(tensors, masks, [v.weight for v in vectors], [v.weight for v in vectors], consensus,
+                         normalize)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=1e-6)
+
+
+def test_della_ranks_break_ties_by_column():
+    """Equal magnitudes rank in column order: with all |d| equal, the keep threshold rises along each row."""
+    delta = torch.full((1, 4096), 0.5)
+    delta[0, ::2] = -0.5  # signs do not matter, magnitudes do
+    vec = keyed_merge.Vector(1, 0, 1.0, 0.5, 0.4)
+    kept = keyed_merge.keep_flags(MaskStream(1), vec, 0, delta).float().view(-1)
+    assert kept[:1024].mean().item() < 0.25 < 0.75 < kept[-1024:].mean().item()  # ~0.15 and ~0.85 expected

@@ -180,6 +180,9 @@ def _peak_allocated(fn: Any) -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
+    from mergesmith.methods import keyed_merge
+
+    keyed_merge._BUFFERS.pool.clear()  # DARE/DELLA's reused work buffers: allocated afresh, as by a new worker
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     fd, path = tempfile.mkstemp(suffix=".json")

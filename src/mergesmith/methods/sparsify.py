@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .keyed_random import MaskStream
 from .reductions import total
 from .sort_select import sorted_window_mask
 
@@ -202,24 +201,6 @@ def della_probabilities(rows: torch.Tensor, density: float, epsilon: float) -> t
     # A one-entry row has no spread of ranks; it is kept with probability `density` (mergekit would divide 0 by 0).
     position = torch.where(span > 0, (ranks - lowest) / torch.where(span > 0, span, 1), 0.5).clamp(0, 1)
     return (density - epsilon) + position * 2 * epsilon
-
-
-def dare_keep(stream: MaskStream, index: int, offset: int, delta: torch.Tensor, density: float) -> torch.Tensor:
-    """DARE's keep mask (0/1 in the work dtype) for the entries of `delta`, which start at flat position
-    `offset` of their tensor, from stream `index` (one per task vector). The probability is `density` as the
-    work dtype holds it, as the whole-tensor draw uses it."""
-    work = _float_work(delta)
-    p = float(torch.tensor(density, dtype=work))
-    return stream.keep(index, offset, tuple(delta.shape), p).to(device=delta.device, dtype=work)
-
-
-def della_keep(
-    stream: MaskStream, index: int, offset: int, delta: torch.Tensor, density: float, epsilon: float
-) -> torch.Tensor:
-    """DELLA's keep mask (0/1 in the work dtype, shaped like `delta`) from the keyed stream; see dare_keep."""
-    rows = delta.unsqueeze(0) if delta.dim() < 2 else delta
-    probs = della_probabilities(rows, density, epsilon).cpu()
-    return stream.keep_with(index, offset, probs).to(device=delta.device, dtype=_float_work(delta)).reshape(delta.shape)
 
 
 def work_dtype_of(delta: torch.Tensor) -> torch.dtype:

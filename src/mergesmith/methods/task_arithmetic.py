@@ -33,13 +33,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from . import magnitude_blocks, sparsify
+from . import keyed_merge, magnitude_blocks, sparsify
 from .common import as_bool, check_same_shape, require_base, require_generator
-from .keyed_random import MaskStream
-from .reductions import BlockedTotal
 from .registry import MergeInputs, MethodSpec, ParamSpec, TotalsPass, register
 
 CONSENSUS_METHODS = ("sum", "count")
@@ -163,41 +160,21 @@ def _della(delta, params, rescale, generator, name):
     return sparsify.della_magprune(delta, density, float(params["epsilon"]), generator, rescale)
 
 
-KeyedMask = Callable[[torch.Tensor, dict, MaskStream, int, int], "torch.Tensor | None"]
-"""(delta, model params, stream, stream index, flat offset) -> keep mask in the work dtype, or None: keep all."""
+KeyedMask = Callable[[dict], "float | None"]
+"""Marks a member as drawing from the keyed stream (keyed_merge.py computes it): model params -> DELLA's
+epsilon, or None for DARE's uniform drop."""
 
 
-def _dare_keyed(delta, params, stream, index, offset):
-    density = float(params["density"])
-    if density >= 1:
-        return None
-    return sparsify.dare_keep(stream, index, offset, delta, density)
+def _dare_keyed(params):
+    return None
 
 
-def _della_keyed(delta, params, stream, index, offset):
+def _della_keyed(params):
     density, epsilon = float(params["density"]), float(params["epsilon"])
-    if density >= 1:
-        return None
-    if density <= 0:
-        return torch.zeros_like(delta, dtype=sparsify.work_dtype_of(delta))
     problem = sparsify.della_problem(density, epsilon)
     if problem:
         raise ValueError(f"della: {problem}")
-    return sparsify.della_keep(stream, index, offset, delta, density, epsilon)
-
-
-@dataclass
-class _Totals:
-    """The totals pass's state, then its result: per task vector the (before, after) L1 norms (BlockedTotal
-    while gathering, 0-dim tensors once finished), and DELLA's packed masks by (task vector, block offset)."""
-
-    norms: list
-    masks: dict
-
-
-def packed_dtype(delta: torch.Tensor) -> torch.dtype:
-    """The dtype a kept mask is unpacked into: the random sparsifiers' work dtype."""
-    return sparsify.work_dtype_of(delta)
+    return epsilon
 
 
 @dataclass(frozen=True)
@@ -259,69 +236,59 @@ class _Family:
             int8_mask=as_bool(params["int8_mask"], "int8_mask"),
         )
 
-    def _keyed_masks(self, inputs: MergeInputs):
-        """Per task vector, in order: (stream index, input index, delta in the compute dtype, its keep mask in
-        the work dtype or None), drawn from the keyed stream at this block's entries, or (DELLA, second pass)
-        the mask the totals pass kept for them."""
+    def _keyed_plan(self, inputs: MergeInputs) -> tuple[int, list[keyed_merge.Vector], keyed_merge.Mix]:
+        """The base's index, the task vectors and the mix of a keyed merge, from the recipe's parameters."""
         check_same_shape(inputs, self.name)
         base_index = require_base(inputs, self.name)
-        base = inputs.tensors[base_index]
-        assert inputs.stream is not None and self.keyed is not None
-        kept = inputs.totals.masks if isinstance(inputs.totals, _Totals) else {}
+        params = inputs.params
+        consensus = None
+        if self.consensus:
+            consensus = str(params.get("consensus_method", "sum"))
+            if consensus not in CONSENSUS_METHODS:
+                raise ValueError(
+                    f"{self.name}: `consensus_method` must be one of {', '.join(CONSENSUS_METHODS)}, got {consensus!r}"
+                )
+        assert self.keyed is not None
+        vectors = []
         for row, i in enumerate(inputs.others()):
-            delta = inputs.tensors[i] - base
-            inputs.done_with(i)
-            packed = kept.get((row, inputs.offset))
-            if packed is not None:
-                bits = np.unpackbits(packed, count=delta.numel()).view(np.bool_)
-                mask = torch.from_numpy(bits).reshape(delta.shape).to(device=delta.device, dtype=packed_dtype(delta))
-            else:
-                mask = self.keyed(delta, inputs.model_params[i], inputs.stream, row, inputs.offset)
-            yield row, i, delta, mask
+            mp = inputs.model_params[i]
+            density = float(mp["density"])
+            epsilon = self.keyed(mp) if 0 < density < 1 else None
+            if self.keyed is _della_keyed and density <= 0:
+                epsilon = 0.0  # DELLA with nothing to keep: an all-zero mask, not DARE's draw
+            vectors.append(keyed_merge.Vector(i, row, float(mp["weight"]), density, epsilon))
+        mix = keyed_merge.Mix(
+            consensus,
+            as_bool(params["normalize"], "normalize"),
+            as_bool(params["rescale"], "rescale"),
+            float(params["lambda"]),
+        )
+        return base_index, vectors, mix
 
     def _merge_keyed(self, inputs: MergeInputs) -> torch.Tensor:
-        """The merge with masks from the keyed stream: whole, or one row block of a tensor whose L1 norms the
-        totals pass gathered (`inputs.totals`); the same arithmetic as sparsify.keep_l1_norm either way."""
-        base = inputs.tensors[require_base(inputs, self.name)]
-        others = inputs.others()
-        if not others:
-            return base
-        rescale = as_bool(inputs.params["rescale"], "rescale")
-        norms = inputs.totals.norms if isinstance(inputs.totals, _Totals) else None
-        deltas = base.new_empty((len(others), *base.shape))
-        for row, _i, delta, mask in self._keyed_masks(inputs):
-            if mask is not None:
-                work = delta.to(mask.dtype)
-                if rescale and norms is None:
-                    before = sparsify.total(work.abs())
-                work.mul_(mask)  # `work` is this call's own: the difference, or its conversion
-                if rescale:
-                    after = sparsify.total(work.abs()) if norms is None else norms[row][1]
-                    before = before if norms is None else norms[row][0]
-                    if not (before < sparsify.L1_EPS or after < sparsify.L1_EPS):
-                        work.mul_(before / after)
-                delta = work
-            deltas[row].copy_(delta)
-        return self._mix(inputs, base, deltas)
+        """The merge with masks from the keyed stream, in float32 (keyed_merge.py): whole, or one row block of a
+        tensor whose L1 norms the totals pass gathered (`inputs.totals`)."""
+        base_index, vectors, mix = self._keyed_plan(inputs)
+        if not vectors:
+            return inputs.tensors[base_index]
+        assert inputs.stream is not None
+        out = keyed_merge.merge(inputs.tensors, base_index, vectors, mix, inputs.stream, inputs.offset, inputs.totals)
+        for vec in vectors:
+            inputs.done_with(vec.index)
+        return out
 
-    def gather_totals(self, state: _Totals | None, inputs: MergeInputs) -> _Totals:
-        """The totals pass over one row block: per task vector, |delta|_1 and |delta * mask|_1 so far; DELLA's
-        masks too, packed to a bit an entry (its per-row ranking costs ~10x a DARE draw: not done twice)."""
-        if state is None:
-            state = _Totals([(BlockedTotal(), BlockedTotal()) for _ in inputs.others()], {})
-        for row, _i, delta, mask in self._keyed_masks(inputs):
-            if mask is None:
-                continue
-            if self.keyed is _della_keyed:
-                state.masks[(row, inputs.offset)] = np.packbits(mask.cpu().to(torch.bool).numpy().reshape(-1))
-            work = delta.to(mask.dtype)
-            state.norms[row][0].add(work.abs())
-            state.norms[row][1].add(work.mul_(mask).abs_())
+    def gather_totals(self, state, inputs: MergeInputs):
+        """The totals pass over one row block: per task vector, |delta|_1 and |delta * mask|_1 so far."""
+        base_index, vectors, _mix = self._keyed_plan(inputs)
+        assert inputs.stream is not None
+        state = keyed_merge.gather(state, inputs.tensors, base_index, vectors, inputs.stream, inputs.offset)
+        for vec in vectors:
+            inputs.done_with(vec.index)
         return state
 
     @staticmethod
-    def finish_totals(state: _Totals) -> _Totals:
-        return _Totals([(before.result(), after.result()) for before, after in state.norms], state.masks)
+    def finish_totals(state):
+        return keyed_merge.finish(state)
 
     def spec(self) -> MethodSpec:
         params = [
@@ -352,7 +319,7 @@ class _Family:
             memory_fixed=self.memory[0][1],
             memory_bytes=self.memory[0][2],
             memory_chunked=self.memory[1],
-            memory_chunk_elements=MIX_CHUNK,
+            memory_chunk_elements=keyed_merge.CHUNK_ELEMENTS if self.keyed is not None else MIX_CHUNK,
             model_params_problem=self.model_params_problem,
             keyed_random=self.keyed is not None,
             totals=_RANKED_TOTALS[self.sparsifier](self.rescale)
@@ -388,6 +355,9 @@ _SUM = ((4.5, 1, 0), (0.0, 0.0))
 _CONSENSUS = ((4.75, 0.5, 0), (1.0, 2.0))
 _DELLA = ((4.0, 0.5, 28), (0.0, 0.0))
 _RANKED = ((3.0, 1, 32), (0.0, 0.0))
+# DARE and DELLA from the keyed stream (keyed_merge.py): the inputs at the compute width, and float32 work buffers,
+# DELLA's sort keys, draws and masks over one chunk of keyed_merge.CHUNK_ELEMENTS (in compute-width units).
+_KEYED = ((2.0, 0, 0), (2.0, 18.0))
 
 FAMILY: tuple[_Family, ...] = (
     _Family(
@@ -417,7 +387,7 @@ FAMILY: tuple[_Family, ...] = (
         randomized=True,
         keyed=_dare_keyed,
         description="DARE random drop, linear sum",
-        memory=_SUM,
+        memory=_KEYED,
     ),
     _Family(
         "dare_ties",
@@ -428,7 +398,7 @@ FAMILY: tuple[_Family, ...] = (
         randomized=True,
         keyed=_dare_keyed,
         description="DARE random drop, TIES sign",
-        memory=_CONSENSUS,
+        memory=_KEYED,
     ),
     _Family(
         "breadcrumbs",
@@ -460,7 +430,7 @@ FAMILY: tuple[_Family, ...] = (
         randomized=True,
         keyed=_della_keyed,
         description="DELLA MagPrune, TIES sign",
-        memory=_DELLA,
+        memory=_KEYED,
         model_params_problem=_della_params_problem,
     ),
     _Family(
@@ -473,7 +443,7 @@ FAMILY: tuple[_Family, ...] = (
         randomized=True,
         keyed=_della_keyed,
         description="DELLA, linear sum",
-        memory=_RANKED,
+        memory=_KEYED,
         model_params_problem=_della_params_problem,
     ),
 )

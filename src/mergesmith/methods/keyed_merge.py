@@ -1,0 +1,330 @@
+"""DARE and DELLA from the keyed stream, computed once in float32, a few rows at a time, in reused buffers.
+
+Why a path of its own: the randomised task-vector methods cannot be bit-equal to mergekit (their masks come
+from another generator), so nothing ties their arithmetic to mergekit's stepwise rounding in the compute dtype.
+Done in bfloat16, every one of their ~20 torch operations converts to float32 and back, and every temporary
+is a fresh block-sized allocation whose pages fault in; that was ~30-70 ns an entry (bench/README.md, issue 21).
+Here each chunk of rows is converted to float32 once, drawn, masked, rescaled, sign-elected and summed with
+in-place float32 operations on buffers reused from chunk to chunk (thread-local: the executor's workers are
+threads), and rounded to the output dtype once at the end: faster, and closer to the exact result.
+
+What stays as it was: the keep mask of entry j is decided by the keyed draw of (seed, tensor, task vector,
+flat position j) (keyed_random.MaskStream), so outputs do not depend on threads, order, blocks, the device
+or a resume; the L1 norms of the rescale are BlockedTotal sums, which do not depend on how rows are cut.
+
+The arithmetic (task_arithmetic.py states the method): per task vector d = x - base (exact in float32 for
+16-bit inputs), W = d * keep * (weight * |d|_1 / |d * keep|_1) (the rescale factor where `rescale` and both
+norms are >= L1_EPS, folded with the weight into one float32 multiplier). With sign consensus, P = sum of the
+positive W, N = sum of the negative W; the elected sign is + where the votes (P + N for `sum`, the sum of
+signs for `count`) are >= 0, and the mix is P there, N elsewhere (zeros never count); with `normalize` it is
+divided by the sum of the weights of the vectors on the elected side (1 where none). Without consensus the mix
+is sum W (over sum of weights with `normalize`). out = base + lambda * mix.
+
+DELLA ranks each row's entries by the exact float32 |d|, ties broken by column (a stable order: torch's
+unstable CPU sort, used before, breaks ties in an implementation-defined way). Entry of rank r (0-based) of an
+n-entry row is kept with probability density - epsilon + 2 epsilon r / (n - 1), in float32, as an integer
+threshold on the 24-bit grid of the draw. The sort is numpy's on 64-bit keys (magnitude bits, column): one
+value sort, ~10x cheaper than torch's argsort (bench/profile_task_vectors.py).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .keyed_random import MaskStream
+from .reductions import BlockedTotal
+
+F32 = torch.float32
+L1_EPS = 1e-7
+"""Below this L1 norm (before or after masking) a task vector is not rescaled (sparsify.L1_EPS)."""
+
+CHUNK_ELEMENTS = 1 << 18
+"""Entries computed at a time: ~20 float32 operations per chunk run over buffers of 1 MB that stay in the
+CPU's cache, while the Python overhead per operation (~5 us) stays small against the work."""
+
+_UNIT = 1 << 24
+
+
+@dataclass(frozen=True)
+class Vector:
+    """One task vector: its input, stream number, weight and sparsification (density >= 1: kept whole)."""
+
+    index: int
+    stream: int
+    weight: float
+    density: float
+    epsilon: float | None = None  # DELLA's spread of keep probabilities; None for DARE
+
+
+@dataclass(frozen=True)
+class Mix:
+    """How the task vectors are combined (task_arithmetic._Family's switches, resolved)."""
+
+    consensus: str | None
+    normalize: bool
+    rescale: bool
+    lam: float
+
+
+class _Buffers(threading.local):
+    """Per-thread float32 (and other) work buffers, reused across chunks and blocks: no fresh pages per
+    operation, and the C heap is not left holding block-sized holes between tensors."""
+
+    def __init__(self) -> None:
+        self.pool: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        key = (name, dtype, device)
+        buf = self.pool.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            if numel <= CHUNK_ELEMENTS:  # kept for the next chunk; a one-row tensor may be larger: not kept
+                self.pool[key] = buf
+        return buf[:numel].view(tuple(shape))
+
+
+_BUFFERS = _Buffers()
+
+
+def row_chunks(shape: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) ranges of dim 0 of about CHUNK_ELEMENTS entries each (whole rows: DELLA ranks rows)."""
+    if len(shape) <= 1:
+        return [(0, shape[0] if shape else 1)]  # 0-D, or 1-D: one row to DELLA; small anyway (norms, biases)
+    rows, per_row = shape[0], max(1, math.prod(shape[1:]))
+    step = max(1, CHUNK_ELEMENTS // per_row)
+    return [(r, min(r + step, rows)) for r in range(0, rows, step)] or [(0, 0)]
+
+
+def _chunk(t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of a tensor of 2 or more dims; a 0-D or 1-D tensor is one chunk (as a 1-D view)."""
+    return t.reshape(1) if t.dim() == 0 else (t if t.dim() == 1 else t[r0:r1])
+
+
+# ----- masks ------------------------------------------------------------------------------------------------------
+
+
+def _dare_keep(stream: MaskStream, vec: Vector, offset: int, numel: int) -> np.ndarray:
+    """Bool keep flags (flat) of `numel` entries from flat position `offset`: draw < p on the 24-bit grid,
+    p = density in float32."""
+    p = float(np.float32(vec.density))
+    threshold = math.ceil(p * _UNIT)
+    draws = stream.draws(vec.stream, offset, numel)
+    if threshold >= _UNIT:
+        return np.ones(numel, dtype=np.bool_)
+    return draws < np.uint32(threshold << 8)
+
+
+def della_thresholds(n: int, density: float, epsilon: float) -> np.ndarray:
+    """Per rank r of an n-entry row (0 = smallest |d|), the keep threshold on the 24-bit grid:
+    ceil(p_r * 2**24) with p_r = density - epsilon + 2 epsilon r / (n - 1) in float32 (density for n = 1)."""
+    if n == 1:
+        p = np.array([density], dtype=np.float32)
+    else:
+        p = np.float32(density - epsilon) + np.arange(n, dtype=np.float32) / np.float32(n - 1) * np.float32(
+            2 * epsilon
+        )
+    return np.minimum(np.ceil(p.astype(np.float64) * _UNIT), _UNIT).astype(np.int32)
+
+
+def _della_keep(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> np.ndarray:
+    """Bool keep flags (flat, C order of `delta`) of DELLA's rank-dependent draw; ranks run along dim 1
+    (the only dim of a 1-D tensor)."""
+    assert vec.epsilon is not None
+    moved = delta.reshape(1, -1) if delta.dim() <= 1 else delta.movedim(1, -1)
+    width = moved.shape[-1]
+    mags = moved.abs().contiguous().reshape(-1, width).cpu().numpy()  # rows of |d|, ranked along their length
+    keys = mags.view(np.uint32).astype(np.uint64)
+    keys <<= np.uint64(32)
+    keys |= np.arange(width, dtype=np.uint64)  # ties by column: every key distinct, so a value sort is an order
+    keys.sort(axis=1)
+    order = torch.from_numpy(keys.view(np.uint32)[:, 0 :: 2] if _LITTLE else keys.view(np.uint32)[:, 1 :: 2])
+    order = order.to(torch.int64)
+    ranks_thresholds = torch.from_numpy(della_thresholds(width, vec.density, vec.epsilon))
+    thresholds = torch.empty(order.shape, dtype=torch.int32)
+    thresholds.scatter_(1, order, ranks_thresholds.expand(order.shape))  # threshold of each entry, in place
+    if delta.dim() > 2:  # back to the tensor's own order of entries
+        thresholds = thresholds.view(*moved.shape).movedim(-1, 1).contiguous()
+    draws = stream.draws(vec.stream, offset, delta.numel())
+    draws >>= np.uint32(8)
+    return draws.view(np.int32) < thresholds.numpy().reshape(-1)
+
+
+_LITTLE = np.little_endian
+
+
+def keep_flags(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> torch.Tensor | None:
+    """The keep mask of `delta` (entries from flat position `offset` of the tensor) as a bool tensor on its
+    device, or None where everything is kept."""
+    if vec.density >= 1:
+        return None
+    if vec.epsilon is None:
+        flags = _dare_keep(stream, vec, offset, delta.numel())
+    elif vec.density <= 0:
+        flags = np.zeros(delta.numel(), dtype=np.bool_)
+    else:
+        flags = _della_keep(stream, vec, offset, delta)
+    return torch.from_numpy(flags).view(delta.shape).to(delta.device)
+
+
+# ----- passes -----------------------------------------------------------------------------------------------------
+
+
+def _task_vector(name: str, x: torch.Tensor, base32: torch.Tensor) -> torch.Tensor:
+    d = _BUFFERS.get(name, base32.shape, F32, base32.device)
+    d.copy_(x)
+    return d.sub_(base32)
+
+
+def _base32(base: torch.Tensor) -> torch.Tensor:
+    b = _BUFFERS.get("base", base.shape, F32, base.device)
+    return b.copy_(base)
+
+
+@dataclass
+class Totals:
+    """The totals pass's state, then its result: per task vector (|d|_1, |d * keep|_1) (BlockedTotal while
+    gathering, floats once finished), and the keep flags packed a bit an entry by (vector, first entry of the
+    chunk): packing and unpacking cost ~0.06 ns an entry against ~1.4 for a Philox draw and ~7 for DELLA's
+    ranking, so the merge pass unpacks them instead of drawing again (1/8 byte an entry per task vector, kept
+    for the tensor between the passes)."""
+
+    norms: list
+    masks: dict[tuple[int, int], np.ndarray]
+
+
+def gather(
+    state: Totals | None,
+    tensors: Sequence[torch.Tensor],
+    base_index: int,
+    vectors: Sequence[Vector],
+    stream: MaskStream,
+    offset: int,
+) -> Totals:
+    """Fold the rows of `tensors` (flat position `offset` on) into each vector's (|d|_1, |d * keep|_1)."""
+    if state is None:
+        state = Totals([(BlockedTotal(), BlockedTotal()) for _ in vectors], {})
+    shape = tuple(tensors[base_index].shape)
+    width = math.prod(shape[1:]) if len(shape) > 1 else 0
+    for r0, r1 in row_chunks(shape):
+        base32 = _base32(_chunk(tensors[base_index], r0, r1))
+        for k, (vec, (before, after)) in enumerate(zip(vectors, state.norms)):
+            if vec.density >= 1:
+                continue
+            d = _task_vector("d0", _chunk(tensors[vec.index], r0, r1), base32)
+            keep = keep_flags(stream, vec, offset + r0 * width, d)
+            assert keep is not None
+            state.masks[(k, offset + r0 * width)] = np.packbits(keep.cpu().numpy().reshape(-1))
+            mags = _BUFFERS.get("abs", d.shape, F32, d.device)
+            torch.abs(d, out=mags)
+            before.add(mags)
+            after.add(mags.mul_(keep))
+    return state
+
+
+def finish(state: Totals) -> Totals:
+    return Totals([(float(before.result()), float(after.result())) for before, after in state.norms], state.masks)
+
+
+def _factor(vec: Vector, mix: Mix, norms: tuple[float, float] | None) -> float:
+    """The multiplier of a kept entry: the weight, times the rescale |d|_1 / |d * keep|_1 where it applies."""
+    if vec.density >= 1 or not mix.rescale or norms is None:
+        return vec.weight
+    before, after = norms
+    if before < L1_EPS or after < L1_EPS:
+        return vec.weight
+    return vec.weight * (before / after)
+
+
+def merge(
+    tensors: Sequence[torch.Tensor],
+    base_index: int,
+    vectors: Sequence[Vector],
+    mix: Mix,
+    stream: MaskStream,
+    offset: int,
+    totals: Totals | None,
+) -> torch.Tensor:
+    """The merged rows, in the base's dtype: `totals` from a totals pass over the whole tensor (finish), or None
+    to gather them here from these rows (the whole tensor) first, where the rescale needs them."""
+    base = tensors[base_index]
+    if totals is None and mix.rescale and any(v.density < 1 for v in vectors):
+        totals = finish(gather(None, tensors, base_index, vectors, stream, offset))
+    norms = None if totals is None else totals.norms
+    kept = {} if totals is None else totals.masks
+    out = torch.empty(base.shape, dtype=base.dtype, device=base.device)
+    shape = tuple(base.shape)
+    width = math.prod(shape[1:]) if len(shape) > 1 else 0
+    factors = [_factor(v, mix, None if norms is None else norms[k]) for k, v in enumerate(vectors)]
+    for r0, r1 in row_chunks(shape):
+        base32 = _base32(_chunk(base, r0, r1))
+        weighted = []
+        for k, vec in enumerate(vectors):
+            d = _task_vector(f"d{k}", _chunk(tensors[vec.index], r0, r1), base32)
+            packed = kept.get((k, offset + r0 * width))
+            if packed is not None:
+                flags = np.unpackbits(packed, count=d.numel()).view(np.bool_)
+                keep = torch.from_numpy(flags).view(d.shape).to(d.device)
+            else:
+                keep = keep_flags(stream, vec, offset + r0 * width, d)
+            if keep is not None:
+                d.mul_(keep)
+            weighted.append(d.mul_(factors[k]))
+        mixed = _mix(weighted, [v.weight for v in vectors], mix)
+        if mix.lam != 1:
+            mixed.mul_(mix.lam)
+        _chunk(out, r0, r1).copy_(mixed.add_(base32).view(_chunk(out, r0, r1).shape))  # the one rounding
+    return out
+
+
+def _mix(weighted: list[torch.Tensor], weights: list[float], mix: Mix) -> torch.Tensor:
+    """The mix of the weighted task vectors of one chunk (written over a work buffer)."""
+    shape, device = weighted[0].shape, weighted[0].device
+    if mix.consensus is None:
+        acc = weighted[0]
+        for w in weighted[1:]:
+            acc.add_(w)
+        if mix.normalize:
+            divisor = sum(weights)
+            acc.div_(divisor if abs(divisor) >= 1e-8 else 1.0)
+        return acc
+    tmp = _BUFFERS.get("tmp", shape, F32, device)
+    pos = _BUFFERS.get("pos", shape, F32, device)
+    neg = _BUFFERS.get("neg", shape, F32, device)
+    torch.clamp_min(weighted[0], 0, out=pos)
+    torch.clamp_max(weighted[0], 0, out=neg)
+    for w in weighted[1:]:
+        pos.add_(torch.clamp_min(w, 0, out=tmp))
+        neg.add_(torch.clamp_max(w, 0, out=tmp))
+    votes = _BUFFERS.get("votes", shape, F32, device)
+    if mix.consensus == "sum":
+        torch.add(pos, neg, out=votes)
+    elif mix.consensus == "count":
+        torch.sign(weighted[0], out=votes)
+        for w in weighted[1:]:
+            votes.add_(torch.sign(w, out=tmp))
+    else:
+        raise ValueError(f"consensus_method must be one of sum, count, got {mix.consensus!r}")
+    # 1 where votes >= 0, else 0: sign + 1 is 2, 1 or 0, capped at 1 (torch.heaviside is ~20x slower on the CPU)
+    elected = torch.sign(votes, out=_BUFFERS.get("elected", shape, F32, device)).add_(1).clamp_max_(1)
+    divisor = None
+    if mix.normalize:  # the weights of the vectors on the elected side, 1 where there are none
+        pos_w = _BUFFERS.get("pos_w", shape, F32, device).zero_()
+        neg_w = _BUFFERS.get("neg_w", shape, F32, device).zero_()
+        for w, weight in zip(weighted, weights):
+            sign = torch.sign(w, out=tmp)
+            pos_w.add_(torch.clamp_min(sign, 0, out=votes), alpha=weight)  # weight where w > 0
+            neg_w.add_(sign.clamp_max_(0), alpha=-weight)  # weight where w < 0
+        divisor = torch.lerp(neg_w, pos_w, elected, out=neg_w)
+        divisor.add_(torch.sign(divisor, out=tmp).abs_().sub_(1).neg_())  # + 1 where the divisor is 0
+    out = weighted[0]  # no longer needed: pos and neg hold what the mix reads
+    torch.lerp(neg, pos, elected, out=out)  # exact for weights 0 and 1: neg or pos
+    if divisor is not None:
+        out.div_(divisor)
+    return out
