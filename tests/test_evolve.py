@@ -275,19 +275,21 @@ def test_kill_between_last_candidate_and_optimizer_state(uninterrupted, tmp_path
 
 
 def test_search_beats_each_parent_and_linear(tmp_path):
-    """The proof's short version (the full run: examples/evolve_skills/run_proof.py): on the two skills, the
-    best merge found beats each fine-tuned parent and the plain 50/50 linear merge on the combined score."""
+    """The proof's short version (the full run: examples/evolve_skills/run_proof.py): on the two skills' whole
+    held-out sets, the best merge found in 32 evaluations beats each fine-tuned parent and the plain 50/50
+    linear merge on the combined score by a clear margin (measured mean accuracy: 0.733 against 0.637,
+    0.653 and 0.657)."""
     from mergesmith.evolve.candidates import CandidateSettings
     from mergesmith.evolve.config import load_evolve_config
     from mergesmith.evolve.evaluators import resolve_builtin
     from mergesmith.evolve.scoring import TokenizerSpec, fitness, score_candidate
 
     doc = genome_doc()
-    doc["limit"] = 40
+    del doc["limit"]  # all 150 prompts per skill: the margins below are not a small-sample accident
     path = write_genome(tmp_path, doc)
-    result = run_search(path, tmp_path / "s", options(max_fevals=24, popsize=8, random_seed=0, sigma0=1 / 6))
+    result = run_search(path, tmp_path / "s", options(max_fevals=32, popsize=8, random_seed=0, sigma0=1 / 6))
     config, _ = load_evolve_config(path)
-    tasks = [resolve_builtin(t, 40, "g") for t in config.tasks]
+    tasks = [resolve_builtin(t, None, "g") for t in config.tasks]
     tok = TokenizerSpec(tuple(config.genome.models), config.genome.base_model, None)
     settings = CandidateSettings(str(tmp_path / "ref"), in_memory=True, threads=1)
 
@@ -298,7 +300,11 @@ def test_search_beats_each_parent_and_linear(tmp_path):
     references = {name: fitness(tasks, score_candidate(cfg, tasks, settings, tok, 64)[0])
                   for name, cfg in (("add", linear(add=1.0)), ("rev", linear(rev=1.0)),
                                     ("linear 50/50", linear(add=0.5, rev=0.5)))}
-    assert all(result.best["fitness"] > score for score in references.values()), (result.best["fitness"], references)
+    # fitness is the sum of the two accuracies: 0.1 here is 0.05 on their mean
+    assert all(result.best["fitness"] >= score + 0.1 for score in references.values()), (
+        result.best["fitness"], references)
+    best = result.best["scores"]
+    assert best["addition"]["acc"] > 0.5 and best["reverse"]["acc"] > 0.8  # both skills survive the merge
 
 
 @pytest.mark.parametrize("kill_at", ["evolve_candidate:4", "atomic_tmp@optimizer.pkl"])
