@@ -275,19 +275,21 @@ def test_kill_between_last_candidate_and_optimizer_state(uninterrupted, tmp_path
 
 
 def test_search_beats_each_parent_and_linear(tmp_path):
-    """The proof's short version (the full run: examples/evolve_skills/run_proof.py): on the two skills, the
-    best merge found beats each fine-tuned parent and the plain 50/50 linear merge on the combined score."""
+    """The proof's short version (the full run: examples/evolve_skills/run_proof.py): on the two skills' whole
+    held-out sets, the best merge found in 32 evaluations beats each fine-tuned parent and the plain 50/50
+    linear merge on the combined score by a clear margin (measured mean accuracy: 0.733 against 0.637,
+    0.653 and 0.657)."""
     from mergesmith.evolve.candidates import CandidateSettings
     from mergesmith.evolve.config import load_evolve_config
     from mergesmith.evolve.evaluators import resolve_builtin
     from mergesmith.evolve.scoring import TokenizerSpec, fitness, score_candidate
 
     doc = genome_doc()
-    doc["limit"] = 40
+    del doc["limit"]  # all 150 prompts per skill: the margins below are not a small-sample accident
     path = write_genome(tmp_path, doc)
-    result = run_search(path, tmp_path / "s", options(max_fevals=24, popsize=8, random_seed=0, sigma0=1 / 6))
+    result = run_search(path, tmp_path / "s", options(max_fevals=32, popsize=8, random_seed=0, sigma0=1 / 6))
     config, _ = load_evolve_config(path)
-    tasks = [resolve_builtin(t, 40, "g") for t in config.tasks]
+    tasks = [resolve_builtin(t, None, "g") for t in config.tasks]
     tok = TokenizerSpec(tuple(config.genome.models), config.genome.base_model, None)
     settings = CandidateSettings(str(tmp_path / "ref"), in_memory=True, threads=1)
 
@@ -298,7 +300,11 @@ def test_search_beats_each_parent_and_linear(tmp_path):
     references = {name: fitness(tasks, score_candidate(cfg, tasks, settings, tok, 64)[0])
                   for name, cfg in (("add", linear(add=1.0)), ("rev", linear(rev=1.0)),
                                     ("linear 50/50", linear(add=0.5, rev=0.5)))}
-    assert all(result.best["fitness"] > score for score in references.values()), (result.best["fitness"], references)
+    # fitness is the sum of the two accuracies: 0.1 here is 0.05 on their mean
+    assert all(result.best["fitness"] >= score + 0.1 for score in references.values()), (
+        result.best["fitness"], references)
+    best = result.best["scores"]
+    assert best["addition"]["acc"] > 0.5 and best["reverse"]["acc"] > 0.8  # both skills survive the merge
 
 
 @pytest.mark.parametrize("kill_at", ["evolve_candidate:4", "atomic_tmp@optimizer.pkl"])
@@ -333,30 +339,41 @@ def test_multiple_choice_and_loglikelihood_evaluators(tmp_path):
     from mergesmith.evolve.evaluators import resolve_builtin, score_builtin
 
     records = [json.loads(line) for line in (FIXTURES / "rev_eval.jsonl").read_text().splitlines()[:20]]
-    mc = tmp_path / "mc.jsonl"
-    # the answer is given by text on even lines, by index on odd ones; the wrong choice is the string unreversed
-    mc.write_text("".join(json.dumps({"prompt": r["prompt"], "choices": [r["prompt"][:-1], r["answer"]],
-                                      "answer": r["answer"] if i % 2 == 0 else 1}) + "\n"
-                          for i, r in enumerate(records)))
-    text = tmp_path / "rev.txt"
-    text.write_text("".join(r["prompt"] + r["answer"] + "\n" for r in records))
+
+    def mc_file(name: str, right: bool):
+        """The answer by text on even lines, by index on odd ones; the other choice is the string unreversed.
+        `right=False` labels that wrong choice as the answer."""
+        path = tmp_path / name
+        rows = []
+        for i, r in enumerate(records):
+            choices = [r["prompt"][:-1], r["answer"]]
+            label = 1 if right else 0
+            rows.append({"prompt": r["prompt"], "choices": choices, "answer": choices[label] if i % 2 == 0 else label})
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return resolve_builtin(TaskDefinition(name=name, type="multiple_choice", data=str(path)), None, "g")
+
+    def ll_file(name: str, reversed_: bool):
+        path = tmp_path / name
+        path.write_text("".join(r["prompt"] + (r["answer"] if reversed_ else r["prompt"][:-1]) + "\n"
+                                for r in records))
+        return resolve_builtin(TaskDefinition(name=name, type="loglikelihood", data=str(path),
+                                              metric="perplexity", weight=-1), None, "g")
+
     tok = AutoTokenizer.from_pretrained(FIXTURES / "rev")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        models = {m: AutoModelForCausalLM.from_pretrained(FIXTURES / m, dtype=torch.float32).eval()
-                  for m in ("add", "rev")}
-        mc_task = resolve_builtin(TaskDefinition(name="mc", type="multiple_choice", data=str(mc)), None, "g")
-        ll_task = resolve_builtin(TaskDefinition(name="ll", type="loglikelihood", data=str(text),
-                                                 metric="perplexity", weight=-1), None, "g")
-        mc_scores = {m: score_builtin(mc_task, model, tok) for m, model in models.items()}
-        ll_scores = {m: score_builtin(ll_task, model, tok, batch_size=7) for m, model in models.items()}
+        model = AutoModelForCausalLM.from_pretrained(FIXTURES / "rev", dtype=torch.float32).eval()
+        mc = {right: score_builtin(mc_file(f"mc{right}.jsonl", right), model, tok) for right in (True, False)}
+        ll = {rev: score_builtin(ll_file(f"ll{rev}.txt", rev), model, tok, batch_size=7) for rev in (True, False)}
     finally:
         torch.set_num_threads(threads)
-    assert mc_scores["rev"]["acc"] >= 0.9 and mc_scores["rev"]["acc"] > mc_scores["add"]["acc"]
-    assert set(mc_scores["rev"]) == {"acc", "acc_norm"}
-    assert ll_scores["rev"]["loglikelihood"] > ll_scores["add"]["loglikelihood"]
-    assert ll_scores["rev"]["perplexity"] == pytest.approx(math.exp(-ll_scores["rev"]["loglikelihood"]))
+    # the reversal fine-tune picks the reversed string: right labels score high, flipped labels the complement
+    assert mc[True]["acc"] >= 0.9 and mc[False]["acc"] == pytest.approx(1 - mc[True]["acc"])
+    assert set(mc[True]) == {"acc", "acc_norm"}
+    # and it finds reversed answers likelier than unreversed ones
+    assert ll[True]["loglikelihood"] > ll[False]["loglikelihood"]
+    assert ll[True]["perplexity"] == pytest.approx(math.exp(-ll[True]["loglikelihood"]))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "ab>", "choices": ["ba", "ab"], "answer": "zz"}) + "\n")
     with pytest.raises(ConfigError, match=r"bad.jsonl:1: `answer` 'zz' is not one of the choices"):

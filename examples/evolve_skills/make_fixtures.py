@@ -3,12 +3,16 @@
     python examples/evolve_skills/make_fixtures.py tests/fixtures/evolve
 
 - a character-level tokenizer built with the `tokenizers` library (digits, a-j, `+ = >`, specials);
-- `base`: a 4-layer llama (hidden 48) trained briefly on a mix of both skills (it ends weak at addition,
-  already good at reversal: measured add 0.073, reverse 1.000 on the held-out sets);
+- `base`: a 4-layer llama (hidden 48) trained on a 3:1 mix of both skills and stopped half way through
+  learning them (275 steps at a constant learning rate: it knows both formats and is mediocre at both);
 - `add`: base fine-tuned on adding a digit to a two-digit number only ("37+5=" -> "42");
 - `rev`: base fine-tuned on reversing a short string only ("abcde>" -> "edcba");
 - `add_eval.jsonl`, `rev_eval.jsonl`: held-out prompts and answers (never trained on).
-Models are saved in bfloat16 so the three fit in a few hundred KB. A few minutes of CPU in all.
+The fine-tunes are short (60 steps) with a small learning rate (3e-4), so each task vector is a small delta
+from the base: both added at full weight keep much of both skills, which a merge search can find and a
+50/50 average (half of each delta) cannot. Measured accuracies: the README's evolve section.
+Models are saved in bfloat16 so the three fit in a few hundred KB; training takes under a minute of one
+CPU thread. Deterministic: one seed, one torch thread.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = list("0123456789abcdefghij+=>")
 SEED = 1234
 EVAL_SIZE = 150
-BASE_STEPS = 400  # short: the base knows both formats; reversal is learned first
-TUNE_STEPS = 300
-TUNE_LR = 1e-3  # small fine-tunes stay near the base, where task vectors add up
+BATCH = 128
+BASE_STEPS = 275  # stopped half way: more steps and the base has both skills already, fewer and it has neither
+BASE_LR = 3e-3
+BASE_MIX = (3, 1)  # addition is the slower skill to learn
+TUNE_STEPS = 60
+TUNE_LR = 3e-4  # small fine-tunes stay near the base, where task vectors add up
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -81,20 +88,25 @@ def batch(tok, makers, held: set[str], rng: random.Random, size: int) -> tuple[t
     return ids, labels
 
 
-def train(model, tok, makers, held, steps: int, lr: float, seed: int) -> None:
+def train(model, tok, makers, held, steps: int, lr: float, seed: int, one_cycle: bool) -> None:
+    """AdamW on the answers' tokens: a one-cycle schedule for the fine-tunes; a constant rate after a short
+    warm-up for the base, so that where it stops does not depend on where a schedule ends."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    if one_cycle:
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
     model.train()
     for step in range(steps):
-        ids, labels = batch(tok, makers, held, rng, 256)
+        ids, labels = batch(tok, makers, held, rng, BATCH)
         # right padding only, and the loss ignores it: causal attention needs no mask here
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
-        if step % 100 == 0 or step == steps - 1:
+        if step % 50 == 0 or step == steps - 1:
             print(f"  step {step}: loss {loss.item():.3f}", flush=True)
     model.eval()
 
@@ -136,13 +148,14 @@ def main(out: Path) -> None:
     )
     base = LlamaForCausalLM(config)
     print("base: both skills", flush=True)
-    train(base, tok, [addition, reverse], held, steps=BASE_STEPS, lr=5e-3, seed=1)
+    mix = [addition] * BASE_MIX[0] + [reverse] * BASE_MIX[1]
+    train(base, tok, mix, held, steps=BASE_STEPS, lr=BASE_LR, seed=1, one_cycle=False)
     results = {}
     for name, makers, steps, seed in (("add", [addition], TUNE_STEPS, 2), ("rev", [reverse], TUNE_STEPS, 3)):
         model = LlamaForCausalLM(config)
         model.load_state_dict(base.state_dict())
         print(f"{name}: fine-tune", flush=True)
-        train(model, tok, makers, held, steps=steps, lr=TUNE_LR, seed=seed)
+        train(model, tok, makers, held, steps=steps, lr=TUNE_LR, seed=seed, one_cycle=True)
         results[name] = model
     results["base"] = base
     for name, model in results.items():
