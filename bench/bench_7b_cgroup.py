@@ -460,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.table:
         results = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+        results.sort(key=lambda r: (float(r["size"].rstrip("b")), r["tool"] != "mergesmith", r["case"]))
         print(table(results))
         return 0
     failed = 0
