@@ -1,10 +1,12 @@
-"""Generate the benchmark checkpoints: three related llama-style bf16 models of ~0.25 B, 0.5 B or 1 B parameters.
+"""Generate the benchmark checkpoints: three related llama-style bf16 models of ~0.25 B, 0.5 B, 1 B or 7 B parameters.
 
 Why generate instead of download: there is no model hub here, and the benchmarks only need checkpoints that *look*
 like real ones to both merge tools (a ``config.json`` written by a real ``LlamaConfig``, sharded safetensors with the
 index transformers writes, real tensor names and shapes). Random-initialising a 1 B model through transformers on two
 cores is slow and memory-hungry, so the tensors are drawn directly with seeded ``torch.randn``, one tensor at a time,
-and written with ``safetensors``.
+and streamed into safetensors files (header first, then each tensor's bytes as it is drawn), so the generator holds
+one tensor, not a shard: the 7b set (3 x 14.5 GB) is written with about 1.5 GB of memory. The three models are
+written in one pass, each tensor's base drawn once and shared by the three files.
 
 Why three *related* models: merge methods that work on task vectors (ties, dare) or angles (slerp) behave like they do
 on real fine-tunes only when the models share a base. So ``model0`` is the "base" (N(0, 0.02) weights, norms at 1) and
@@ -18,6 +20,7 @@ Usage::
 
     python bench/make_models.py --size 1b            # ~/.cache/mergesmith/bench-models/1b/model{0,1,2}
     python bench/make_models.py --size 0.25b --check-load
+    python bench/make_models.py --size 7b            # Mistral-7B-v0.1's shape, ~43.5 GB for the three
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import struct
 import sys
 import time
 import zlib
@@ -34,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 DEFAULT_ROOT = Path(os.environ.get("MERGESMITH_BENCH_MODELS", Path.home() / ".cache/mergesmith/bench-models"))
 MARKER = ".bench-complete"
@@ -68,7 +71,19 @@ SIZES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 32,
         "num_key_value_heads": 4,
     },
+    # Mistral-7B-v0.1's shape (the free-Colab scale of issue 18); written with a MistralConfig, see llama_config.
+    "7b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 32768,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+    },
 }
+MISTRAL_SIZES = {"7b"}
 _COMMON: dict[str, Any] = {
     "vocab_size": 32000,
     "max_position_embeddings": 2048,
@@ -100,12 +115,18 @@ def model_dirs(size: str, root: Path = DEFAULT_ROOT) -> list[Path]:
 
 
 def llama_config(size: str) -> Any:
-    """A real ``LlamaConfig`` for `size`, so ``config.json`` is exactly what transformers writes and reads."""
-    from transformers import LlamaConfig
+    """A real ``LlamaConfig`` (``MistralConfig`` for 7b, Mistral-7B-v0.1's own class) for `size`, so
+    ``config.json`` is exactly what transformers writes and reads."""
+    from transformers import LlamaConfig, MistralConfig
 
-    cfg = LlamaConfig(**_COMMON, **SIZES[size])
+    settings = {**_COMMON, **SIZES[size]}
+    if size in MISTRAL_SIZES:
+        cfg = MistralConfig(**settings)
+        cfg.architectures = ["MistralForCausalLM"]
+    else:
+        cfg = LlamaConfig(**settings)
+        cfg.architectures = ["LlamaForCausalLM"]  # save_pretrained of a model sets this; tools dispatch on it
     cfg.dtype = torch.bfloat16
-    cfg.architectures = ["LlamaForCausalLM"]  # save_pretrained of a model sets this; tools dispatch on it
     return cfg
 
 
@@ -115,10 +136,10 @@ def tensor_specs(config: Any) -> list[TensorSpec]:
     Going through the real class rather than hard-coding names means the checkpoint cannot drift from what
     ``from_pretrained`` expects.
     """
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return [TensorSpec(name, tuple(t.shape)) for name, t in model.state_dict().items()]
 
 
@@ -129,18 +150,28 @@ def _generator(*parts: object) -> torch.Generator:
     return g
 
 
-def make_tensor(spec: TensorSpec, model_index: int, seed: int, size: str) -> torch.Tensor:
-    """The bf16 values of one tensor of one model; depends only on the arguments."""
-    is_norm = len(spec.shape) == 1
+def _base(spec: TensorSpec, seed: int, size: str) -> torch.Tensor:
+    """The fp32 "base" values of one tensor (model0's, before rounding to bf16)."""
     base = torch.randn(spec.shape, generator=_generator(seed, size, "base", spec.name), dtype=torch.float32)
     base.mul_(BASE_STD)
-    if is_norm:
+    if len(spec.shape) == 1:  # norms sit around 1
         base.add_(1.0)
-    if model_index > 0:
-        delta = torch.randn(spec.shape, generator=_generator(seed, size, model_index, spec.name), dtype=torch.float32)
-        base.add_(delta, alpha=DELTA_STD)
-        del delta
-    return base.to(torch.bfloat16)
+    return base
+
+
+def _derive(base: torch.Tensor, spec: TensorSpec, model_index: int, seed: int, size: str) -> torch.Tensor:
+    """Model `model_index`'s bf16 values from the shared fp32 base (model0 is the base itself)."""
+    if model_index == 0:
+        return base.to(torch.bfloat16)
+    delta = torch.randn(spec.shape, generator=_generator(seed, size, model_index, spec.name), dtype=torch.float32)
+    mixed = torch.add(base, delta, alpha=DELTA_STD)  # the base stays untouched for the next model
+    del delta
+    return mixed.to(torch.bfloat16)
+
+
+def make_tensor(spec: TensorSpec, model_index: int, seed: int, size: str) -> torch.Tensor:
+    """The bf16 values of one tensor of one model; depends only on the arguments."""
+    return _derive(_base(spec, seed, size), spec, model_index, seed, size)
 
 
 def plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
@@ -176,49 +207,87 @@ def is_complete(path: Path, fingerprint: dict[str, Any]) -> bool:
     return all((path / name).is_file() and (path / name).stat().st_size == n for name, n in files.items())
 
 
-def write_model(path: Path, size: str, index: int, seed: int, shard_bytes: int, quiet: bool = False) -> None:
-    """Write one model directory from scratch (into a temp dir, renamed at the end so a kill leaves no half model)."""
-    fingerprint = _fingerprint(size, index, seed, shard_bytes)
-    if is_complete(path, fingerprint):
-        if not quiet:
-            print(f"{path}: present, skipped", file=sys.stderr)
+def _header(shard: list[TensorSpec]) -> bytes:
+    """A safetensors header for bf16 tensors stored in `shard` order, padded to 8 bytes as the format asks."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in shard:
+        nbytes = spec.numel * 2
+        entries[spec.name] = {"dtype": "BF16", "shape": list(spec.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_tensor(fh: Any, tensor: torch.Tensor) -> None:
+    """Append a bf16 tensor's bytes without a copy (its int16 view as a numpy buffer; little-endian hosts)."""
+    fh.write(tensor.contiguous().view(torch.int16).numpy().data)
+
+
+def write_models(paths: list[Path], size: str, seed: int, shard_bytes: int, quiet: bool = False) -> None:
+    """Write the models at `paths` (model index = position) not complete yet, in one pass over the tensors.
+
+    Each goes to a temp dir renamed at the end, so a kill leaves no half model. Every tensor's fp32 base is drawn
+    once and written to each model being made, so the generator holds about one tensor in fp32 three times over
+    (base, delta, bf16 copy); files are streamed, never assembled in memory."""
+    todo = [i for i, p in enumerate(paths) if not is_complete(p, _fingerprint(size, i, seed, shard_bytes))]
+    for i, p in enumerate(paths):
+        if i not in todo and not quiet:
+            print(f"{p}: present, skipped", file=sys.stderr)
+    if not todo:
         return
     t0 = time.perf_counter()
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmps = {i: paths[i].with_name(paths[i].name + ".tmp") for i in todo}
     config = llama_config(size)
-    config.save_pretrained(tmp)
+    for tmp in tmps.values():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        config.save_pretrained(tmp)
     specs = tensor_specs(config)
     shards = plan_shards(specs, shard_bytes)
     n = len(shards)
     weight_map: dict[str, str] = {}
-    total_bytes = 0
+    total_bytes = sum(s.numel * 2 for s in specs)
     for k, shard in enumerate(shards, start=1):
         fname = f"model-{k:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
-        tensors = {spec.name: make_tensor(spec, index, seed, size) for spec in shard}
-        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-        total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        header = _header(shard)
+        handles = {i: open(tmps[i] / fname, "wb") for i in todo}  # noqa: SIM115 - closed below
+        try:
+            for fh in handles.values():
+                fh.write(header)
+            for spec in shard:
+                base = _base(spec, seed, size)
+                for i, fh in handles.items():
+                    _write_tensor(fh, _derive(base, spec, i, seed, size))
+                del base
+            for fh in handles.values():
+                fh.flush()
+                os.fsync(fh.fileno())  # durable before the rename makes it visible as complete
+        finally:
+            for fh in handles.values():
+                fh.close()
         weight_map.update({spec.name: fname for spec in shard})
-        del tensors
-    if n > 1:
-        index_json = {
-            "metadata": {"total_parameters": sum(s.numel for s in specs), "total_size": total_bytes},
-            "weight_map": weight_map,
-        }
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2, sort_keys=True) + "\n")
-    files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-    (tmp / MARKER).write_text(json.dumps({"fingerprint": fingerprint, "files": files}, indent=1) + "\n")
-    for p in tmp.iterdir():  # durable before the rename makes it visible as complete
-        with open(p, "rb") as fh:
-            os.fsync(fh.fileno())
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+        if not quiet:
+            print(f"  shard {k}/{n} written, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    for i in todo:
+        tmp = tmps[i]
+        if n > 1:
+            index_json = {
+                "metadata": {"total_parameters": sum(s.numel for s in specs), "total_size": total_bytes},
+                "weight_map": weight_map,
+            }
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2, sort_keys=True) + "\n")
+        files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+        marker = {"fingerprint": _fingerprint(size, i, seed, shard_bytes), "files": files}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+        shutil.rmtree(paths[i], ignore_errors=True)
+        tmp.rename(paths[i])
     if not quiet:
         params = sum(s.numel for s in specs)
         print(
-            f"{path}: {params / 1e9:.3f} B params, {total_bytes / 1e9:.2f} GB in {n} shard(s), "
-            f"{time.perf_counter() - t0:.1f} s",
+            f"{', '.join(str(paths[i]) for i in todo)}: {params / 1e9:.3f} B params, {total_bytes / 1e9:.2f} GB "
+            f"each in {n} shard(s), {time.perf_counter() - t0:.1f} s",
             file=sys.stderr,
         )
 
@@ -228,8 +297,7 @@ def ensure_models(
 ) -> list[Path]:
     """Make sure the three models of `size` exist (generating what is missing) and return their directories."""
     dirs = model_dirs(size, root)
-    for i, d in enumerate(dirs):
-        write_model(d, size, i, seed, shard_bytes, quiet=quiet)
+    write_models(dirs, size, seed, shard_bytes, quiet=quiet)
     return dirs
 
 
