@@ -61,7 +61,7 @@ class Group:
     """A child memory cgroup (v1 or v2) with a hard limit and no swap; removed by `close`."""
 
     def __init__(self, limit: int, name: str) -> None:
-        from mergesmith.memory_limits import cgroup_dirs
+        from mergesmith.runtime.memory_limits import cgroup_dirs
 
         if os.geteuid() != 0:
             raise SystemExit("error: creating a memory cgroup needs root")
@@ -159,17 +159,6 @@ class Group:
                 time.sleep(0.1)
 
 
-def _anon_of(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status", "rb") as fh:
-            for line in fh:
-                if line.startswith(b"RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 class Sampler(threading.Thread):
     """Peaks of the group's usage, its non-file usage, and its processes' summed RssAnon, every `interval` s."""
 
@@ -182,7 +171,7 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.is_set():
             used, nonfile = self.group.usage()
-            anon = sum(_anon_of(p) for p in self.group.pids())
+            anon = sum(bl.read_anon(p) for p in self.group.pids())
             self.peak_usage = max(self.peak_usage, used)
             self.peak_nonfile = max(self.peak_nonfile, nonfile)
             self.peak_anon = max(self.peak_anon, anon)

@@ -91,7 +91,8 @@ class RunResult:
         return self.wall_s + self.sync_s
 
 
-def _read_anon(pid: int) -> int:
+def read_anon(pid: int) -> int:
+    """A process's resident anonymous memory in bytes (`RssAnon`), 0 once it is gone."""
     try:
         with open(f"/proc/{pid}/status", "rb") as fh:
             for line in fh:
@@ -114,7 +115,7 @@ class _AnonSampler(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.is_set():
-            self.peak = max(self.peak, _read_anon(self.pid))
+            self.peak = max(self.peak, read_anon(self.pid))
             self._stop_event.wait(self.interval)
 
     def stop(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import math
 import mmap
 import os
 import pickle
@@ -51,10 +52,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * dtype_size(self.dtype)
+        return math.prod(self.shape) * dtype_size(self.dtype)
 
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], bytes]:

@@ -217,15 +217,20 @@ class _Family:
                 delta.copy_(kept)
         return self._mix(inputs, base, deltas)
 
+    def _consensus(self, params: dict) -> str | None:
+        """The sign-election rule of a method that elects signs (`consensus_method`), None for the others."""
+        if not self.consensus:
+            return None
+        consensus = str(params.get("consensus_method", "sum"))
+        if consensus not in CONSENSUS_METHODS:
+            raise ValueError(
+                f"{self.name}: `consensus_method` must be one of {', '.join(CONSENSUS_METHODS)}, got {consensus!r}"
+            )
+        return consensus
+
     def _mix(self, inputs: MergeInputs, base: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         params = inputs.params
-        consensus = None
-        if self.consensus:
-            consensus = str(params.get("consensus_method", "sum"))
-            if consensus not in CONSENSUS_METHODS:
-                raise ValueError(
-                    f"{self.name}: `consensus_method` must be one of {', '.join(CONSENSUS_METHODS)}, got {consensus!r}"
-                )
+        consensus = self._consensus(params)
         return merge_task_vectors(
             base,
             deltas,
@@ -241,13 +246,7 @@ class _Family:
         check_same_shape(inputs, self.name)
         base_index = require_base(inputs, self.name)
         params = inputs.params
-        consensus = None
-        if self.consensus:
-            consensus = str(params.get("consensus_method", "sum"))
-            if consensus not in CONSENSUS_METHODS:
-                raise ValueError(
-                    f"{self.name}: `consensus_method` must be one of {', '.join(CONSENSUS_METHODS)}, got {consensus!r}"
-                )
+        consensus = self._consensus(params)
         assert self.keyed is not None
         vectors = []
         for row, i in enumerate(inputs.others()):
