@@ -126,3 +126,20 @@ def test_warm_start_reads_torch_libraries_largest_first() -> None:
     sizes = [path.stat().st_size for path in files]
     assert sizes == sorted(sizes, reverse=True)
     assert _covered([(at, n) for path, at, n in pieces if path == files[0]]) == [(0, sizes[0])]
+
+
+def test_executor_read_ahead_stays_a_window_past_the_admitted_recipe() -> None:
+    """The executor's read-ahead is counted from the recipe being admitted: admitting recipes one by one moves
+    the window one recipe on, instead of adding a whole window each time (which queued the whole model)."""
+    from mergesmith.engine.executor import read_ahead_end
+
+    sizes = [100] * 20
+    end = 0
+    ends = []
+    for index in range(20):
+        end = read_ahead_end(sizes.__getitem__, len(sizes), index, end, 250)
+        ends.append(end)
+        assert sum(sizes[index:end]) <= 250 + max(sizes)  # never more than the window (and the recipe that fills it)
+    assert ends[:4] == [3, 4, 5, 6] and ends[-1] == 20
+    assert read_ahead_end(sizes.__getitem__, 20, 2, 10, 250) == 10  # what is advised stays advised
+    assert read_ahead_end([0, 0, 500, 5].__getitem__, 4, 0, 0, 250) == 3  # empty (streamed) recipes cost nothing
