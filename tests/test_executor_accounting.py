@@ -179,3 +179,52 @@ def test_the_largest_recipes_take_turns_while_smaller_ones_fill_the_other_thread
     assert giants <= {r.name for r in plan.recipes}
     assert not any(giants <= running for running in seen)
     assert any(len(running) == 2 and running & giants for running in seen)
+
+
+def test_inputs_leave_the_page_cache_only_when_they_exceed_the_memory_room(
+    tmp_path: Path, tiny_models: Any, monkeypatch: Any
+) -> None:
+    """Under a memory limit smaller than the inputs, every merged tensor's mapped input bytes are dropped from the
+    page cache (so the kernel does not evict the next tensors' read-ahead in their place); with room to spare
+    nothing is dropped (a rerun on the same models reads them from memory). The output bytes are the same."""
+    import dataclasses
+    import mmap
+    import os
+
+    from mergesmith.engine import executor
+    from mergesmith.io.checkpoint import Checkpoint
+
+    monkeypatch.setenv("MERGESMITH_DIRECT_IO", "0")  # every input read through the maps
+    dropped: list[tuple[str, int]] = []
+    real_fadvise = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_DONTNEED:
+            dropped.append((os.readlink(f"/proc/self/fd/{fd}"), length))
+        real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    cfg = _linear_config(tmp_path, tiny_models)
+    room = executor.memory_room()
+    outputs = {}
+    for name, available in (("roomy", room.available), ("tight", 1024)):
+        monkeypatch.setattr(executor, "memory_room", lambda a=available: dataclasses.replace(room, available=a))
+        dropped.clear()
+        plan = run_merge(cfg, tmp_path / name, MergeOptions(threads=2, copy_tokenizer=False)).plan
+        outputs[name] = (tmp_path / name / "model.safetensors").read_bytes()
+        inputs = {str(Path(f).resolve()) for f, _ in dropped}
+        if name == "roomy":
+            assert dropped == []
+        else:
+            models = {str(ref.model) for r in plan.recipes for ref in r.inputs}
+            files = {str(p.resolve()) for m in models for p in Path(m).glob("*.safetensors")}
+            assert inputs == files  # both models' files, nothing else (not the output)
+            # every input tensor's whole pages, once (a tensor inside one page has none: the kernel keeps those)
+            page = mmap.PAGESIZE
+            expected = 0
+            for m in models:
+                for info in Checkpoint.open(m).tensors.values():
+                    start, end = -(-info.data_offset // page) * page, (info.data_offset + info.nbytes) // page * page
+                    expected += max(0, end - start)
+            assert expected > 0 and sum(n for _, n in dropped) == expected
+    assert outputs["roomy"] == outputs["tight"]

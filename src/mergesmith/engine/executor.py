@@ -28,7 +28,7 @@ from ..methods import MergeInputs, require_method
 from ..methods.keyed_random import MaskStream
 from ..methods.registry import MERGE_WHOLE
 from ..runtime.devices import resolve_device
-from ..runtime.memory_limits import MemoryWatch, human
+from ..runtime.memory_limits import MemoryWatch, human, memory_room
 from ..runtime.memory_release import release_free_heap
 from .blocks import row_blocks, two_pass
 from .input_feed import InputFeed, open_feed
@@ -314,13 +314,31 @@ def read_ahead_end(mapped_bytes: Callable[[int], int], count: int, index: int, p
 
     Counting from `index`, not from the end of the last advice, is what bounds it: counted from there, every
     admission advised another `limit` bytes, and the whole model was queued within a few seconds (7B ties in a
-    12.7 GB cgroup read 78 GB for 43.5 GB of inputs, the pages evicted before use; 63 GB bounded, see
+    12.7 GB cgroup read 84 GB for 43.5 GB of inputs, the pages evicted before use; 68 GB bounded, see
     bench/README.md)."""
     ahead, position = 0, index
     while position < count and ahead < limit:
         ahead += mapped_bytes(position)
         position += 1
     return max(prefetched, position)
+
+
+def inputs_exceed_room(recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint], room: int) -> bool:
+    """Whether the recipes' inputs (each tensor once) are more than the memory this process may use: then every
+    recipe drops its mapped inputs from the page cache once merged (Checkpoint.advise "uncache"), so the pages
+    read ahead for the next tensors are not evicted in their place. Otherwise the cache is left as it is: a merge
+    run again on the same models (evolve's candidates, a rerun) reads them from memory."""
+    seen: set[tuple[str, str]] = set()
+    total = 0
+    for recipe in recipes:
+        for ref in recipe.inputs:
+            info = checkpoints[ref.model].tensors.get(ref.tensor)
+            if info is not None and (ref.model, ref.tensor) not in seen:
+                seen.add((ref.model, ref.tensor))
+                total += info.nbytes
+                if total > room:
+                    return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -391,6 +409,7 @@ class LocalExecutor(Executor):
         self._bytes = 0
         self._error: BaseException | None = None
         self._feed: InputFeed | None = None
+        self._uncache_inputs = False  # set by run(): see inputs_exceed_room
         self.monitor = NonFiniteMonitor(self.settings.strict)  # NaN/inf in inputs and outputs; `warnings()` after run
 
     def _open_writer(self, shard: ShardPlan) -> ShardWriter:
@@ -426,6 +445,7 @@ class LocalExecutor(Executor):
         self._emit(None)
 
         cost_of = {r.name: recipe_memory(r, self.plan.compute_dtype) for r in self.plan.recipes}
+        self._uncache_inputs = inputs_exceed_room([recipe for _, recipe in work], self.ckpts, memory_room().available)
         # what this process may really use (cgroup limit, available memory), sampled while it runs
         watch = MemoryWatch().start() if self.watch_memory and work else None
         # the feed's read-ahead buffers: a quarter of the budget, or of the room there is when none was given
@@ -570,6 +590,8 @@ class LocalExecutor(Executor):
                 advise_inputs(recipe, self.ckpts, "dontneed", rows, skip=self._streamed(recipe))
             sink.close()
         advise_inputs(recipe, self.ckpts, "dontneed", skip=self._streamed(recipe))
+        if self._uncache_inputs:
+            advise_inputs(recipe, self.ckpts, "uncache", skip=self._streamed(recipe))
         return True
 
     def _gather_totals(self, recipe: TensorRecipe, blocks: list[tuple[int, int]]) -> Any:
