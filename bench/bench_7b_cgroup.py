@@ -184,31 +184,6 @@ class Sampler(threading.Thread):
 
 # --------------------------------------------------------------------------------------------------- one run
 
-# Like benchlib's launcher (wait4 gives the tool's own rusage), but it first moves itself into the group, so the
-# tool exec'd from its fork starts inside it.
-_LAUNCHER = r"""
-import json, os, sys, time
-procs, out, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-with open(procs, "w") as fh:
-    fh.write(str(os.getpid()))
-t0 = time.perf_counter()
-pid = os.fork()
-if pid == 0:
-    try:
-        fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, 1)
-        os.execvp(argv[0], argv)
-    finally:
-        os._exit(127)
-sys.stdout.write(f"{pid}\n")
-sys.stdout.flush()
-_, status, ru = os.wait4(pid, 0)
-wall = time.perf_counter() - t0
-with open(out, "w") as fh:
-    json.dump({"wall": wall, "status": status, "code": os.waitstatus_to_exitcode(status), "utime": ru.ru_utime,
-               "stime": ru.ru_stime, "maxrss_kb": ru.ru_maxrss}, fh)
-"""
-
 
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -229,8 +204,8 @@ def run_in_group(cmd: list[str], limit: int, timeout: float, tag: str) -> dict[s
     timed_out = False
     try:
         with open(errlog, "wb") as err:
-            launcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER,
-                                         str(group.path / "cgroup.procs"), str(usage_file), *cmd],
+            launcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", bl.LAUNCHER,
+                                         str(usage_file), str(group.path / "cgroup.procs"), *cmd],
                                         stdout=subprocess.PIPE, stderr=err, env=env)
             sampler.start()
             try:

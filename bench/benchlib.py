@@ -9,7 +9,7 @@ Measurement choices (why):
   child's rusage: CPU time, peak RSS (``ru_maxrss``) and the bytes it made the block layer read/write
   (``ru_inblock``/``ru_oublock``, 512-byte units, which count mmap page-ins too). ``RUSAGE_CHILDREN`` would give the
   max over all children so far, not per run; the launcher keeps this process's own RSS out of the figure (see
-  `_LAUNCHER`).
+  `LAUNCHER`).
 * Peak RSS counts resident file-backed pages of mmapped inputs, which the kernel can drop at will; so a sampler also
   records the peak of ``RssAnon`` (private memory the process really needs) from ``/proc/PID/status`` every 50 ms.
 * The page cache is dropped before every run and before the floor is measured when we can (root), so every run
@@ -135,9 +135,12 @@ def dir_bytes(path: Path) -> int:
 # from this process starts with *our* address space -- which, after comparing two mmapped outputs, is gigabytes.
 # Forked from this ~10 MB interpreter instead, the inherited figure is far below any merge's own peak, and
 # ``ru_maxrss`` is a max, so it no longer shows.
-_LAUNCHER = r"""
+LAUNCHER = r"""
 import json, os, sys, time
-out, argv = sys.argv[1], sys.argv[2:]
+out, procs, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+if procs != "-":  # join a memory cgroup first (bench_7b_cgroup.py): the tool exec'd from the fork starts inside it
+    with open(procs, "w") as fh:
+        fh.write(str(os.getpid()))
 t0 = time.perf_counter()
 pid = os.fork()
 if pid == 0:
@@ -152,15 +155,16 @@ sys.stdout.flush()
 _, status, ru = os.wait4(pid, 0)
 wall = time.perf_counter() - t0
 with open(out, "w") as fh:
-    json.dump({"wall": wall, "code": os.waitstatus_to_exitcode(status), "utime": ru.ru_utime, "stime": ru.ru_stime,
-               "maxrss_kb": ru.ru_maxrss, "inblock": ru.ru_inblock, "oublock": ru.ru_oublock}, fh)
+    json.dump({"wall": wall, "status": status, "code": os.waitstatus_to_exitcode(status), "utime": ru.ru_utime,
+               "stime": ru.ru_stime, "maxrss_kb": ru.ru_maxrss, "inblock": ru.ru_inblock,
+               "oublock": ru.ru_oublock}, fh)
 """
 
 
 def run_timed(
     cmd: Sequence[str], *, cold: bool, env: dict[str, str] | None = None, out_dir: Path | None = None
 ) -> RunResult:
-    """Run `cmd` as a fresh process (through `_LAUNCHER`) and measure it; raises on a non-zero exit."""
+    """Run `cmd` as a fresh process (through `LAUNCHER`) and measure it; raises on a non-zero exit."""
     dropped = drop_page_cache() if cold else False
     full_env = dict(os.environ)
     full_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
@@ -173,7 +177,7 @@ def run_timed(
     load1 = os.getloadavg()[0]
     with open(errlog, "wb") as err:
         launcher = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(usage_file), *cmd],
+            [sys.executable, "-I", "-S", "-c", LAUNCHER, str(usage_file), "-", *cmd],
             stdout=subprocess.PIPE, stderr=err, env=full_env,
         )
         assert launcher.stdout is not None
