@@ -239,16 +239,16 @@ def merge(
     next call resumes. Returns a MergeResult (`out_dir`, `plan`, `shards_reused`, `already_complete`,
     `seconds`). Errors are the CLI's: ConfigError, CheckpointError, OutputError, MemoryShortage, ...
     """
-    from .display.notebook import choose_display, final_line
     from .engine.run import run_merge
 
     kw = _resolve("merge", "merge", options)
     cfg, source = as_merge_config(config)
     merge_options = _merge_options(kw)
-    shown = progress is True and not kw["quiet"]
-    display = choose_display(progress if not kw["quiet"] else None)
-    with display:
-        result = _run_with_source(
+    return _displayed(
+        progress,
+        kw,
+        out_dir,
+        lambda display, shown: _run_with_source(
             run_merge,
             cfg,
             source,
@@ -260,7 +260,24 @@ def merge(
             on_plan=_show_warnings(display, shown),
             on_progress=display.update,
             stop=stop,
-        )
+        ),
+    )
+
+
+def _displayed(
+    progress: bool | Callable[[Any], None] | None,
+    kw: dict[str, Any],
+    out_dir: str | Path,
+    run: Callable[[Any, bool], MergeResult],
+) -> MergeResult:
+    """Run `run(display, shown)` under the display `progress` asks for (none when `quiet`); with progress=True
+    the last line says where the model is, as the command's does."""
+    from .display.notebook import choose_display, final_line
+
+    shown = progress is True and not kw["quiet"]
+    display = choose_display(progress if not kw["quiet"] else None)
+    with display:
+        result = run(display, shown)
     if shown:
         print(final_line(Path(out_dir), result))
     return result
@@ -282,7 +299,6 @@ def merge_raw(
     **options: Any,
 ) -> MergeResult:
     """`mergesmith merge-raw` as a function: merge bare state-dict files (no config.json) into `out_dir`."""
-    from .display.notebook import choose_display, final_line
     from .raw.merge import run_raw_merge
 
     kw = _resolve("merge_raw", "merge-raw", options)
@@ -291,10 +307,11 @@ def merge_raw(
     cfg, source = as_merge_config(config)
     merge_options = _merge_options(kw)
     tensor_set = "union" if kw["tensor_union"] else "intersection" if kw["tensor_intersection"] else "exact"
-    shown = progress is True and not kw["quiet"]
-    display = choose_display(progress if not kw["quiet"] else None)
-    with display:
-        result = _run_with_source(
+    return _displayed(
+        progress,
+        kw,
+        out_dir,
+        lambda display, shown: _run_with_source(
             run_raw_merge,
             cfg,
             source,
@@ -307,10 +324,8 @@ def merge_raw(
             on_plan=_show_warnings(display, shown),
             on_progress=display.update,
             stop=stop,
-        )
-    if shown:
-        print(final_line(Path(out_dir), result))
-    return result
+        ),
+    )
 
 
 def moe(
@@ -323,7 +338,6 @@ def moe(
 ) -> MergeResult:
     """`mergesmith moe` as a function: assemble a mixture of experts (a mergekit-moe config as a path,
     YAML string, dict or MoEConfiguration) into `out_dir`; call again to resume."""
-    from .display.notebook import choose_display, final_line
     from .moe import run_moe
 
     kw = _resolve("moe", "moe", options)
@@ -333,10 +347,11 @@ def moe(
     if cfg is None:
         raise ConfigError("config: not a mergekit-moe config (it has no `experts`); use mergesmith.merge")
     merge_options = _merge_options(kw)
-    shown = progress is True and not kw["quiet"]
-    display = choose_display(progress if not kw["quiet"] else None)
-    with display:
-        result = run_moe(
+    return _displayed(
+        progress,
+        kw,
+        out_dir,
+        lambda display, shown: run_moe(
             cfg,
             out_dir,
             merge_options,
@@ -347,10 +362,8 @@ def moe(
             on_progress=display.update,
             on_warning=lambda message: log.warning("%s", message),
             stop=stop,
-        )
-    if shown:
-        print(final_line(Path(out_dir), result))
-    return result
+        ),
+    )
 
 
 def multi(
