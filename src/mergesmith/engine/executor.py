@@ -34,7 +34,7 @@ from .blocks import row_blocks, two_pass
 from .input_feed import InputFeed, open_feed
 from .nonfinite import NonFiniteMonitor
 from .plan import InputRef, Plan, ShardPlan, TensorRecipe
-from .planning import MergeOptions, automatic_budget, recipe_memory
+from .planning import MergeOptions, automatic_budget, distinct_input_bytes, recipe_memory
 
 JOURNAL_INTERVAL_S = 1.0
 PREFETCH_BYTES = 512 << 20
@@ -288,7 +288,8 @@ def advise_inputs(
     only: InputRef | None = None,
     skip: frozenset[int] = frozenset(),
 ) -> None:
-    """Read-ahead ("willneed") or release ("dontneed") the input bytes a recipe (or row block) uses
+    """Read-ahead ("willneed") or release ("dontneed", "uncache": see Checkpoint.advise) the input bytes a recipe
+    (or row block) uses
     (`only`: those of one of its inputs; `skip`: not those of these input indices, which are read
     around the memory map)."""
     for index, ref in enumerate(recipe.inputs if only is None else (only,)):
@@ -328,17 +329,12 @@ def inputs_exceed_room(recipes: Sequence[TensorRecipe], checkpoints: dict[str, C
     recipe drops its mapped inputs from the page cache once merged (Checkpoint.advise "uncache"), so the pages
     read ahead for the next tensors are not evicted in their place. Otherwise the cache is left as it is: a merge
     run again on the same models (evolve's candidates, a rerun) reads them from memory."""
-    seen: set[tuple[str, str]] = set()
-    total = 0
-    for recipe in recipes:
-        for ref in recipe.inputs:
-            info = checkpoints[ref.model].tensors.get(ref.tensor)
-            if info is not None and (ref.model, ref.tensor) not in seen:
-                seen.add((ref.model, ref.tensor))
-                total += info.nbytes
-                if total > room:
-                    return True
-    return False
+
+    def nbytes(ref: InputRef) -> int:
+        info = checkpoints[ref.model].tensors.get(ref.tensor)
+        return 0 if info is None else info.nbytes
+
+    return distinct_input_bytes(recipes, nbytes) > room
 
 
 @dataclass(frozen=True)
@@ -589,9 +585,8 @@ class LocalExecutor(Executor):
                 self._compute_block(recipe, rows, sink.write, totals=totals)
                 advise_inputs(recipe, self.ckpts, "dontneed", rows, skip=self._streamed(recipe))
             sink.close()
-        advise_inputs(recipe, self.ckpts, "dontneed", skip=self._streamed(recipe))
-        if self._uncache_inputs:
-            advise_inputs(recipe, self.ckpts, "uncache", skip=self._streamed(recipe))
+        spent = "uncache" if self._uncache_inputs else "dontneed"  # see inputs_exceed_room
+        advise_inputs(recipe, self.ckpts, spent, skip=self._streamed(recipe))
         return True
 
     def _gather_totals(self, recipe: TensorRecipe, blocks: list[tuple[int, int]]) -> Any:

@@ -106,6 +106,18 @@ def cut_shards(recipes: list[TensorRecipe], limit: int) -> list[ShardPlan]:
     return [ShardPlan(name, group) for name, group in zip(names, groups)]
 
 
+def distinct_input_bytes(recipes: Sequence[TensorRecipe], input_bytes: Callable[[InputRef], int]) -> int:
+    """Bytes the recipes read, each input tensor counted once however many recipes read it."""
+    seen: set[tuple[str, str]] = set()
+    total = 0
+    for r in recipes:
+        for ref in r.inputs:
+            if (ref.model, ref.tensor) not in seen:
+                seen.add((ref.model, ref.tensor))
+                total += input_bytes(ref)
+    return total
+
+
 def estimate_plan(
     recipes: list[TensorRecipe],
     input_bytes: Callable[[InputRef], int],
@@ -117,13 +129,7 @@ def estimate_plan(
     in flight: the largest working sets, capped by the budget but never below the single largest, plus the
     input feed's read-ahead buffers (io.direct_read.pool_bytes, or all the bytes the recipes read if that is
     less: the feed may read a small merge's inputs all ahead)."""
-    seen: set[tuple[str, str]] = set()
-    bytes_read = 0
-    for r in recipes:
-        for ref in r.inputs:
-            if (ref.model, ref.tensor) not in seen:
-                seen.add((ref.model, ref.tensor))
-                bytes_read += input_bytes(ref)
+    bytes_read = distinct_input_bytes(recipes, input_bytes)
     costs = [(recipe_memory(r, compute_dtype), r) for r in recipes] or [(0, None)]
     costs.sort(key=lambda c: c[0], reverse=True)
     threads = max(1, threads)

@@ -328,59 +328,42 @@ class Checkpoint:
                 weakref.finalize(existing, GUARD.unregister, file, start)  # guarded while the pages are mapped
             return existing
 
-    def _uncache(self, info: TensorInfo, start: int, end: int | None) -> None:
-        """Drop a used tensor's bytes from the page cache (POSIX_FADV_DONTNEED on the whole pages inside them).
-
-        Why: under a memory limit smaller than the inputs (a 12.7 GB notebook merging 43 GB), pages a merge has
-        used stay cached, and those read twice (two-pass methods) count as recently used, so the kernel evicts
-        the inputs read ahead for the next tensors first and they are read again from the disk. Pages still
-        mapped are left alone by the kernel; a file only ever read (never written here) loses nothing."""
-        opened = self._opened.get(info.file)
-        fadvise = getattr(os, "posix_fadvise", None)
-        if opened is None or fadvise is None:
-            return
-        page = mmap.PAGESIZE
-        lo = -(-(info.data_offset + start) // page) * page
-        hi = (info.data_offset + (info.nbytes if end is None else end)) // page * page
-        if hi > lo:
-            try:
-                fadvise(opened.fileno(), lo, hi - lo, os.POSIX_FADV_DONTNEED)
-            except (OSError, ValueError):
-                pass
-
     def advise(self, name: str, advice: str, start: int = 0, end: int | None = None) -> None:
         """Tell the kernel about bytes [start, end) of a tensor: "willneed" starts reading them ahead
         (I/O overlaps compute), "dontneed" drops them from this process's mapping once used, so
         resident memory stays at the tensors in flight instead of growing with everything read;
-        "uncache" (after "dontneed") drops them from the page cache too (see _uncache).
+        "uncache" also drops them from the page cache.
         The file is mapped privately and never written, so dropped pages are simply read again
-        if touched later. A no-op for `.bin` inputs and where madvise is unavailable."""
+        if touched later. A no-op for `.bin` inputs and where madvise is unavailable.
+
+        Why "uncache": under a memory limit smaller than the inputs (a 12.7 GB notebook merging 43 GB), pages
+        a merge has used stay cached, and those read twice (two-pass methods) count as recently used, so the
+        kernel evicts the inputs read ahead for the next tensors first and they are read again from the disk."""
         info = self.tensors.get(name)
         if info is None or info.file in self._bin_state or info.nbytes == 0:
             return
-        if advice == "uncache":
-            self._uncache(info, start, end)
-            return
         flag = {"willneed": getattr(mmap, "MADV_WILLNEED", None), "dontneed": getattr(mmap, "MADV_DONTNEED", None)}
-        option = flag.get(advice)
+        option = flag.get("dontneed" if advice == "uncache" else advice)
         if option is None:
             return
         buf = self._map(info.file)
         lo = info.data_offset + start
         hi = info.data_offset + (info.nbytes if end is None else end)
         page = mmap.PAGESIZE
-        if advice == "dontneed":  # only whole pages inside the range: neighbours may still be in use
+        if advice == "willneed":
+            lo = lo // page * page
+        else:  # only whole pages inside the range: neighbours may still be in use
             lo = -(-lo // page) * page
             hi = hi // page * page
-        else:
-            lo = lo // page * page
         if hi <= lo:
             return
         try:
             if advice == "willneed":  # one call reads a few MB at most: advise the range piece by piece
                 advise_in_pieces(lambda at, n: buf.madvise(option, at, n), lo, hi, piece_size(info.file))
-            else:
-                buf.madvise(option, lo, hi - lo)
+                return
+            buf.madvise(option, lo, hi - lo)
+            if advice == "uncache" and hasattr(os, "posix_fadvise"):  # the kernel skips pages still mapped
+                os.posix_fadvise(self._opened[info.file].fileno(), lo, hi - lo, os.POSIX_FADV_DONTNEED)
         except (OSError, ValueError):
             pass
 
