@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from mergesmith.engine.executor import compute
-from mergesmith.engine.input_feed import InputFeed, open_feed, part_of
+from mergesmith.engine.input_feed import MERGE, InputFeed, open_feed, part_of
 from mergesmith.engine.plan import InputRef, TensorRecipe
 from mergesmith.io import direct_read, direct_write
 from mergesmith.io.checkpoint import Checkpoint
@@ -253,7 +253,7 @@ def test_block_parts_cut_and_pad_rows_like_the_memory_map(tmp_path: Path) -> Non
     reader = DirectReader(BufferPool(16 << 20))
     blocks = [((0, 400), 1001), ((400, 1001), 1001), ((990, 1001), 1001), ((0, 1001), 1001)]
     recipe = _recipe("embed", (1001, 96), "BF16", 1001)
-    feed = InputFeed([(recipe, rows) for rows, _ in blocks[:3]], checkpoints, reader)
+    feed = InputFeed([(recipe, rows, MERGE) for rows, _ in blocks[:3]], checkpoints, reader)
     try:
         for rows, out_rows in blocks[:3]:
             loaded = feed.take(recipe, rows)
@@ -278,7 +278,7 @@ def test_a_block_taken_before_the_feed_reaches_it_is_read_at_once(tmp_path: Path
     if not _direct_supported(checkpoints["a"].files[0]):
         pytest.skip("this filesystem refuses O_DIRECT")
     recipe = _recipe("w", (300, 700), "BF16")
-    blocks = [(recipe, (r, min(r + 50, 300))) for r in range(0, 300, 50)]
+    blocks = [(recipe, (r, min(r + 50, 300)), MERGE) for r in range(0, 300, 50)]
     reader = DirectReader(BufferPool(3 * capacity_for(50 * 700 * 2)))
     feed = InputFeed(blocks, checkpoints, reader)
     feed.start()
@@ -286,7 +286,7 @@ def test_a_block_taken_before_the_feed_reaches_it_is_read_at_once(tmp_path: Path
 
     def consume() -> None:
         try:
-            for _, rows in [blocks[-1], *blocks[:-1]]:  # the last first, while the feed holds the first
+            for _, rows, _ in [blocks[-1], *blocks[:-1]]:  # the last first, while the feed holds the first
                 loaded = feed.take(recipe, rows)
                 assert loaded is not None
                 for model, tensor in zip("abc", loaded):
@@ -398,11 +398,11 @@ def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
     recipes = build_plan(path, MergeOptions())[0].recipes
     tensors = len(recipes)
     # every tensor fed; those of elementwise methods and copies in many row blocks, the others whole; TIES' large
-    # tensors take a totals pass over their blocks first and are read through the maps (page cache) twice instead
+    # tensors take a totals pass over their blocks first, so each of their blocks is fed twice (once per pass)
     if method == "ties":
         two_pass = [r for r in recipes if blocks.two_pass(r)]
         assert two_pass and fed_blocks
-        assert fed_blocks[0] == sum(len(blocks.row_blocks(r)) for r in recipes if not blocks.two_pass(r))
+        assert fed_blocks[0] == sum(len(blocks.row_blocks(r)) * (1 + blocks.two_pass(r)) for r in recipes)
     else:
         assert fed_blocks and fed_blocks[0] > tensors
     monkeypatch.setenv(direct_write.ENV, "0")

@@ -31,7 +31,7 @@ def blockable(recipe: TensorRecipe) -> bool:
 
 def two_pass(recipe: TensorRecipe) -> bool:
     """Whether the recipe runs in several row blocks and its method needs a totals pass over them first: its
-    inputs are then read twice, through the page cache (not the input feed, whose reads bypass it)."""
+    inputs are then read twice (by the input feed, once per pass, or through the memory maps)."""
     spec = get_method(recipe.method or "") if recipe.op == "merge" else None
     if spec is None or spec.totals is None or not spec.totals.needed(dict(recipe.params)):
         return False

@@ -9,6 +9,7 @@ last tensor lands; progress inside a shard is journaled every second, so a kill 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,11 +28,12 @@ from ..io.safetensors_writer import ShardWriter
 from ..methods import MergeInputs, require_method
 from ..methods.keyed_random import MaskStream
 from ..methods.registry import MERGE_WHOLE
+from ..runtime import intra_op_threads
 from ..runtime.devices import resolve_device
 from ..runtime.memory_limits import MemoryWatch, human, memory_room
 from ..runtime.memory_release import release_free_heap
 from .blocks import row_blocks, two_pass
-from .input_feed import InputFeed, open_feed
+from .input_feed import TOTALS, InputFeed, open_feed
 from .nonfinite import NonFiniteMonitor
 from .plan import InputRef, Plan, ShardPlan, TensorRecipe
 from .planning import MergeOptions, automatic_budget, distinct_input_bytes, recipe_memory
@@ -487,7 +489,9 @@ class LocalExecutor(Executor):
         waiting = list(range(len(work)))  # indices into work, in plan order, not yet admitted
         head_passed = 0  # recipes admitted ahead of waiting[0] since it first waited
         try:
-            with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="merge") as pool:
+            with intra_op_threads.shared_between(self.threads), ThreadPoolExecutor(
+                max_workers=self.threads, thread_name_prefix="merge"
+            ) as pool:
                 futures: list[Future[None]] = []
                 try:
                     while waiting and not self._stopping():
@@ -566,6 +570,8 @@ class LocalExecutor(Executor):
                 return False
             if isinstance(totals, str) and totals == MERGE_WHOLE:  # the method's fallback: no blocks after all
                 blocks, totals = [(0, recipe.shape[0])], None
+                if self._feed is not None:
+                    self._feed.forget(recipe)
         if len(blocks) == 1:
 
             def put_whole(out: torch.Tensor) -> None:
@@ -590,17 +596,24 @@ class LocalExecutor(Executor):
         return True
 
     def _gather_totals(self, recipe: TensorRecipe, blocks: list[tuple[int, int]]) -> Any:
-        """The totals pass of a two-pass recipe over its row blocks, in order, read through the memory maps
-        (so the second pass finds the bytes in the page cache); None when a stop request cut it short."""
+        """The totals pass of a two-pass recipe over its row blocks, in order, from the blocks the feed read for
+        it (input_feed.TOTALS; the others through the memory maps); None when a stop request cut it short."""
         spec = require_method(recipe.method or "")
         assert spec.totals is not None
         gathered = Gathered()
+        feed = self._feed
         for rows in blocks:
             if self.stop.is_set():
                 return None
             args = (self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
-            compute(recipe, *args, rows=rows, gather=gathered)
-            advise_inputs(recipe, self.ckpts, "dontneed", rows)
+            loaded = feed.take(recipe, rows, TOTALS) if feed is not None else None
+            try:
+                spent = None if feed is None else functools.partial(feed.release, recipe, rows, pass_=TOTALS)
+                compute(recipe, *args, rows=rows, loaded=loaded, spent=spent, gather=gathered)
+            finally:
+                if loaded is not None and feed is not None:
+                    feed.done(recipe, rows, TOTALS)
+            advise_inputs(recipe, self.ckpts, "dontneed", rows, skip=self._streamed(recipe))
         return spec.totals.finish(gathered.state)
 
     def _compute_block(

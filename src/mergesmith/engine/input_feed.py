@@ -13,6 +13,14 @@ once before claiming it, so a worker never waits on buffers the feed holds for b
 A block larger than the whole pool (a large tensor of a method that needs it whole) is read alone, once
 the blocks before it are handed back: the feed never holds two of those.
 
+A method that needs a totals pass over a tensor's row blocks before it merges them (blocks.two_pass: the
+L1 norms of DARE's rescale, TIES' magnitude ranking) gets each block twice, once per pass, read from the
+disk each time. Read through the page cache instead (once from the disk, then again from the cache) every
+4 KB of input is a fresh page-cache page faulted into the process; on this project's 2-core VM that first
+touch cost ~2.3-4.9 ns per bf16 entry against ~0.3 for a buffer the feed read (measured on the 1 B dare_ties
+bench merge, bench/README.md, issue 21), 15 of its 44 CPU-seconds, where a second disk read of the same bytes
+costs no CPU and overlaps the merging.
+
 Inputs that cannot be streamed (`.bin` checkpoints, LoRA-adapted tensors, files on filesystems without
 O_DIRECT) come back as None and are read through the checkpoint's memory map, as are the inputs of
 operations other than copies and merges (tokenizer surgery, MoE gates), which index them freely.
@@ -42,7 +50,11 @@ STREAMED_OPS = frozenset({"copy", "merge"})
 """Operations whose inputs are read whole or by the same rows as their output (others index freely)."""
 
 Rows = tuple[int, int]
-Key = tuple[str, int]  # (output tensor name, first row of the block)
+TOTALS = "totals"
+MERGE = "merge"
+"""The passes a block is fed for: a two-pass method's totals pass, and the merge (every block)."""
+
+Key = tuple[str, int, str]  # (output tensor name, first row of the block, pass)
 
 
 @dataclass(frozen=True)
@@ -95,17 +107,20 @@ class InputFeed:
     """Feeds the streamable inputs of `blocks` (recipe, rows), in the given order."""
 
     def __init__(
-        self, blocks: Sequence[tuple[TensorRecipe, Rows]], checkpoints: dict[str, Checkpoint], reader: DirectReader
+        self,
+        blocks: Sequence[tuple[TensorRecipe, Rows, str]],
+        checkpoints: dict[str, Checkpoint],
+        reader: DirectReader,
     ) -> None:
         self.reader = reader
         self._order: list[Key] = []
         self._blocks: dict[Key, _Block] = {}
         self._streamed: dict[str, frozenset[int]] = {}
         direct = functools.cache(direct_io_supported)  # once per file, not per block (it reads the mount table)
-        for recipe, rows in blocks:
+        for recipe, rows, pass_ in blocks:
             parts = [part_of(checkpoints[ref.model], ref, rows, direct) for ref in recipe.inputs]
             if any(p is not None for p in parts):
-                key = (recipe.name, rows[0])
+                key = (recipe.name, rows[0], pass_)
                 self._order.append(key)
                 self._blocks[key] = _Block(parts)
                 self._streamed[recipe.name] = frozenset(i for i, p in enumerate(parts) if p is not None)
@@ -122,7 +137,13 @@ class InputFeed:
         through the page cache, so that every read after the first finds them there: read around the cache
         they would cost the disk each time, and holding them in memory until their last use could take
         gigabytes."""
-        readers = Counter((p.path, p.offset, p.length) for b in self._blocks.values() for p in b.parts if p is not None)
+        readers = Counter(  # a two-pass block's second read is its own, not another block's
+            (p.path, p.offset, p.length)
+            for key, b in self._blocks.items()
+            if key[2] == MERGE
+            for p in b.parts
+            if p is not None
+        )
         for block in self._blocks.values():
             block.parts = [
                 replace(p, repeated=True) if p is not None and readers[(p.path, p.offset, p.length)] > 1 else p
@@ -173,10 +194,10 @@ class InputFeed:
             )
         return reads
 
-    def take(self, recipe: TensorRecipe, rows: Rows) -> list[torch.Tensor | None] | None:
+    def take(self, recipe: TensorRecipe, rows: Rows, pass_: str = MERGE) -> list[torch.Tensor | None] | None:
         """The block's inputs in recipe order (None for those read from the memory map), or None when
         nothing of this block is streamed. Hand them back with `done` once the block is written."""
-        block = self._blocks.get((recipe.name, rows[0]))
+        block = self._blocks.get((recipe.name, rows[0], pass_))
         if block is None:
             return None
         with self._lock:
@@ -207,19 +228,34 @@ class InputFeed:
             tensors.append(data)
         return tensors
 
-    def release(self, recipe: TensorRecipe, rows: Rows, index: int) -> None:
+    def release(self, recipe: TensorRecipe, rows: Rows, index: int, pass_: str = MERGE) -> None:
         """Hand back the buffer of one input of a taken block early: the method is done reading it (a task-
         vector method has taken its difference), or it was converted to the compute dtype. On an embedding-
         sized TIES block that is hundreds of MB less at the peak."""
-        block = self._blocks.get((recipe.name, rows[0]))
+        block = self._blocks.get((recipe.name, rows[0], pass_))
         if block is not None and block.reads is not None and block.reads[index] is not None:
             block.reads[index].result().release()  # type: ignore[union-attr]
 
-    def done(self, recipe: TensorRecipe, rows: Rows) -> None:
+    def done(self, recipe: TensorRecipe, rows: Rows, pass_: str = MERGE) -> None:
         """Hand a taken block's buffers back (its tensors must no longer be used)."""
-        block = self._blocks.pop((recipe.name, rows[0]), None)
+        block = self._blocks.pop((recipe.name, rows[0], pass_), None)
         if block is not None and block.reads is not None:
             _release(block.reads)
+
+    def forget(self, recipe: TensorRecipe) -> None:
+        """Drop every block of `recipe` not yet taken, giving back what was read for them: the method merges the
+        tensor whole after all (registry.MERGE_WHOLE), through the memory maps."""
+        with self._lock:
+            blocks = [self._blocks.pop(key) for key in [k for k in self._blocks if k[0] == recipe.name]]
+            claimed = [block for block in blocks if block.claimed]
+            for block in blocks:
+                block.claimed = True  # the feed skips it (or gives back the buffers it is taking for it)
+            self._streamed.pop(recipe.name, None)
+        for block in claimed:
+            while block.reads is None and self._thread.is_alive() and not self._stop.wait(0.0002):
+                pass  # claimed by the feed, which is submitting its reads right now
+            if block.reads is not None:
+                _release(block.reads)
 
     def close(self) -> None:
         """Stop feeding, give back every buffer still held, close the reader (also after a failure)."""
@@ -235,12 +271,13 @@ class InputFeed:
 
 def open_feed(recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint], pool_bytes: int) -> InputFeed | None:
     """A started feed for the blocks of these recipes' copies and merges (rows as blocks.row_blocks cuts them;
-    not those of two-pass merges, read twice through the page cache), in this order; None when no input of them
-    can be streamed."""
+    those of a two-pass merge twice: all for its totals pass, then all for its merge), in this order; None when
+    no input of them can be streamed."""
     blocks = [
-        (recipe, rows)
+        (recipe, rows, pass_)
         for recipe in recipes
-        if recipe.op in STREAMED_OPS and not two_pass(recipe)
+        if recipe.op in STREAMED_OPS
+        for pass_ in ((TOTALS, MERGE) if two_pass(recipe) else (MERGE,))
         for rows in row_blocks(recipe)
     ]
     if not blocks:

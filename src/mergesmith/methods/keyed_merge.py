@@ -102,9 +102,42 @@ def row_chunks(shape: Sequence[int]) -> list[tuple[int, int]]:
     return [(r, min(r + step, rows)) for r in range(0, rows, step)] or [(0, 0)]
 
 
-def _chunk(t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of a tensor of 2 or more dims; a 0-D or 1-D tensor is one chunk (as a 1-D view)."""
-    return t.reshape(1) if t.dim() == 0 else (t if t.dim() == 1 else t[r0:r1])
+@dataclass(frozen=True)
+class Piece:
+    """One chunk of a block: flat entries [start, end) of the block, whole rows [start // width, end // width)
+    when `rows` (DELLA ranks rows), else a flat range."""
+
+    start: int
+    end: int
+    rows: bool
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This piece of `t` (rows of it, or a 1-D view of its flat range; a 0-D tensor as a 1-D view)."""
+        if t.dim() == 0:
+            return t.reshape(1)
+        if not self.rows:
+            return t.reshape(-1)[self.start : self.end]
+        if t.dim() == 1:
+            return t
+        width = math.prod(t.shape[1:])
+        return t[self.start // width : self.end // width]
+
+
+def pieces(shape: Sequence[int], offset: int, by_rows: bool) -> list[Piece]:
+    """The chunks a block of `shape` (flat position `offset` of its tensor) is computed in: whole rows when
+    `by_rows`; otherwise flat ranges cut where the tensor's flat position is a multiple of CHUNK_ELEMENTS, so
+    every chunk but a block's first and last covers whole keyed chunks of draws (keyed_random.CHUNK): a
+    chunk cut mid-way is drawn from its start twice (~12% more draws for rows of 5632 entries)."""
+    width = math.prod(shape[1:]) if len(shape) > 1 else 0
+    if by_rows or width == 0:
+        return [Piece(r0 * width, r1 * width, True) if width else Piece(0, math.prod(shape), True)
+                for r0, r1 in row_chunks(shape)]
+    numel = math.prod(shape)
+    cuts = [0]
+    first = (-offset) % CHUNK_ELEMENTS or CHUNK_ELEMENTS
+    cuts.extend(range(first, numel, CHUNK_ELEMENTS))
+    cuts.append(numel)
+    return [Piece(a, b, False) for a, b in zip(cuts, cuts[1:]) if b > a] or [Piece(0, 0, False)]
 
 
 # ----- masks ------------------------------------------------------------------------------------------------------
@@ -159,18 +192,30 @@ def _della_keep(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tenso
 _LITTLE = np.little_endian
 
 
-def keep_flags(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> torch.Tensor | None:
-    """The keep mask of `delta` (entries from flat position `offset` of the tensor) as a bool tensor on its
-    device, or None where everything is kept."""
+def keep_array(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> np.ndarray | None:
+    """The keep flags of `delta` (entries from flat position `offset` of the tensor) as a flat numpy bool array
+    in C order, or None where everything is kept."""
     if vec.density >= 1:
         return None
     if vec.epsilon is None:
-        flags = _dare_keep(stream, vec, offset, delta.numel())
-    elif vec.density <= 0:
-        flags = np.zeros(delta.numel(), dtype=np.bool_)
-    else:
-        flags = _della_keep(stream, vec, offset, delta)
-    return torch.from_numpy(flags).view(delta.shape).to(delta.device)
+        return _dare_keep(stream, vec, offset, delta.numel())
+    if vec.density <= 0:
+        return np.zeros(delta.numel(), dtype=np.bool_)
+    return _della_keep(stream, vec, offset, delta)
+
+
+def keep_flags(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> torch.Tensor | None:
+    """The keep mask of `delta` (see keep_array) as a bool tensor of its shape on its device."""
+    flags = keep_array(stream, vec, offset, delta)
+    return None if flags is None else torch.from_numpy(flags).view(delta.shape).to(delta.device)
+
+
+def _as_factors(flags: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """The flags as 0/1 float32 in a work buffer shaped like `like`: a float32 mask multiplies ~5x faster than
+    a bool one (torch casts bool operands entry by entry), and uint8 converts to float32 ~7x faster than bool
+    (bench/README.md, issue 21)."""
+    keep = _BUFFERS.get("keep", like.shape, F32, like.device)
+    return keep.copy_(torch.from_numpy(flags.view(np.uint8)).view(like.shape))
 
 
 # ----- passes -----------------------------------------------------------------------------------------------------
@@ -210,22 +255,26 @@ def gather(
     """Fold the rows of `tensors` (flat position `offset` on) into each vector's (|d|_1, |d * keep|_1)."""
     if state is None:
         state = Totals([(BlockedTotal(), BlockedTotal()) for _ in vectors], {})
-    shape = tuple(tensors[base_index].shape)
-    width = math.prod(shape[1:]) if len(shape) > 1 else 0
-    for r0, r1 in row_chunks(shape):
-        base32 = _base32(_chunk(tensors[base_index], r0, r1))
+    by_rows = _by_rows(vectors)
+    for piece in pieces(tuple(tensors[base_index].shape), offset, by_rows):
+        base32 = _base32(piece.of(tensors[base_index]))
         for k, (vec, (before, after)) in enumerate(zip(vectors, state.norms)):
             if vec.density >= 1:
                 continue
-            d = _task_vector("d0", _chunk(tensors[vec.index], r0, r1), base32)
-            keep = keep_flags(stream, vec, offset + r0 * width, d)
-            assert keep is not None
-            state.masks[(k, offset + r0 * width)] = np.packbits(keep.cpu().numpy().reshape(-1))
+            d = _task_vector("d0", piece.of(tensors[vec.index]), base32)
+            flags = keep_array(stream, vec, offset + piece.start, d)
+            assert flags is not None
+            state.masks[(k, offset + piece.start)] = np.packbits(flags)
             mags = _BUFFERS.get("abs", d.shape, F32, d.device)
             torch.abs(d, out=mags)
             before.add(mags)
-            after.add(mags.mul_(keep))
+            after.add(mags.mul_(_as_factors(flags, mags)))
     return state
+
+
+def _by_rows(vectors: Sequence[Vector]) -> bool:
+    """Whether the chunks must be whole rows: DELLA ranks the entries of each row."""
+    return any(v.epsilon is not None and 0 < v.density < 1 for v in vectors)
 
 
 def finish(state: Totals) -> Totals:
@@ -259,27 +308,25 @@ def merge(
     norms = None if totals is None else totals.norms
     kept = {} if totals is None else totals.masks
     out = torch.empty(base.shape, dtype=base.dtype, device=base.device)
-    shape = tuple(base.shape)
-    width = math.prod(shape[1:]) if len(shape) > 1 else 0
     factors = [_factor(v, mix, None if norms is None else norms[k]) for k, v in enumerate(vectors)]
-    for r0, r1 in row_chunks(shape):
-        base32 = _base32(_chunk(base, r0, r1))
+    for piece in pieces(tuple(base.shape), offset, _by_rows(vectors)):
+        base32 = _base32(piece.of(base))
         weighted = []
         for k, vec in enumerate(vectors):
-            d = _task_vector(f"d{k}", _chunk(tensors[vec.index], r0, r1), base32)
-            packed = kept.get((k, offset + r0 * width))
+            d = _task_vector(f"d{k}", piece.of(tensors[vec.index]), base32)
+            packed = kept.get((k, offset + piece.start))
             if packed is not None:
                 flags = np.unpackbits(packed, count=d.numel()).view(np.bool_)
-                keep = torch.from_numpy(flags).view(d.shape).to(d.device)
             else:
-                keep = keep_flags(stream, vec, offset + r0 * width, d)
-            if keep is not None:
-                d.mul_(keep)
+                flags = keep_array(stream, vec, offset + piece.start, d)
+            if flags is not None:
+                d.mul_(_as_factors(flags, d))
             weighted.append(d.mul_(factors[k]))
         mixed = _mix(weighted, [v.weight for v in vectors], mix)
         if mix.lam != 1:
             mixed.mul_(mix.lam)
-        _chunk(out, r0, r1).copy_(mixed.add_(base32).view(_chunk(out, r0, r1).shape))  # the one rounding
+        target = piece.of(out)
+        target.copy_(mixed.add_(base32).view(target.shape))  # the one rounding
     return out
 
 

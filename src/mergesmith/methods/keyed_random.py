@@ -58,24 +58,31 @@ class MaskStream:
         for chunk in range(first, last + 1):
             lo = max(start, chunk * CHUNK) - chunk * CHUNK
             hi = min(start + count, (chunk + 1) * CHUNK) - chunk * CHUNK
-            raw = self._chunk(stream, chunk, hi)
-            out[done : done + hi - lo] = raw[lo:hi]
+            out[done : done + hi - lo] = self._chunk(stream, chunk, lo, hi)
             done += hi - lo
         return out
 
-    def _chunk(self, stream: int, chunk: int, upto: int) -> np.ndarray:
-        """The first `upto` 32-bit draws of one chunk (draws come in pairs: one 64-bit output each)."""
+    def _chunk(self, stream: int, chunk: int, lo: int, hi: int) -> np.ndarray:
+        """Draws [lo, hi) of one chunk. Draws come in pairs, one 64-bit output each, and Philox computes outputs
+        in blocks of four from its counter: output j of the chunk is word j % 4 of the block whose counter
+        starts (1 + j // 4, chunk, stream, 0) (numpy increments the counter before each block). So the bit
+        generator is set just before the block holding draw lo: a piece starting mid-chunk (row blocks of a
+        width that does not divide CHUNK) costs its own draws only, not the chunk's prefix again."""
+        first_output = lo // 2
+        skip = first_output % 4
         state = self._state
-        state["state"]["counter"] = np.array([0, chunk, stream, 0], dtype=np.uint64)
+        state["state"]["counter"] = np.array([first_output // 4, chunk, stream, 0], dtype=np.uint64)
         state["buffer_pos"] = 4  # no buffered outputs: the next one is computed from the counter
         state["has_uint32"] = 0
         self._bits.state = state
-        raw = self._bits.random_raw((upto + 1) // 2)
+        raw = self._bits.random_raw(skip + (hi + 1) // 2 - first_output)[skip:]
         if _LITTLE:
-            return raw.view(np.uint32)  # low then high half of each 64-bit output
-        halves = np.empty(raw.size * 2, dtype=np.uint32)
-        halves[0::2], halves[1::2] = raw & 0xFFFFFFFF, raw >> 32
-        return halves
+            halves = raw.view(np.uint32)  # low then high half of each 64-bit output
+        else:
+            halves = np.empty(raw.size * 2, dtype=np.uint32)
+            halves[0::2], halves[1::2] = raw & 0xFFFFFFFF, raw >> 32
+        first = lo - 2 * first_output  # 1 when lo is the high half of its output
+        return halves[first : first + hi - lo]
 
     def keep(self, stream: int, start: int, shape: tuple[int, ...], p: float) -> torch.Tensor:
         """Bool mask of `shape` (entries start, start+1, ... in C order): True with probability p each."""

@@ -354,9 +354,10 @@ _SUM = ((4.5, 1, 0), (0.0, 0.0))
 _CONSENSUS = ((4.75, 0.5, 0), (1.0, 2.0))
 _DELLA = ((4.0, 0.5, 28), (0.0, 0.0))
 _RANKED = ((3.0, 1, 32), (0.0, 0.0))
-# DARE and DELLA from the keyed stream (keyed_merge.py): the inputs at the compute width, and float32 work buffers,
-# DELLA's sort keys, draws and masks over one chunk of keyed_merge.CHUNK_ELEMENTS (in compute-width units).
-_KEYED = ((2.0, 0, 0), (2.0, 18.0))
+# DARE and DELLA from the keyed stream (keyed_merge.py): the inputs at the compute width, and float32 work buffers
+# (the keep mask among them), DELLA's sort keys, draws and masks over one chunk of keyed_merge.CHUNK_ELEMENTS (in
+# compute-width units).
+_KEYED = ((2.0, 0, 0), (2.0, 20.0))
 
 FAMILY: tuple[_Family, ...] = (
     _Family(
