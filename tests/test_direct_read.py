@@ -353,7 +353,7 @@ def test_compute_from_fed_blocks_equals_compute_from_the_map(tmp_path: Path) -> 
         feed.close()
 
 
-@pytest.mark.parametrize("method", ["linear", "ties", "passthrough"])
+@pytest.mark.parametrize("method", ["linear", "ties", "dare_ties", "della", "passthrough"])
 def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
     tmp_path: Path, tiny_models, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
@@ -376,7 +376,7 @@ def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
             "dtype": "bfloat16",
         }
     else:
-        extra = {"density": 0.6} if method == "ties" else {}
+        extra = {"density": 0.6} if method in ("ties", "dare_ties", "della") else {}
         models = [{"model": str(m), "parameters": {"weight": w, **extra}} for m, w in zip(others, (0.6, 0.4))]
         config = {"merge_method": method, "base_model": str(base), "models": models, "dtype": "bfloat16"}
         if method == "linear":
@@ -394,19 +394,19 @@ def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
         return feed
 
     monkeypatch.setattr("mergesmith.engine.executor.open_feed", counting)
-    run_merge(path, tmp_path / "fed")
+    run_merge(path, tmp_path / "fed", MergeOptions(random_seed=7))  # DARE and DELLA: the same masks both times
     recipes = build_plan(path, MergeOptions())[0].recipes
     tensors = len(recipes)
     # every tensor fed; those of elementwise methods and copies in many row blocks, the others whole; TIES' large
     # tensors take a totals pass over their blocks first, so each of their blocks is fed twice (once per pass)
-    if method == "ties":
+    if method in ("ties", "dare_ties", "della"):  # the rescale of DARE and DELLA needs L1 norms first
         two_pass = [r for r in recipes if blocks.two_pass(r)]
         assert two_pass and fed_blocks
         assert fed_blocks[0] == sum(len(blocks.row_blocks(r)) * (1 + blocks.two_pass(r)) for r in recipes)
     else:
         assert fed_blocks and fed_blocks[0] > tensors
     monkeypatch.setenv(direct_write.ENV, "0")
-    run_merge(path, tmp_path / "mapped")
+    run_merge(path, tmp_path / "mapped", MergeOptions(random_seed=7))
     assert fed_blocks[-1] == 0
     for fed, mapped in zip(weight_files(tmp_path / "fed"), weight_files(tmp_path / "mapped"), strict=True):
         assert fed.read_bytes() == mapped.read_bytes(), fed.name

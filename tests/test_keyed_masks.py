@@ -126,6 +126,34 @@ def test_row_blocks_give_the_whole_tensors_bytes(method, dtype, shape):
     assert not torch.equal(other_seed, whole)
 
 
+@pytest.mark.parametrize("method", KEYED)
+def test_chunks_of_any_size_and_alignment_give_the_same_bytes(method, monkeypatch):
+    """The merge computes a block in chunks (flat ranges cut at multiples of CHUNK_ELEMENTS of the tensor for
+    DARE, whole rows for DELLA); however small the chunks and wherever a row block starts inside one, the bytes
+    are those of the whole tensor in one chunk."""
+    spec = get_method(method)
+    tensors = _models((60, 333), torch.bfloat16)  # rows of 333 entries: blocks start mid-chunk
+    params = {p.name: p.default for p in spec.params}
+    whole = spec.merge(MergeInputs(tensors, 0, MODEL_PARAMS, params, None, "t", stream=MaskStream(5)))
+    for chunk in (1000, 4096, 777):
+        monkeypatch.setattr(keyed_merge, "CHUNK_ELEMENTS", chunk)
+        for step in (60, 7, 13):
+            assert torch.equal(_merge_in_blocks(method, tensors, step), whole), (chunk, step)
+
+
+def test_flat_chunks_start_at_multiples_of_the_chunk_size_of_the_tensor():
+    """So every flat chunk but a block's first and last covers whole keyed chunks of draws."""
+    size = keyed_merge.CHUNK_ELEMENTS
+    pieces = keyed_merge.pieces((100, 5632), 3 * 5632, by_rows=False)
+    starts = [3 * 5632 + p.start for p in pieces]
+    assert all(start % size == 0 for start in starts[1:])
+    assert pieces[0].start == 0 and pieces[-1].end == 100 * 5632
+    assert all(a.end == b.start for a, b in zip(pieces, pieces[1:]))
+    assert all(0 < p.end - p.start <= size for p in pieces)
+    rows = keyed_merge.pieces((100, 5632), 0, by_rows=True)  # DELLA: whole rows
+    assert all(p.start % 5632 == 0 and p.end % 5632 == 0 for p in rows)
+
+
 def test_rescale_keeps_each_task_vectors_l1_norm_exactly_as_the_formula_says():
     """dare_linear of one task vector with weight 1: out - base is the rescaled kept delta, whose L1 norm is the
     delta's (to float rounding), and whose entries are the delta's times one factor |d|_1 / |m d|_1."""
