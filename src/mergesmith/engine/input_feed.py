@@ -19,7 +19,9 @@ disk each time. Read through the page cache instead (once from the disk, then ag
 4 KB of input is a fresh page-cache page faulted into the process; on this project's 2-core VM that first
 touch cost ~2.3-4.9 ns per bf16 entry against ~0.3 for a buffer the feed read (measured on the 1 B dare_ties
 bench merge, bench/README.md, issue 21), 15 of its 44 CPU-seconds, where a second disk read of the same bytes
-costs no CPU and overlaps the merging.
+costs no CPU and overlaps the merging. Where the disk is the bottleneck instead (a network volume capped at a
+few hundred MB/s, a hard disk), `MERGESMITH_SECOND_READ=cache` reads those recipes through the memory maps
+again: the disk then reads each byte once.
 
 Inputs that cannot be streamed (`.bin` checkpoints, LoRA-adapted tensors, files on filesystems without
 O_DIRECT) come back as None and are read through the checkpoint's memory map, as are the inputs of
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import mmap
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -50,6 +53,16 @@ STREAMED_OPS = frozenset({"copy", "merge"})
 """Operations whose inputs are read whole or by the same rows as their output (others index freely)."""
 
 Rows = tuple[int, int]
+SECOND_READ_ENV = "MERGESMITH_SECOND_READ"
+"""How a two-pass recipe's inputs are read again: "disk" (the default: the feed reads them once per pass) or
+"cache" (through the memory maps, so the second pass finds them in the page cache)."""
+
+
+def second_read() -> str:
+    """The second-read mode the environment asks for (anything but "cache" is the default, "disk")."""
+    return "cache" if os.environ.get(SECOND_READ_ENV, "disk").strip().lower() == "cache" else "disk"
+
+
 TOTALS = "totals"
 MERGE = "merge"
 """The passes a block is fed for: a two-pass method's totals pass, and the merge (every block)."""
@@ -271,13 +284,14 @@ class InputFeed:
 
 def open_feed(recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint], pool_bytes: int) -> InputFeed | None:
     """A started feed for the blocks of these recipes' copies and merges (rows as blocks.row_blocks cuts them;
-    those of a two-pass merge twice: all for its totals pass, then all for its merge), in this order; None when
-    no input of them can be streamed."""
+    those of a two-pass merge twice: all for its totals pass, then all for its merge, or not at all with
+    `MERGESMITH_SECOND_READ=cache`), in this order; None when no input of them can be streamed."""
+    twice = (TOTALS, MERGE) if second_read() == "disk" else ()  # "cache": two-pass recipes read through the maps
     blocks = [
         (recipe, rows, pass_)
         for recipe in recipes
         if recipe.op in STREAMED_OPS
-        for pass_ in ((TOTALS, MERGE) if two_pass(recipe) else (MERGE,))
+        for pass_ in (twice if two_pass(recipe) else (MERGE,))
         for rows in row_blocks(recipe)
     ]
     if not blocks:

@@ -1,10 +1,11 @@
-"""DARE and DELLA from the keyed stream, computed once in float32, a few rows at a time, in reused buffers.
+"""DARE and DELLA from the keyed stream, computed once in float32, a chunk at a time, in reused buffers.
 
 Why a path of its own: the randomised task-vector methods cannot be bit-equal to mergekit (their masks come
 from another generator), so nothing ties their arithmetic to mergekit's stepwise rounding in the compute dtype.
 Done in bfloat16, every one of their ~20 torch operations converts to float32 and back, and every temporary
 is a fresh block-sized allocation whose pages fault in; that was ~30-70 ns an entry (bench/README.md, issue 21).
-Here each chunk of rows is converted to float32 once, drawn, masked, rescaled, sign-elected and summed with
+Here each chunk (whole rows for DELLA, which ranks rows; a flat range for DARE, see `pieces`) is converted to
+float32 once, drawn, masked, rescaled, sign-elected and summed with
 in-place float32 operations on buffers reused from chunk to chunk (thread-local: the executor's workers are
 threads), and rounded to the output dtype once at the end: faster, and closer to the exact result.
 

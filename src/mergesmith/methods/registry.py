@@ -139,7 +139,7 @@ class MethodSpec:
     - `elementwise`: the output row block depends only on the same row block of the inputs, so
       huge tensors may be merged in row blocks to cap memory;
     - `totals`: a first pass (see TotalsPass) after which the method is elementwise: such a method also runs
-      in row blocks, reading each block's inputs twice (the second time from the page cache);
+      in row blocks, reading each block's inputs twice (engine/input_feed.py: from the disk, once per pass);
     - `keyed_random`: a randomised method that draws only from `MergeInputs.stream`, by entry position, so
       its row blocks draw what the whole tensor would (randomised methods without it run whole);
     - `uses_base_in_models`: whether the base model contributes even when not listed in `models`;
