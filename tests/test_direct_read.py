@@ -394,6 +394,7 @@ def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
         return feed
 
     monkeypatch.setattr("mergesmith.engine.executor.open_feed", counting)
+    monkeypatch.setenv(input_stream.SECOND_READ_ENV, "disk")  # tiny files: the probe could not tell
     run_merge(path, tmp_path / "fed", MergeOptions(random_seed=7))  # DARE and DELLA: the same masks both times
     recipes = build_plan(path, MergeOptions())[0].recipes
     tensors = len(recipes)
@@ -411,7 +412,7 @@ def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
         assert fed_blocks[-1] == sum(len(blocks.row_blocks(r)) for r in recipes if not blocks.two_pass(r))
         for fed, cached in zip(weight_files(tmp_path / "fed"), weight_files(tmp_path / "cached"), strict=True):
             assert fed.read_bytes() == cached.read_bytes(), fed.name
-        monkeypatch.delenv(input_stream.SECOND_READ_ENV)
+    monkeypatch.delenv(input_stream.SECOND_READ_ENV)
     monkeypatch.setenv(direct_write.ENV, "0")
     run_merge(path, tmp_path / "mapped", MergeOptions(random_seed=7))
     assert fed_blocks[-1] == 0
@@ -507,3 +508,32 @@ def test_fed_inputs_go_back_as_soon_as_they_are_spent(tmp_path: Path, compute_dt
         assert torch.equal(fed, compute(recipe, checkpoints, compute_dtype, True, torch.device("cpu")))
     finally:
         feed.close()
+
+
+def test_the_second_read_follows_the_environment_or_else_the_disks_measured_rate(monkeypatch: pytest.MonkeyPatch):
+    from mergesmith.engine import input_feed
+
+    monkeypatch.delenv(input_feed.SECOND_READ_ENV, raising=False)
+    fast, slow = (lambda: 2 * input_feed.REREAD_MIN_RATE), (lambda: input_feed.REREAD_MIN_RATE / 4)
+    assert input_feed.second_read(fast) == "disk"
+    assert input_feed.second_read(slow) == "cache"
+    assert input_feed.second_read(lambda: None) == "cache"  # not measurable: the disk reads each byte once
+    monkeypatch.setenv(input_feed.SECOND_READ_ENV, "cache")
+    assert input_feed.second_read(fast) == "cache"
+    monkeypatch.setenv(input_feed.SECOND_READ_ENV, " Disk ")
+    assert input_feed.second_read(slow) == "disk"
+
+
+def test_the_read_rate_probe_measures_a_large_file_and_declines_a_small_one(tmp_path: Path) -> None:
+    from mergesmith.io.read_rate import direct_read_rate
+
+    large = tmp_path / "large.bin"
+    large.write_bytes(os.urandom(10 << 20))
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"x" * 100_000)
+    if not _direct_supported(large):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    rate = direct_read_rate(large, 1 << 20)
+    assert rate is not None and rate > 0
+    assert direct_read_rate(small) is None
+    assert direct_read_rate(tmp_path / "missing.bin") is None

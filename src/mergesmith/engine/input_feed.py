@@ -20,8 +20,8 @@ disk each time. Read through the page cache instead (once from the disk, then ag
 touch cost ~2.3-4.9 ns per bf16 entry against ~0.3 for a buffer the feed read (measured on the 1 B dare_ties
 bench merge, bench/README.md, issue 21), 15 of its 44 CPU-seconds, where a second disk read of the same bytes
 costs no CPU and overlaps the merging. Where the disk is the bottleneck instead (a network volume capped at a
-few hundred MB/s, a hard disk), `MERGESMITH_SECOND_READ=cache` reads those recipes through the memory maps
-again: the disk then reads each byte once.
+few hundred MB/s, a hard disk), those recipes are read through the memory maps, so the disk reads each byte once:
+a short probe of the disk decides (see second_read; `MERGESMITH_SECOND_READ=disk|cache` chooses instead).
 
 Inputs that cannot be streamed (`.bin` checkpoints, LoRA-adapted tensors, files on filesystems without
 O_DIRECT) come back as None and are read through the checkpoint's memory map, as are the inputs of
@@ -46,6 +46,7 @@ from ..io.checkpoint import Checkpoint
 from ..io.direct_read import BufferPool, DirectReader, ReadBuffer, capacity_for
 from ..io.direct_write import direct_io_supported
 from ..io.dtypes import SAFETENSORS_TO_TORCH
+from ..io.read_rate import direct_read_rate
 from .blocks import row_blocks, two_pass
 from .plan import InputRef, TensorRecipe
 
@@ -54,13 +55,25 @@ STREAMED_OPS = frozenset({"copy", "merge"})
 
 Rows = tuple[int, int]
 SECOND_READ_ENV = "MERGESMITH_SECOND_READ"
-"""How a two-pass recipe's inputs are read again: "disk" (the default: the feed reads them once per pass) or
-"cache" (through the memory maps, so the second pass finds them in the page cache)."""
+"""How a two-pass recipe's inputs are read again: "disk" (the feed reads them once per pass), "cache" (through the
+memory maps, so the second pass finds them in the page cache), or "auto" (the default: "disk" when a short probe
+of the disk reads at REREAD_MIN_RATE or more, io/read_rate.py)."""
+
+REREAD_MIN_RATE = 800e6
+"""Bytes per second from which reading twice from the disk beats a second read through the page cache. Measured on
+the 1 B dare_ties bench merge (two cores): the disk read twice was 15% faster at the VM's ~1.2-2.2 GB/s and 35%
+slower at 300 MB/s; reading twice overlaps the merging as long as the disk keeps up with it, which for that merge
+(13.6 GB read in ~22 s) takes ~0.6 GB/s. A faster CPU needs a faster disk: the margin is above that."""
 
 
-def second_read() -> str:
-    """The second-read mode the environment asks for (anything but "cache" is the default, "disk")."""
-    return "cache" if os.environ.get(SECOND_READ_ENV, "disk").strip().lower() == "cache" else "disk"
+def second_read(probe: Callable[[], float | None] | None = None) -> str:
+    """"disk" or "cache": what the environment asks for, or with "auto" what `probe` (the disk's read rate, None
+    when unknown: "cache") says."""
+    asked = os.environ.get(SECOND_READ_ENV, "auto").strip().lower()
+    if asked in ("disk", "cache"):
+        return asked
+    rate = probe() if probe is not None else None
+    return "disk" if rate is not None and rate >= REREAD_MIN_RATE else "cache"
 
 
 TOTALS = "totals"
@@ -284,9 +297,12 @@ class InputFeed:
 
 def open_feed(recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint], pool_bytes: int) -> InputFeed | None:
     """A started feed for the blocks of these recipes' copies and merges (rows as blocks.row_blocks cuts them;
-    those of a two-pass merge twice: all for its totals pass, then all for its merge, or not at all with
-    `MERGESMITH_SECOND_READ=cache`), in this order; None when no input of them can be streamed."""
-    twice = (TOTALS, MERGE) if second_read() == "disk" else ()  # "cache": two-pass recipes read through the maps
+    those of a two-pass merge twice, all for its totals pass, then all for its merge, or not at all where
+    second_read says "cache"), in this order; None when no input of them can be streamed."""
+    twice: tuple[str, ...] = (TOTALS, MERGE)
+    twofold = [recipe for recipe in recipes if recipe.op in STREAMED_OPS and two_pass(recipe)]
+    if twofold and second_read(lambda: _probe(twofold[0], checkpoints)) == "cache":
+        twice = ()  # two-pass recipes read through the maps, the second pass from the page cache
     blocks = [
         (recipe, rows, pass_)
         for recipe in recipes
@@ -302,6 +318,15 @@ def open_feed(recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint
         return None
     feed.start()
     return feed
+
+
+def _probe(recipe: TensorRecipe, checkpoints: dict[str, Checkpoint]) -> float | None:
+    """The read rate of the disk under the recipe's first input that the feed could read (None: none can)."""
+    for ref in recipe.inputs:
+        part = part_of(checkpoints[ref.model], ref, (0, recipe.shape[0] if recipe.shape else 1))
+        if part is not None:
+            return direct_read_rate(part.path, part.offset)
+    return None
 
 
 def _capacities(block: _Block) -> list[int]:
