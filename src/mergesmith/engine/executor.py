@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from ..runtime.devices import resolve_device
 from ..runtime.memory_limits import MemoryWatch, human, memory_room
 from ..runtime.memory_release import release_free_heap
 from .blocks import row_blocks, two_pass
-from .input_feed import TOTALS, InputFeed, open_feed
+from .input_feed import MERGE, TOTALS, InputFeed, open_feed
 from .nonfinite import NonFiniteMonitor
 from .plan import InputRef, Plan, ShardPlan, TensorRecipe
 from .planning import MergeOptions, automatic_budget, distinct_input_bytes, recipe_memory
@@ -601,18 +602,12 @@ class LocalExecutor(Executor):
         spec = require_method(recipe.method or "")
         assert spec.totals is not None
         gathered = Gathered()
-        feed = self._feed
         for rows in blocks:
             if self.stop.is_set():
                 return None
             args = (self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
-            loaded = feed.take(recipe, rows, TOTALS) if feed is not None else None
-            try:
-                spent = None if feed is None else functools.partial(feed.release, recipe, rows, pass_=TOTALS)
+            with self._fed(recipe, rows, TOTALS) as (loaded, spent):
                 compute(recipe, *args, rows=rows, loaded=loaded, spent=spent, gather=gathered)
-            finally:
-                if loaded is not None and feed is not None:
-                    feed.done(recipe, rows, TOTALS)
             advise_inputs(recipe, self.ckpts, "dontneed", rows, skip=self._streamed(recipe))
         return spec.totals.finish(gathered.state)
 
@@ -627,11 +622,8 @@ class LocalExecutor(Executor):
         """Compute rows [start, end) of a recipe (`whole`: all of it, one block) and `put` the result, from
         the inputs the feed read for them where it did. The feed's buffers go back only after `put`: the
         output of a copy may be a view of them."""
-        feed = self._feed
-        loaded = feed.take(recipe, rows) if feed is not None else None
-        try:
+        with self._fed(recipe, rows, MERGE) as (loaded, spent):
             args = (self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
-            spent = None if feed is None else lambda index: feed.release(recipe, rows, index)
             out = compute(
                 recipe, *args, rows=None if whole else rows, loaded=loaded, spent=spent, totals=totals,
                 monitor=self.monitor,
@@ -639,9 +631,23 @@ class LocalExecutor(Executor):
             assert out is not None
             self._check_mapped(recipe, loaded)  # no block computed from a shrunken input's pages is kept
             put(out)
+
+    @contextmanager
+    def _fed(
+        self, recipe: TensorRecipe, rows: tuple[int, int], pass_: str
+    ) -> Iterator[tuple[Sequence[torch.Tensor | None] | None, Callable[[int], None] | None]]:
+        """The inputs the feed read for one block in one pass (None without a feed or for blocks it does not
+        read) and the callback that hands one of them back early; the block's buffers go back on leaving."""
+        feed = self._feed
+        if feed is None:
+            yield None, None
+            return
+        loaded = feed.take(recipe, rows, pass_)
+        try:
+            yield loaded, functools.partial(feed.release, recipe, rows, pass_=pass_)
         finally:
-            if loaded is not None and feed is not None:
-                feed.done(recipe, rows)
+            if loaded is not None:
+                feed.done(recipe, rows, pass_)
 
     def _check_mapped(self, recipe: TensorRecipe, loaded: Sequence[torch.Tensor | None] | None) -> None:
         """Refuse the block if an input read through its memory map (not by the feed) shrank meanwhile: its

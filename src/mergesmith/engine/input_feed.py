@@ -60,10 +60,11 @@ memory maps, so the second pass finds them in the page cache), or "auto" (the de
 of the disk reads at REREAD_MIN_RATE or more, io/read_rate.py)."""
 
 REREAD_MIN_RATE = 800e6
-"""Bytes per second from which reading twice from the disk beats a second read through the page cache. Measured on
-the 1 B dare_ties bench merge (two cores): the disk read twice was 15% faster at the VM's ~1.2-2.2 GB/s and 35%
-slower at 300 MB/s; reading twice overlaps the merging as long as the disk keeps up with it, which for that merge
-(13.6 GB read in ~22 s) takes ~0.6 GB/s. A faster CPU needs a faster disk: the margin is above that."""
+"""Bytes per second from which reading twice from the disk beats a second read through the page cache.
+Measured on the 1 B dare_ties bench merge (two cores): the disk read twice was 15% faster at the VM's
+1.3-1.5 GB/s (as the probe measures it) and 35% slower at 300 MB/s; reading twice overlaps the merging as
+long as the disk keeps up with it, which for that merge (13.6 GB read in ~22 s) takes ~0.6 GB/s. A faster
+CPU needs a faster disk: the margin is above that."""
 
 
 def second_read(probe: Callable[[], float | None] | None = None) -> str:
@@ -231,10 +232,8 @@ class InputFeed:
             block.claimed = True
         if own:  # the feed has not reached it: read it now, into buffers of its own
             block.reads = self._submit(block, [mmap.mmap(-1, c) for c in _capacities(block)], pooled=False)
-        while block.reads is None:  # claimed by the feed, which is submitting its reads right now
-            if self._stop.wait(0.0002) or not self._thread.is_alive():
-                if block.reads is None:
-                    raise RuntimeError("the input feed stopped before reading this block")
+        if not self._reads_submitted(block):
+            raise RuntimeError("the input feed stopped before reading this block")
         tensors: list[torch.Tensor | None] = []
         for part, read in zip(block.parts, block.reads):
             if part is None:
@@ -278,10 +277,15 @@ class InputFeed:
                 block.claimed = True  # the feed skips it (or gives back the buffers it is taking for it)
             self._streamed.pop(recipe.name, None)
         for block in claimed:
-            while block.reads is None and self._thread.is_alive() and not self._stop.wait(0.0002):
-                pass  # claimed by the feed, which is submitting its reads right now
-            if block.reads is not None:
-                _release(block.reads)
+            if self._reads_submitted(block):
+                _release(block.reads)  # type: ignore[arg-type]
+
+    def _reads_submitted(self, block: _Block) -> bool:
+        """Wait while the feed, having claimed `block`, submits its reads; False when it stopped first."""
+        while block.reads is None:
+            if self._stop.wait(0.0002) or not self._thread.is_alive():
+                return block.reads is not None
+        return True
 
     def close(self) -> None:
         """Stop feeding, give back every buffer still held, close the reader (also after a failure)."""

@@ -127,12 +127,14 @@ class Piece:
 def pieces(shape: Sequence[int], offset: int, by_rows: bool) -> list[Piece]:
     """The chunks a block of `shape` (flat position `offset` of its tensor) is computed in: whole rows when
     `by_rows`; otherwise flat ranges cut where the tensor's flat position is a multiple of CHUNK_ELEMENTS, so
-    every chunk but a block's first and last covers whole keyed chunks of draws (keyed_random.CHUNK): a
-    chunk cut mid-way is drawn from its start twice (~12% more draws for rows of 5632 entries)."""
+    that every chunk but a block's first and last is a full CHUNK_ELEMENTS (whole rows of 5632 entries make
+    chunks of 259072, more of them, each paying the per-operation overhead) and asks the stream for whole
+    keyed chunks of draws (keyed_random.CHUNK). A 0-D or 1-D tensor is one chunk."""
     width = math.prod(shape[1:]) if len(shape) > 1 else 0
-    if by_rows or width == 0:
-        return [Piece(r0 * width, r1 * width, True) if width else Piece(0, math.prod(shape), True)
-                for r0, r1 in row_chunks(shape)]
+    if width == 0:
+        return [Piece(0, math.prod(shape), True)]
+    if by_rows:
+        return [Piece(r0 * width, r1 * width, True) for r0, r1 in row_chunks(shape)]
     numel = math.prod(shape)
     cuts = [0]
     first = (-offset) % CHUNK_ELEMENTS or CHUNK_ELEMENTS

@@ -4,9 +4,10 @@ Why: the executor runs one worker thread per core (`--threads`, default the core
 operations on blocks of 2**18 or more entries would start an OpenMP team of torch's default size (the core count)
 of their own: 4 busy threads on 2 cores, each operation waking its team through the kernel. Measured on the 1 B
 dare_ties bench merge on this project's 2-core VM (cold cache, bench/README.md, issue 21): 1.56 M futex calls
-and 10 s of system time with the default, 0.67 M and 4 s with one intra-op thread per worker, and the wall time
-28.5-30.0 s -> 22.5-23.2 s. So while workers run, torch gets cores // workers threads each (at least 1), and its
-setting is put back afterwards: a library call must not leave its host program's torch changed.
+and 10 s of system time with the default, 0.67 M and 4 s with one intra-op thread per worker, and the wall
+time 28.5-30.0 s -> 22.0-24.0 s (five cold runs). So while workers run, torch gets cores // workers threads
+each (at least 1), and its setting is put back afterwards: a library call must not leave its host program's
+torch changed.
 
 torch keeps one process-wide thread count, which a thread reads when it first runs a parallel operation; the
 executor's workers are new threads, so setting it before they start is enough. Reductions here do not depend on
