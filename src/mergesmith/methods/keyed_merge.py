@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import keyed_kernels
 from .keyed_random import MaskStream
 from .reductions import BlockedTotal
 
@@ -80,13 +81,17 @@ class _Buffers(threading.local):
     def __init__(self) -> None:
         self.pool: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
-    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def get(
+        self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device, chunks: int = 1
+    ) -> torch.Tensor:
+        """A buffer of `shape`, kept for the next chunk up to `chunks` chunks' worth of entries (a one-row tensor
+        may be larger than a chunk: its buffer is not kept)."""
         numel = math.prod(shape)
         key = (name, dtype, device)
         buf = self.pool.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype, device=device)
-            if numel <= CHUNK_ELEMENTS:  # kept for the next chunk; a one-row tensor may be larger: not kept
+            if numel <= CHUNK_ELEMENTS * chunks:
                 self.pool[key] = buf
         return buf[:numel].view(tuple(shape))
 
@@ -259,20 +264,55 @@ def gather(
     if state is None:
         state = Totals([(BlockedTotal(), BlockedTotal()) for _ in vectors], {})
     by_rows = _by_rows(vectors)
+    fused = _fused(tensors[base_index])
     for piece in pieces(tuple(tensors[base_index].shape), offset, by_rows):
         base32 = _base32(piece.of(tensors[base_index]))
         for k, (vec, (before, after)) in enumerate(zip(vectors, state.norms)):
             if vec.density >= 1:
                 continue
-            d = _task_vector("d0", piece.of(tensors[vec.index]), base32)
-            flags = keep_array(stream, vec, offset + piece.start, d)
-            assert flags is not None
-            state.masks[(k, offset + piece.start)] = np.packbits(flags)
-            mags = _BUFFERS.get("abs", d.shape, F32, d.device)
-            torch.abs(d, out=mags)
-            before.add(mags)
-            after.add(mags.mul_(_as_factors(flags, mags)))
+            start = offset + piece.start
+            mags = _BUFFERS.get("abs", base32.shape, F32, base32.device)
+            if fused:  # |d| and |d * keep| by one compiled loop
+                x = _BUFFERS.get("x", base32.shape, F32, base32.device).copy_(piece.of(tensors[vec.index]))
+                packed = np.packbits(_keep_of(stream, vec, start, x, base32))
+                kept = _BUFFERS.get("kept", base32.shape, F32, base32.device)
+                keyed_kernels.magnitudes(_flat(base32), _flat(x), packed.reshape(1, -1), 0, _flat(mags), _flat(kept))
+                before.add(mags)
+                after.add(kept)
+            else:
+                d = _task_vector("d0", piece.of(tensors[vec.index]), base32)
+                flags = keep_array(stream, vec, start, d)
+                assert flags is not None
+                packed = np.packbits(flags)
+                before.add(torch.abs(d, out=mags))
+                after.add(mags.mul_(_as_factors(flags, mags)))
+            state.masks[(k, start)] = packed
     return state
+
+
+def _fused(t: torch.Tensor) -> bool:
+    """Whether a chunk is computed by keyed_kernels' compiled loops: on the CPU, where numba is there."""
+    return FUSED and t.device.type == "cpu"
+
+
+FUSED = keyed_kernels.AVAILABLE
+"""keyed_kernels' loops compute CPU chunks (same bytes as the torch operations: tests switch this off to compare)."""
+
+
+def _flat(t: torch.Tensor) -> np.ndarray:
+    """A 1-D numpy view of a contiguous CPU work buffer."""
+    return t.reshape(-1).numpy()
+
+
+def _keep_of(stream: MaskStream, vec: Vector, start: int, x32: torch.Tensor, base32: torch.Tensor) -> np.ndarray:
+    """The keep flags of the task vector x32 - base32 (keep_array; DELLA ranks the task vector itself, made here
+    in a work buffer, DARE needs only its size)."""
+    like = x32
+    if vec.epsilon is not None and 0 < vec.density < 1:
+        like = torch.sub(x32, base32, out=_BUFFERS.get("d0", x32.shape, F32, x32.device))
+    flags = keep_array(stream, vec, start, like)
+    assert flags is not None
+    return flags
 
 
 def _by_rows(vectors: Sequence[Vector]) -> bool:
@@ -312,8 +352,13 @@ def merge(
     kept = {} if totals is None else totals.masks
     out = torch.empty(base.shape, dtype=base.dtype, device=base.device)
     factors = [_factor(v, mix, None if norms is None else norms[k]) for k, v in enumerate(vectors)]
+    fused = _fused(base)
     for piece in pieces(tuple(base.shape), offset, _by_rows(vectors)):
         base32 = _base32(piece.of(base))
+        target = piece.of(out)
+        if fused:
+            _merge_fused(piece, tensors, base32, vectors, mix, stream, offset + piece.start, kept, factors, target)
+            continue
         weighted = []
         for k, vec in enumerate(vectors):
             d = _task_vector(f"d{k}", piece.of(tensors[vec.index]), base32)
@@ -328,9 +373,55 @@ def merge(
         mixed = _mix(weighted, [v.weight for v in vectors], mix)
         if mix.lam != 1:
             mixed.mul_(mix.lam)
-        target = piece.of(out)
         target.copy_(mixed.add_(base32).view(target.shape))  # the one rounding
     return out
+
+
+def _merge_fused(
+    piece: Piece,
+    tensors: Sequence[torch.Tensor],
+    base32: torch.Tensor,
+    vectors: Sequence[Vector],
+    mix: Mix,
+    stream: MaskStream,
+    start: int,
+    kept: dict[tuple[int, int], np.ndarray],
+    factors: list[float],
+    target: torch.Tensor,
+) -> None:
+    """One chunk of `merge` by keyed_kernels.mix: the inputs converted to float32 rows of one buffer, the keep
+    flags packed, then one compiled pass; the rounding to the output dtype is torch's, as on the torch path."""
+    numel = base32.numel()
+    xs = _BUFFERS.get("xs", (len(vectors), numel), F32, base32.device, chunks=len(vectors))
+    packed = keyed_kernels.packed_rows(len(vectors), numel)
+    masked = np.zeros(len(vectors), dtype=np.bool_)
+    for k, vec in enumerate(vectors):
+        x = xs[k].view(base32.shape).copy_(piece.of(tensors[vec.index]))
+        flags = kept.get((k, start))
+        if flags is None and vec.density < 1:
+            flags = np.packbits(_keep_of(stream, vec, start, x, base32))
+        if flags is not None:
+            packed[k], masked[k] = flags, True
+    if mix.consensus not in keyed_kernels.CONSENSUS_CODES:
+        raise ValueError(f"consensus_method must be one of sum, count, got {mix.consensus!r}")
+    weights = [v.weight for v in vectors]
+    total = sum(weights)
+    result = _BUFFERS.get("out", base32.shape, F32, base32.device)
+    keyed_kernels.mix(
+        _flat(base32),
+        xs.numpy(),
+        packed,
+        masked,
+        np.array(factors, dtype=np.float32),
+        np.array(weights, dtype=np.float32),
+        keyed_kernels.CONSENSUS_CODES[mix.consensus],
+        mix.normalize,
+        np.float32(total if abs(total) >= 1e-8 else 1.0),
+        np.float32(mix.lam),
+        mix.lam != 1,
+        _flat(result),
+    )
+    target.copy_(result.view(target.shape))  # the one rounding
 
 
 def _mix(weighted: list[torch.Tensor], weights: list[float], mix: Mix) -> torch.Tensor:
