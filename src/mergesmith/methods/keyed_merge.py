@@ -274,9 +274,10 @@ def gather(
             mags = _BUFFERS.get("abs", base32.shape, F32, base32.device)
             if fused:  # |d| and |d * keep| by one compiled loop
                 x = _BUFFERS.get("x", base32.shape, F32, base32.device).copy_(piece.of(tensors[vec.index]))
-                packed = np.packbits(_keep_of(stream, vec, start, x, base32))
+                flags = _keep_of(stream, vec, start, x, base32)
+                packed = np.packbits(flags)
                 kept = _BUFFERS.get("kept", base32.shape, F32, base32.device)
-                keyed_kernels.magnitudes(_flat(base32), _flat(x), packed.reshape(1, -1), 0, _flat(mags), _flat(kept))
+                keyed_kernels.magnitudes(_flat(base32), _flat(x), flags.view(np.uint8), _flat(mags), _flat(kept))
                 before.add(mags)
                 after.add(kept)
             else:
@@ -390,18 +391,20 @@ def _merge_fused(
     target: torch.Tensor,
 ) -> None:
     """One chunk of `merge` by keyed_kernels.mix: the inputs converted to float32 rows of one buffer, the keep
-    flags packed, then one compiled pass; the rounding to the output dtype is torch's, as on the torch path."""
+    flags one byte an entry in another, then one compiled pass; the rounding to the output dtype is torch's, as
+    on the torch path."""
     numel = base32.numel()
     xs = _BUFFERS.get("xs", (len(vectors), numel), F32, base32.device, chunks=len(vectors))
-    packed = keyed_kernels.packed_rows(len(vectors), numel)
+    flags = _BUFFERS.get("flags", (len(vectors), numel), torch.uint8, torch.device("cpu"), chunks=len(vectors))
+    flags = flags.numpy()
     masked = np.zeros(len(vectors), dtype=np.bool_)
     for k, vec in enumerate(vectors):
         x = xs[k].view(base32.shape).copy_(piece.of(tensors[vec.index]))
-        flags = kept.get((k, start))
-        if flags is None and vec.density < 1:
-            flags = np.packbits(_keep_of(stream, vec, start, x, base32))
-        if flags is not None:
-            packed[k], masked[k] = flags, True
+        packed = kept.get((k, start))
+        if packed is not None:
+            flags[k], masked[k] = np.unpackbits(packed, count=numel), True
+        elif vec.density < 1:
+            flags[k], masked[k] = _keep_of(stream, vec, start, x, base32).view(np.uint8), True
     if mix.consensus not in keyed_kernels.CONSENSUS_CODES:
         raise ValueError(f"consensus_method must be one of sum, count, got {mix.consensus!r}")
     weights = [v.weight for v in vectors]
@@ -410,7 +413,7 @@ def _merge_fused(
     keyed_kernels.mix(
         _flat(base32),
         xs.numpy(),
-        packed,
+        flags,
         masked,
         np.array(factors, dtype=np.float32),
         np.array(weights, dtype=np.float32),
