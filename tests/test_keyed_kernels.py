@@ -102,3 +102,21 @@ def test_the_loops_run_without_the_gil():
     loop releases the GIL; checked directly: numba marks the dispatcher nogil."""
     assert keyed_kernels.mix.targetoptions.get("nogil") is True
     assert keyed_kernels.magnitudes.targetoptions.get("nogil") is True
+
+
+def test_compiled_philox_gives_numpys_draws(monkeypatch):
+    """keyed_kernels.philox_draws against numpy's Philox generator, at starts and lengths that cut its blocks of
+    eight draws and the keyed chunks anywhere, for several seeds (one above 2**63) and streams."""
+    from mergesmith.methods import keyed_random
+
+    rng = np.random.default_rng(0)
+    cases = [(0, 0), (0, 1), (1, 1), (3, 4), (7, 9), (keyed_random.CHUNK - 3, 10), (5, 3 * keyed_random.CHUNK + 11)]
+    cases += [(int(rng.integers(0, 1 << 40)), int(rng.integers(1, 5000))) for _ in range(20)]
+    for seed in (0, 4, (1 << 64) - 5):
+        for stream in (0, 1, 7):
+            for start, count in cases:
+                monkeypatch.setattr(keyed_random, "COMPILED", True)
+                compiled = keyed_random.MaskStream(seed).draws(stream, start, count)
+                monkeypatch.setattr(keyed_random, "COMPILED", False)
+                reference = keyed_random.MaskStream(seed).draws(stream, start, count)
+                assert np.array_equal(compiled, reference), (seed, stream, start, count)

@@ -28,11 +28,16 @@ import sys
 import numpy as np
 import torch
 
+from . import keyed_kernels
+
 STREAM_NAME = "philox4x64/chunk65536/top24"
 """Names this keying of the draws in a plan's options (so in its fingerprint): a change here is a new name."""
 
 CHUNK = 1 << 16
 """Entries per keyed chunk: a block's draws cost one state change per chunk (~3 us) plus the draws."""
+
+COMPILED = keyed_kernels.AVAILABLE
+"""Draws by keyed_kernels' compiled Philox (tests switch it off to compare with numpy's generator)."""
 
 _KEY_TAG = 0x6D65726765736D74  # "mergesmt": the second key word, so these streams differ from any other use
 _UNIT = float(1 << 24)
@@ -50,8 +55,12 @@ class MaskStream:
         self._state = self._bits.state
 
     def draws(self, stream: int, start: int, count: int) -> np.ndarray:
-        """The 32-bit draws of entries [start, start + count) of stream `stream`, as a uint32 array."""
+        """The 32-bit draws of entries [start, start + count) of stream `stream`, as a uint32 array (computed by
+        keyed_kernels.philox_draws where numba is there: the same bits, faster)."""
         out = np.empty(count, dtype=np.uint32)
+        if COMPILED:
+            keyed_kernels.philox_draws(np.uint64(self.seed), np.uint64(_KEY_TAG), stream, start, CHUNK, out)
+            return out
         first = start // CHUNK
         last = (start + count - 1) // CHUNK if count else first - 1
         done = 0
