@@ -26,7 +26,7 @@ from ..io.direct_read import pool_bytes
 from ..io.dtypes import to_torch
 from ..io.journal import Journal, partial_path
 from ..io.safetensors_writer import ShardWriter
-from ..methods import MergeInputs, require_method
+from ..methods import MergeInputs, get_method, keyed_kernels, require_method
 from ..methods.keyed_random import MaskStream
 from ..methods.registry import MERGE_WHOLE
 from ..runtime import intra_op_threads
@@ -422,6 +422,15 @@ class LocalExecutor(Executor):
         self._writers[shard.filename] = writer
         return writer
 
+    def _warm_kernels(self, recipes: list[TensorRecipe]) -> None:
+        """Load DARE's and DELLA's compiled loops (keyed_kernels) on a thread of their own while the feed probes
+        the disk and reads ahead, not in the first worker to need them (~0.3-0.4 s, holding both workers up)."""
+        if self.device.type != "cpu" or not keyed_kernels.AVAILABLE:
+            return
+        keyed = (r for r in recipes if r.op == "merge" and r.seed is not None)
+        if any(getattr(get_method(r.method or ""), "keyed_random", False) for r in keyed):
+            threading.Thread(target=keyed_kernels.warm, name="warm-kernels", daemon=True).start()
+
     def run(self) -> None:
         pending = [s for s in self.plan.shards if s.filename not in self.journal.finished]
         total = len(self.plan.recipes)
@@ -442,6 +451,7 @@ class LocalExecutor(Executor):
                 self._finish_shard(shard.filename)
             work.extend((shard, r) for r in todo)
         self._emit(None)
+        self._warm_kernels([recipe for _, recipe in work])
 
         cost_of = {r.name: recipe_memory(r, self.plan.compute_dtype) for r in self.plan.recipes}
         self._uncache_inputs = inputs_exceed_room([recipe for _, recipe in work], self.ckpts, memory_room().available)

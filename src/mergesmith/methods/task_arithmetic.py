@@ -357,7 +357,7 @@ _RANKED = ((3.0, 1, 32), (0.0, 0.0))
 # DARE and DELLA from the keyed stream (keyed_merge.py): the inputs at the compute width, and float32 work buffers
 # (the keep mask among them), DELLA's sort keys, draws and masks over one chunk of keyed_merge.CHUNK_ELEMENTS (in
 # compute-width units).
-_KEYED = ((2.0, 0, 0), (2.0, 20.0))
+_KEYED = ((2.0, 0, 0), (2.0, 18.0))
 
 FAMILY: tuple[_Family, ...] = (
     _Family(
