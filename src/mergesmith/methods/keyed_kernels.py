@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import numpy as np
 
-try:  # numba is a dependency; without it (a platform with no wheel) keyed_merge runs its torch operations
-    from llvmlite import ir
-    from numba import njit, types
-    from numba.extending import intrinsic
-except ImportError:  # pragma: no cover - exercised only where numba is missing
-    njit = None
+from .compiled import AVAILABLE, compiled
 
-AVAILABLE = njit is not None
+if AVAILABLE:
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
 
 CONSENSUS_CODES = {None: 0, "sum": 1, "count": 2}
 
@@ -40,15 +38,7 @@ _PHILOX_M0, _PHILOX_M1 = np.uint64(0xD2E7470EE14C6C93), np.uint64(0xCA5A82639512
 _PHILOX_W0, _PHILOX_W1 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBB67AE8584CAA73B)  # the key increments
 
 
-def _compiled(function):
-    """`function` compiled without the GIL, cached on disk (the first use in a fresh install compiles for ~1 s),
-    with numpy's float semantics (a division by zero gives inf or nan, not an exception); as is without numba."""
-    if njit is None:
-        return function
-    return njit(nogil=True, cache=True, error_model="numpy")(function)
-
-
-@_compiled
+@compiled
 def _sign(x):  # torch.sign: (0 < x) - (x < 0), so +0 for zeros and nan
     if x > 0:
         return np.float32(1.0)
@@ -57,17 +47,17 @@ def _sign(x):  # torch.sign: (0 < x) - (x < 0), so +0 for zeros and nan
     return np.float32(0.0)
 
 
-@_compiled
+@compiled
 def _positive_part(x):  # torch.clamp_min(x, 0): x unless x < 0 (so -0 and nan stay)
     return np.float32(0.0) if x < 0 else x
 
 
-@_compiled
+@compiled
 def _negative_part(x):  # torch.clamp_max(x, 0): x unless x > 0
     return np.float32(0.0) if x > 0 else x
 
 
-@_compiled
+@compiled
 def _pick(start, end, weight):  # torch.lerp's vectorised form, for weights 0 and 1: fma(coeff, end - start, base)
     if weight < 0.5:
         return start + weight * (end - start)
@@ -81,7 +71,7 @@ vectorises. One loop over entries with the vectors' loop inside (branches on eve
 vector instructions) took 9-16 ns an entry on random signs, 10x this."""
 
 
-if njit is not None:
+if AVAILABLE:
 
     @intrinsic
     def _mulhilo(typingctx, a, b):
@@ -104,7 +94,7 @@ else:  # pragma: no cover
         return np.uint64(product >> 64), np.uint64(product & 0xFFFFFFFFFFFFFFFF)
 
 
-@_compiled
+@compiled
 def _philox_block(c0, c1, c2, c3, k0, k1):
     """The four 64-bit outputs of Philox-4x64-10 for counter (c0, c1, c2, c3) and key (k0, k1)."""
     for _ in range(10):
@@ -116,7 +106,7 @@ def _philox_block(c0, c1, c2, c3, k0, k1):
     return c0, c1, c2, c3
 
 
-@_compiled
+@compiled
 def philox_draws(k0, k1, stream, start, chunk_size, out):
     """out[i] = 32-bit draw start + i of `stream` (keyed_random.MaskStream.draws: entry j of keyed chunk c is half
     j % 2, low first, of output j // 2 of the chunk, and output o is word o % 4 of the block whose counter is
@@ -152,7 +142,7 @@ def philox_draws(k0, k1, stream, start, chunk_size, out):
         entry = chunk * chunk_size + hi
 
 
-@_compiled
+@compiled
 def magnitudes(base, x, flags, mags, kept):
     """mags = |x - base| and kept = mags * keep (flags: 0 or 1 an entry), over the chunk."""
     for i in range(base.shape[0]):
@@ -161,7 +151,7 @@ def magnitudes(base, x, flags, mags, kept):
         kept[i] = a * np.float32(flags[i])
 
 
-@_compiled
+@compiled
 def mix(base, xs, flags, masked, factors, weights, consensus, normalize, divisor, lam, scale, out):
     """out = base + lam * mix of the task vectors xs[k] - base, masked (where masked[k]) by the 0/1 flags of row
     k of `flags` and multiplied by factors[k]: keyed_merge.merge's and keyed_merge._mix's operations, entry by entry.

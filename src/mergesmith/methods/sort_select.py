@@ -46,8 +46,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from . import introsort_replay
+
 INSERTION_THRESHOLD = 16
 """libstdc++'s `_S_threshold`: ranges of at most this many entries are left to the final insertion sort."""
+
+COMPILED = introsort_replay.AVAILABLE
+"""The replay runs as introsort_replay's compiled loop (the same moves; tests switch it off to compare)."""
 
 REPLAY_MIN_ENTRIES = 1 << 16
 """Below this size the full sort is as fast as the replay's bookkeeping."""
@@ -120,7 +125,7 @@ def sorted_window_mask(
     if packed is not None:
         dtype = values.dtype
         del values  # the packed keys hold everything; a caller's temporary magnitudes can go now
-        if _replay(packed, lo, hi, descending):
+        if _replay_packed(packed, lo, hi, descending):
             mask = np.zeros(n, dtype=np.bool_)
             for start in range(lo, hi, _BLOCK):  # in blocks: no window-sized index temporary
                 mask[packed[start : min(hi, start + _BLOCK)] & _INDEX_MASK] = True
@@ -254,10 +259,15 @@ def _keys_only_window(
         found += start
         tracked[filled : filled + found.size] = found
         filled += found.size
-    tracker = _Tracker(tracked, split_keys)
-    del tracked
     if not consume:
         keys = keys.copy()  # the replay reorders them
+    if COMPILED and tracked_count <= n * introsort_replay.MAX_TRACKED_SHARE:
+        low, high = keys.dtype.type(split_keys[0]), keys.dtype.type(split_keys[-1])
+        if not introsort_replay.replay(keys, lo, hi, descending, 0, low, high, tracked, mask, depth_budget(n)):
+            raise _ReplayGaveUp
+        return mask
+    tracker = _Tracker(tracked, split_keys)
+    del tracked
     if not _replay(keys, lo, hi, descending, shift=0, tracker=tracker):
         raise _ReplayGaveUp
     mask[tracker.originals_in(lo, hi)] = True
@@ -344,6 +354,17 @@ def _unpacked_values(packed: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     bits = np.empty(packed.size, dtype=np.dtype(f"i{_KEY_VIEW[dtype].itemsize}"))
     bits[packed & _INDEX_MASK] = packed >> _INDEX_BITS
     return torch.from_numpy(bits).view(dtype)
+
+
+def _replay_packed(packed: np.ndarray, lo: int, hi: int, descending: bool) -> bool:
+    """_replay on packed entries (each carries its index: nothing to follow), compiled where numba is there."""
+    if COMPILED:
+        none = np.int64(-1)  # no packed entry is negative: none is followed
+        nothing = np.empty(0, dtype=np.int64)
+        unused = np.empty(0, dtype=np.bool_)
+        return bool(introsort_replay.replay(packed, lo, hi, descending, _INDEX_BITS, none, none, nothing, unused,
+                                            depth_budget(packed.size)))
+    return _replay(packed, lo, hi, descending)
 
 
 def depth_budget(n: int) -> int:
