@@ -263,8 +263,8 @@ def replay(entries, lo, hi, descending, key_shift, followed_low, followed_high, 
     bits = 0
     while (1 << bits) < capacity:
         bits += 1
-    slot_position = np.full(capacity, -1, dtype=np.int64)
-    slot_original = np.empty(capacity, dtype=np.int64)
+    slot_position = np.full(capacity, -1, dtype=np.int32)  # positions are below 2**31 (sort_select checks)
+    slot_original = np.empty(capacity, dtype=np.int32)
     table = (slot_position, slot_original, 64 - bits, capacity - 1)
     for q in range(followed.shape[0]):
         _insert(slot_position, slot_original, followed[q], followed[q], 64 - bits, capacity - 1)
