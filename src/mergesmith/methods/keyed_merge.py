@@ -9,6 +9,10 @@ float32 once, drawn, masked, rescaled, sign-elected and summed with
 in-place float32 operations on buffers reused from chunk to chunk (thread-local: the executor's workers are
 threads), and rounded to the output dtype once at the end: faster, and closer to the exact result.
 
+On the CPU, where numba is installed, a chunk's arithmetic is instead one compiled loop per pass
+(keyed_kernels.py: the same operations in the same order, so the same bytes, without the GIL); these torch
+operations compute it on other devices, and are the reference the tests compare the loops with.
+
 What stays as it was: the keep mask of entry j is decided by the keyed draw of (seed, tensor, task vector,
 flat position j) (keyed_random.MaskStream), so outputs do not depend on threads, order, blocks, the device
 or a resume; the L1 norms of the rescale are BlockedTotal sums, which do not depend on how rows are cut.
