@@ -25,3 +25,27 @@ def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
     if njit is None:
         return function
     return njit(nogil=True, cache=True, error_model="numpy")(function)
+
+
+if AVAILABLE:
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def float32_from_bits(typingctx, bits):
+        """The float32 whose IEEE bits are the uint32 `bits` (a bitcast: no instruction)."""
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return types.float32(types.uint32), codegen
+
+    @intrinsic
+    def bits_from_float32(typingctx, value):
+        """The IEEE bits of the float32 `value`, as a uint32."""
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return types.uint32(types.float32), codegen

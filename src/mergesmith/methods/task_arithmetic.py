@@ -33,9 +33,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from . import keyed_merge, magnitude_blocks, sparsify
+from . import bf16_mix, keyed_merge, magnitude_blocks, sparsify
 from .common import as_bool, check_same_shape, require_base, require_generator
 from .registry import MergeInputs, MethodSpec, ParamSpec, TotalsPass, register
 
@@ -98,6 +99,8 @@ def _mix(
     int8_mask: bool,
 ) -> torch.Tensor:
     """merge_task_vectors on one chunk (or a whole small tensor)."""
+    if _compiled_mix_applies(base, deltas, consensus):
+        return _compiled_mix(base, deltas, weights, consensus, normalize, lam)
     w = torch.tensor(list(weights), dtype=deltas.dtype, device=deltas.device)
     w = w.view(-1, *([1] * base.dim()))
     weighted = deltas * w
@@ -117,6 +120,43 @@ def _mix(
     if lam != 1:
         mixed = mixed * lam
     return (base + mixed).to(base.dtype)
+
+
+COMPILED_MIX = bf16_mix.AVAILABLE
+"""bfloat16 mixes on the CPU by bf16_mix's compiled loop (the same bytes; tests switch it off to compare)."""
+
+
+def _compiled_mix_applies(base: torch.Tensor, deltas: torch.Tensor, consensus: str | None) -> bool:
+    return (
+        COMPILED_MIX
+        and base.device.type == "cpu"
+        and base.dtype == deltas.dtype == torch.bfloat16
+        and consensus in bf16_mix.CONSENSUS_CODES
+    )
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """The bfloat16 tensor's bits as a uint16 numpy view (strided where it is)."""
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def _compiled_mix(
+    base: torch.Tensor, deltas: torch.Tensor, weights: Sequence[float], consensus: str | None, normalize: bool,
+    lam: float,
+) -> torch.Tensor:
+    out = torch.empty(base.shape, dtype=base.dtype)
+    rounded = torch.tensor(list(weights), dtype=torch.bfloat16).float().numpy()
+    bf16_mix.mix(
+        _bits(base.reshape(-1)),
+        _bits(deltas.reshape(deltas.shape[0], -1)),
+        rounded,
+        bf16_mix.CONSENSUS_CODES[consensus],
+        normalize,
+        np.float32(lam),
+        lam != 1,
+        _bits(out.view(-1)),
+    )
+    return out
 
 
 Sparsifier = Callable[[torch.Tensor, dict, bool, "torch.Generator | None", str], torch.Tensor]
