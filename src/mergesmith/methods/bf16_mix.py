@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .compiled import AVAILABLE, compiled
+from .compiled import sign as _sign
 
 if AVAILABLE:
     from .compiled import bits_from_float32, float32_from_bits
@@ -36,15 +37,6 @@ def _round(value):
     bits = bits_from_float32(value)
     bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
     return float32_from_bits(bits)
-
-
-@compiled
-def _sign(x):
-    if x > 0:
-        return np.float32(1.0)
-    if x < 0:
-        return np.float32(-1.0)
-    return np.float32(0.0)
 
 
 @compiled

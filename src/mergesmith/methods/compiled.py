@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 try:  # a dependency; the fallbacks are exercised by the tests through each module's switch
     from numba import njit
 except ImportError:  # pragma: no cover - exercised only where numba is missing
@@ -25,6 +27,16 @@ def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
     if njit is None:
         return function
     return njit(nogil=True, cache=True, error_model="numpy")(function)
+
+
+@compiled
+def sign(x):
+    """torch.sign of a float32: (0 < x) - (x < 0), so +0 for zeros and nan."""
+    if x > 0:
+        return np.float32(1.0)
+    if x < 0:
+        return np.float32(-1.0)
+    return np.float32(0.0)
 
 
 if AVAILABLE:

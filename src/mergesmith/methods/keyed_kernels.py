@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from .compiled import AVAILABLE, compiled
+from .compiled import sign as _sign
 
 if AVAILABLE:
     from llvmlite import ir
@@ -36,15 +37,6 @@ CONSENSUS_CODES = {None: 0, "sum": 1, "count": 2}
 
 _PHILOX_M0, _PHILOX_M1 = np.uint64(0xD2E7470EE14C6C93), np.uint64(0xCA5A826395121157)  # the round multipliers
 _PHILOX_W0, _PHILOX_W1 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBB67AE8584CAA73B)  # the key increments
-
-
-@compiled
-def _sign(x):  # torch.sign: (0 < x) - (x < 0), so +0 for zeros and nan
-    if x > 0:
-        return np.float32(1.0)
-    if x < 0:
-        return np.float32(-1.0)
-    return np.float32(0.0)
 
 
 @compiled
