@@ -21,8 +21,6 @@ from .compiled import sign as _sign
 if AVAILABLE:
     from .compiled import bits_from_float32, float32_from_bits
 
-CONSENSUS_CODES = {None: 0, "sum": 1, "count": 2}
-
 
 @compiled
 def _widen(bits):

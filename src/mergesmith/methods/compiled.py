@@ -1,8 +1,10 @@
-"""numba, where it is installed: the decorator the compiled loops of this package share.
+"""numba, where it is installed: what the compiled loops of this package share.
 
-Why a module of its own: keyed_kernels.py (DARE's and DELLA's chunks, the Philox draws) and introsort_replay.py
-(TIES' magnitude selection) compile their loops the same way, and both fall back to their numpy/torch paths
-where numba cannot be imported (a platform without a wheel): one place says whether it can and how.
+Why a module of its own: keyed_kernels.py (DARE's and DELLA's chunks, the Philox draws), introsort_replay.py
+(TIES' magnitude selection) and bf16_mix.py (TIES' bfloat16 mix) compile their loops the same way, and all fall
+back to their numpy/torch paths where numba cannot be imported (a platform without a wheel): one place says
+whether it can and how, and holds the helpers they share (torch's sign, the consensus codes, and the bit-level
+intrinsics, which exist only with numba: the loops that call them are never called without it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
 
 AVAILABLE = njit is not None
+
+CONSENSUS_CODES = {None: 0, "sum": 1, "count": 2}
+"""How the compiled mixes are told the sign consensus (none, `sum`, `count`)."""
 
 
 def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -61,3 +66,17 @@ if AVAILABLE:
             return builder.bitcast(args[0], ir.IntType(32))
 
         return types.uint32(types.float32), codegen
+
+    @intrinsic
+    def mulhilo64(typingctx, a, b):
+        """(high, low) 64-bit halves of the 128-bit product a * b (one `mul` instruction on x86-64)."""
+        signature = types.UniTuple(types.uint64, 2)(types.uint64, types.uint64)
+
+        def codegen(context, builder, sig, args):
+            wide = ir.IntType(128)
+            product = builder.mul(builder.zext(args[0], wide), builder.zext(args[1], wide))
+            high = builder.trunc(builder.lshr(product, ir.Constant(wide, 64)), ir.IntType(64))
+            low = builder.trunc(product, ir.IntType(64))
+            return context.make_tuple(builder, sig.return_type, (high, low))
+
+        return signature, codegen

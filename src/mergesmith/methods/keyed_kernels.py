@@ -29,11 +29,7 @@ from .compiled import AVAILABLE, compiled
 from .compiled import sign as _sign
 
 if AVAILABLE:
-    from llvmlite import ir
-    from numba import types
-    from numba.extending import intrinsic
-
-CONSENSUS_CODES = {None: 0, "sum": 1, "count": 2}
+    from .compiled import mulhilo64
 
 _PHILOX_M0, _PHILOX_M1 = np.uint64(0xD2E7470EE14C6C93), np.uint64(0xCA5A826395121157)  # the round multipliers
 _PHILOX_W0, _PHILOX_W1 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBB67AE8584CAA73B)  # the key increments
@@ -63,35 +59,12 @@ vectorises. One loop over entries with the vectors' loop inside (branches on eve
 vector instructions) took 9-16 ns an entry on random signs, 10x this."""
 
 
-if AVAILABLE:
-
-    @intrinsic
-    def _mulhilo(typingctx, a, b):
-        """(high, low) 64-bit halves of the 128-bit product a * b (one `mul` instruction on x86-64)."""
-        signature = types.UniTuple(types.uint64, 2)(types.uint64, types.uint64)
-
-        def codegen(context, builder, sig, args):
-            wide = ir.IntType(128)
-            product = builder.mul(builder.zext(args[0], wide), builder.zext(args[1], wide))
-            high = builder.trunc(builder.lshr(product, ir.Constant(wide, 64)), ir.IntType(64))
-            low = builder.trunc(product, ir.IntType(64))
-            return context.make_tuple(builder, sig.return_type, (high, low))
-
-        return signature, codegen
-
-else:  # pragma: no cover
-
-    def _mulhilo(a, b):
-        product = int(a) * int(b)
-        return np.uint64(product >> 64), np.uint64(product & 0xFFFFFFFFFFFFFFFF)
-
-
 @compiled
 def _philox_block(c0, c1, c2, c3, k0, k1):
     """The four 64-bit outputs of Philox-4x64-10 for counter (c0, c1, c2, c3) and key (k0, k1)."""
     for _ in range(10):
-        high0, low0 = _mulhilo(_PHILOX_M0, c0)
-        high1, low1 = _mulhilo(_PHILOX_M1, c2)
+        high0, low0 = mulhilo64(_PHILOX_M0, c0)
+        high1, low1 = mulhilo64(_PHILOX_M1, c2)
         c0, c1, c2, c3 = high1 ^ c1 ^ k0, low1, high0 ^ c3 ^ k1, low0
         k0 = k0 + _PHILOX_W0
         k1 = k1 + _PHILOX_W1
@@ -147,7 +120,7 @@ def magnitudes(base, x, flags, mags, kept):
 def mix(base, xs, flags, masked, factors, weights, consensus, normalize, divisor, lam, scale, out):
     """out = base + lam * mix of the task vectors xs[k] - base, masked (where masked[k]) by the 0/1 flags of row
     k of `flags` and multiplied by factors[k]: keyed_merge.merge's and keyed_merge._mix's operations, entry by entry.
-    consensus: 0 none, 1 sum, 2 count (CONSENSUS_CODES); `divisor` is the no-consensus normaliser; `scale`
+    consensus: 0 none, 1 sum, 2 count (compiled.CONSENSUS_CODES); `divisor` is the no-consensus normaliser; `scale`
     says whether lam multiplies (keyed_merge skips the multiplication for lam == 1)."""
     zero = np.float32(0.0)
     one = np.float32(1.0)

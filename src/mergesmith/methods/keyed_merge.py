@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from . import keyed_kernels
+from .compiled import CONSENSUS_CODES
 from .keyed_random import MaskStream
 from .reductions import BlockedTotal
 
@@ -358,11 +359,12 @@ def merge(
     out = torch.empty(base.shape, dtype=base.dtype, device=base.device)
     factors = [_factor(v, mix, None if norms is None else norms[k]) for k, v in enumerate(vectors)]
     fused = _fused(base)
+    constants = _mix_constants(vectors, mix, factors) if fused else ()
     for piece in pieces(tuple(base.shape), offset, _by_rows(vectors)):
         base32 = _base32(piece.of(base))
         target = piece.of(out)
         if fused:
-            _merge_fused(piece, tensors, base32, vectors, mix, stream, offset + piece.start, kept, factors, target)
+            _merge_fused(piece, tensors, base32, vectors, stream, offset + piece.start, kept, constants, target)
             continue
         weighted = []
         for k, vec in enumerate(vectors):
@@ -382,21 +384,37 @@ def merge(
     return out
 
 
+def _mix_constants(vectors: Sequence[Vector], mix: Mix, factors: list[float]) -> tuple:
+    """keyed_kernels.mix's arguments that are the same for every chunk of a tensor: the multipliers, the weights,
+    the consensus code, normalize, the no-consensus divisor, lambda and whether it multiplies."""
+    if mix.consensus not in CONSENSUS_CODES:
+        raise ValueError(f"consensus_method must be one of sum, count, got {mix.consensus!r}")
+    weights = [v.weight for v in vectors]
+    return (
+        np.array(factors, dtype=np.float32),
+        np.array(weights, dtype=np.float32),
+        CONSENSUS_CODES[mix.consensus],
+        mix.normalize,
+        np.float32(_plain_divisor(weights)),
+        np.float32(mix.lam),
+        mix.lam != 1,
+    )
+
+
 def _merge_fused(
     piece: Piece,
     tensors: Sequence[torch.Tensor],
     base32: torch.Tensor,
     vectors: Sequence[Vector],
-    mix: Mix,
     stream: MaskStream,
     start: int,
     kept: dict[tuple[int, int], np.ndarray],
-    factors: list[float],
+    constants: tuple,
     target: torch.Tensor,
 ) -> None:
     """One chunk of `merge` by keyed_kernels.mix: the inputs converted to float32 rows of one buffer, the keep
-    flags one byte an entry in another, then one compiled pass; the rounding to the output dtype is torch's, as
-    on the torch path."""
+    flags one byte an entry in another, then one compiled pass (`constants`: _mix_constants); the rounding to
+    the output dtype is torch's, as on the torch path."""
     numel = base32.numel()
     xs = _BUFFERS.get("xs", (len(vectors), numel), F32, base32.device, chunks=len(vectors))
     flags = _BUFFERS.get("flags", (len(vectors), numel), torch.uint8, torch.device("cpu"), chunks=len(vectors))
@@ -409,26 +427,15 @@ def _merge_fused(
             flags[k], masked[k] = np.unpackbits(packed, count=numel), True
         elif vec.density < 1:
             flags[k], masked[k] = _keep_of(stream, vec, start, x, base32).view(np.uint8), True
-    if mix.consensus not in keyed_kernels.CONSENSUS_CODES:
-        raise ValueError(f"consensus_method must be one of sum, count, got {mix.consensus!r}")
-    weights = [v.weight for v in vectors]
-    total = sum(weights)
     result = _BUFFERS.get("out", base32.shape, F32, base32.device)
-    keyed_kernels.mix(
-        _flat(base32),
-        xs.numpy(),
-        flags,
-        masked,
-        np.array(factors, dtype=np.float32),
-        np.array(weights, dtype=np.float32),
-        keyed_kernels.CONSENSUS_CODES[mix.consensus],
-        mix.normalize,
-        np.float32(total if abs(total) >= 1e-8 else 1.0),
-        np.float32(mix.lam),
-        mix.lam != 1,
-        _flat(result),
-    )
+    keyed_kernels.mix(_flat(base32), xs.numpy(), flags, masked, *constants, _flat(result))
     target.copy_(result.view(target.shape))  # the one rounding
+
+
+def _plain_divisor(weights: Sequence[float]) -> float:
+    """The normaliser without sign consensus: the sum of the weights, 1 where it is ~0."""
+    total = sum(weights)
+    return total if abs(total) >= 1e-8 else 1.0
 
 
 def _mix(weighted: list[torch.Tensor], weights: list[float], mix: Mix) -> torch.Tensor:
@@ -439,8 +446,7 @@ def _mix(weighted: list[torch.Tensor], weights: list[float], mix: Mix) -> torch.
         for w in weighted[1:]:
             acc.add_(w)
         if mix.normalize:
-            divisor = sum(weights)
-            acc.div_(divisor if abs(divisor) >= 1e-8 else 1.0)
+            acc.div_(_plain_divisor(weights))
         return acc
     tmp = _BUFFERS.get("tmp", shape, F32, device)
     pos = _BUFFERS.get("pos", shape, F32, device)

@@ -38,6 +38,7 @@ import torch
 
 from . import bf16_mix, keyed_merge, magnitude_blocks, sparsify
 from .common import as_bool, check_same_shape, require_base, require_generator
+from .compiled import CONSENSUS_CODES
 from .registry import MergeInputs, MethodSpec, ParamSpec, TotalsPass, register
 
 CONSENSUS_METHODS = ("sum", "count")
@@ -131,7 +132,7 @@ def _compiled_mix_applies(base: torch.Tensor, deltas: torch.Tensor, consensus: s
         COMPILED_MIX
         and base.device.type == "cpu"
         and base.dtype == deltas.dtype == torch.bfloat16
-        and consensus in bf16_mix.CONSENSUS_CODES
+        and consensus in CONSENSUS_CODES
     )
 
 
@@ -150,7 +151,7 @@ def _compiled_mix(
         _bits(base.reshape(-1)),
         _bits(deltas.reshape(deltas.shape[0], -1)),
         rounded,
-        bf16_mix.CONSENSUS_CODES[consensus],
+        CONSENSUS_CODES[consensus],
         normalize,
         np.float32(lam),
         lam != 1,
