@@ -28,10 +28,10 @@ BLOCK = 64
 """Entries whose stops one scan gathers at a time."""
 
 INSERTION_THRESHOLD = 16
-"""libstdc++'s `_S_threshold`."""
+"""libstdc++'s `_S_threshold` (sort_select's numpy replay uses this one too)."""
 
 MAX_TRACKED_SHARE = 1 / 32
-"""Above this share of all entries, the followed entries' table (16 bytes a slot, at most half full) would cost
+"""Above this share of all entries, the followed entries' table (8 bytes a slot, at most half full) would cost
 more than the numpy tracker; sort_select then replays with numpy."""
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

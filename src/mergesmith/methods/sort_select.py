@@ -51,7 +51,7 @@ import torch
 
 from . import introsort_replay
 
-INSERTION_THRESHOLD = 16
+INSERTION_THRESHOLD = introsort_replay.INSERTION_THRESHOLD
 """libstdc++'s `_S_threshold`: ranges of at most this many entries are left to the final insertion sort."""
 
 COMPILED = introsort_replay.AVAILABLE
