@@ -1,0 +1,93 @@
+"""The compiled loops against the paths they replace, one thread, the same inputs (issue 21's fourth round).
+
+Why a separate script: the merge benchmarks time whole merges; this one times each compiled loop beside the
+torch/numpy code it stands in for, through the module switches the tests use, on one row block of bench-like
+data: keyed_merge's totals and merge passes (dare_ties, 2 task vectors, rescale), keyed_random's Philox draws,
+sort_select's replay (TIES' selection of half of a task vector of bf16 magnitudes) and task_arithmetic's bf16
+mix (TIES, sum consensus, normalize). Process CPU time, one torch thread, after a warm-up call (which compiles
+or loads the loops).
+
+Usage::
+
+    python bench/profile_compiled.py
+    python bench/profile_compiled.py --rows 2048 --cols 5632 --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from mergesmith.methods import keyed_merge, keyed_random, sort_select, task_arithmetic
+from mergesmith.methods.keyed_random import MaskStream
+
+
+def per_entry(fn: Callable[[], object], entries: int, reps: int) -> float:
+    """ns of process CPU time per entry of one call of `fn` (after one warm-up call)."""
+    fn()
+    start = time.process_time()
+    for _ in range(reps):
+        fn()
+    return (time.process_time() - start) / reps / entries * 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--cols", type=int, default=2048)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    shape, n = (args.rows, args.cols), args.rows * args.cols
+    base = (torch.randn(shape, generator=g) * 0.02).bfloat16()
+    tuned = [(base.float() + torch.randn(shape, generator=g) * 0.002).bfloat16() for _ in range(2)]
+    tensors = [base, *tuned]
+    vectors = [keyed_merge.Vector(1, 0, 0.5, 0.5), keyed_merge.Vector(2, 1, 0.5, 0.5)]
+    mix = keyed_merge.Mix("sum", True, True, 1.0)
+    deltas = torch.stack([t - base for t in tuned])
+    magnitudes = (tuned[0] - base).abs().reshape(-1)
+
+    def totals() -> keyed_merge.Totals:
+        return keyed_merge.finish(keyed_merge.gather(None, tensors, 0, vectors, MaskStream(3), 0))
+
+    def stages() -> dict[str, float]:
+        done = totals()
+        return {
+            "keyed totals pass (dare_ties)": per_entry(totals, n, args.reps),
+            "keyed merge pass (dare_ties)": per_entry(
+                lambda: keyed_merge.merge(tensors, 0, vectors, mix, MaskStream(3), 0, done), n, args.reps
+            ),
+            "Philox draws, one task vector": per_entry(lambda: MaskStream(3).draws(0, 0, n), n, args.reps),
+            "TIES selection, half of one vector": per_entry(
+                lambda: sort_select.sorted_window_mask(magnitudes.clone(), 0, n // 2, True), n, args.reps
+            ),
+            "bf16 mix, TIES (2 vectors)": per_entry(
+                lambda: task_arithmetic.merge_task_vectors(base, deltas, [0.5, 0.5], consensus="sum", normalize=True),
+                n,
+                args.reps,
+            ),
+        }
+
+    switches = (
+        (keyed_merge, "FUSED"),
+        (keyed_random, "COMPILED"),
+        (sort_select, "COMPILED"),
+        (task_arithmetic, "COMPILED_MIX"),
+    )
+    results = {}
+    for compiled in (False, True):
+        for module, name in switches:
+            setattr(module, name, compiled)
+        results[compiled] = stages()
+    print(f"bfloat16 {args.rows}x{args.cols}, 1 torch thread; ns of CPU per entry")
+    print(f"{'stage':38s} {'torch/numpy':>12s} {'compiled':>9s}")
+    for stage in results[False]:
+        print(f"{stage:38s} {results[False][stage]:12.1f} {results[True][stage]:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
