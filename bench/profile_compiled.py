@@ -16,22 +16,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
+from profile_task_vectors import per_entry  # bench/ is on the path when a script here runs
 
 from mergesmith.methods import keyed_merge, keyed_random, sort_select, task_arithmetic
 from mergesmith.methods.keyed_random import MaskStream
-
-
-def per_entry(fn: Callable[[], object], entries: int, reps: int) -> float:
-    """ns of process CPU time per entry of one call of `fn` (after one warm-up call)."""
-    fn()
-    start = time.process_time()
-    for _ in range(reps):
-        fn()
-    return (time.process_time() - start) / reps / entries * 1e9
 
 
 def main() -> None:
