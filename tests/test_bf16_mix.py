@@ -53,3 +53,21 @@ def test_strided_chunks_of_a_large_mix(monkeypatch):
         monkeypatch.setattr(task_arithmetic, "COMPILED_MIX", compiled)
         results.append(task_arithmetic.merge_task_vectors(base, deltas, [0.5, 0.5], consensus="sum", normalize=True))
     assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
+
+
+@pytest.mark.parametrize("consensus", [None, "sum", "count"])
+def test_infinities_nans_and_negative_zeros_round_as_torch_does(monkeypatch, consensus):
+    """The loop's rounding and sign have no branches (so they vectorise): nan must stay nan, inf * 0 must give
+    nan where the consensus drops an infinite entry, and -0 must not vote; across a block boundary too."""
+    base, deltas = _inputs(3, 3 * bf16_mix.BLOCK + 7, 11)
+    for at in (5, bf16_mix.BLOCK - 1, bf16_mix.BLOCK, 2 * bf16_mix.BLOCK + 3):
+        deltas[0, at], deltas[1, at + 1], deltas[2, at + 2] = float("inf"), float("nan"), -0.0
+        deltas[1, at + 3], deltas[2, at + 3] = -float("inf"), float("inf")
+    base[9] = float("nan")
+    for normalize, lam in itertools.product((False, True), (1.0, 0.37)):
+        compiled, plain = _both(monkeypatch, base, deltas, [0.3, -0.7, 1.3], consensus=consensus,
+                                normalize=normalize, lam=lam)
+        assert torch.equal(compiled.isnan(), plain.isnan()), (normalize, lam)
+        assert compiled.isinf().any() or not plain.isinf().any()
+        numbers = ~plain.isnan()
+        assert torch.equal(compiled[numbers].view(torch.int16), plain[numbers].view(torch.int16)), (normalize, lam)
