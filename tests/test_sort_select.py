@@ -47,7 +47,6 @@ def replay_everything(monkeypatch, request):
     """Replay even tiny inputs, with tiny blocks and exchange chunks, so every bookkeeping branch runs; by the
     compiled replay (introsort_replay.py) and by the numpy one."""
     monkeypatch.setattr(sort_select, "COMPILED", request.param and sort_select.introsort_replay.AVAILABLE)
-    monkeypatch.setattr(sort_select.introsort_replay, "MAX_TRACKED_SHARE", 1.0)  # follow any number compiled
     monkeypatch.setattr(sort_select, "REPLAY_MIN_ENTRIES", 0)
     monkeypatch.setattr(sort_select, "_BLOCK", 61)
     monkeypatch.setattr(sort_select, "_SWAP_CHUNK", 17)

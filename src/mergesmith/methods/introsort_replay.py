@@ -7,9 +7,14 @@ scans' stops, and the entries the window's ends cut are followed by a sorted tra
 exchange: on the 1 B TIES bench merge that was 56% of the workers' time (bench/README.md, issue 21). Compiled,
 the partition is what libstdc++ does, with the scans' stops gathered 64 entries at a time without a branch per
 entry (the i-th stop from the left is exchanged with the i-th from the right, as in Hoare's loop, so the pairs
-and the cut are Hoare's), and the followed entries live in a small hash table keyed by their position.
-`python bench/profile_compiled.py` (half of 8 M bf16 magnitudes kept, one thread): the whole selection 18.0 -> 11.9
-ns an entry (tests/test_sort_select.py checks it against torch.sort and against the numpy replay).
+and the cut are Hoare's). The followed entries carry their starting position in an int32 array beside the keys,
+swapped with every exchange, whether the entries are followed or not: 4 bytes an entry, and no test per swap.
+Two cheaper-looking ways were measured slower on the 1 B bench's task vectors (~1.9% of their entries followed),
+both with a test per gathered block of stops: a hash table keyed by position (8.8 ns an entry for the replay),
+and the dense array swapped only in blocks holding a followed entry (7 ns); swapping always: 4.4-5.1 ns, without
+following 2.3 (sort_select on `model.layers.3.mlp.up_proj.weight`'s two task vectors, one thread). A branch per
+block mispredicts a third of the time when 70% of the blocks hold a followed entry.
+tests/test_sort_select.py checks the replay against torch.sort and against the numpy replay.
 
 The moves, as sort_select's module docstring states them (libstdc++'s bits/stl_algo.h): while a range holds
 more than 16 entries, move the median of (first + 1, middle, last - 1) to first, Hoare-partition the rest
@@ -29,58 +34,8 @@ BLOCK = 64
 INSERTION_THRESHOLD = 16
 """libstdc++'s `_S_threshold` (sort_select's numpy replay uses this one too)."""
 
-MAX_TRACKED_SHARE = 1 / 32
-"""Above this share of all entries, the followed entries' table (8 bytes a slot, at most half full) would cost
-more than the numpy tracker; sort_select then replays with numpy."""
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-@compiled
-def _home(position, shift):
-    """The table slot a position hashes to (Fibonacci hashing: the top bits of position * 2**64 / phi)."""
-    return np.int64((np.uint64(position) * _GOLDEN) >> np.uint64(shift))
-
-
-@compiled
-def _find(slot_position, position, shift, mask):
-    slot = _home(position, shift)
-    while slot_position[slot] != position:
-        slot = (slot + 1) & mask
-    return slot
-
-
-@compiled
-def _insert(slot_position, slot_original, position, original, shift, mask):
-    slot = _home(position, shift)
-    while slot_position[slot] != -1:
-        slot = (slot + 1) & mask
-    slot_position[slot] = position
-    slot_original[slot] = original
-
-
-@compiled
-def _delete(slot_position, slot_original, slot, shift, mask):
-    """Empty a slot of the linear-probing table, moving back the entries after it that would be cut off."""
-    hole = slot
-    while True:
-        slot_position[hole] = -1
-        probe = hole
-        while True:
-            probe = (probe + 1) & mask
-            if slot_position[probe] == -1:
-                return
-            home = _home(slot_position[probe], shift)
-            if hole <= probe:
-                if hole < home <= probe:
-                    continue
-            elif home > hole or home <= probe:
-                continue
-            slot_position[hole] = slot_position[probe]
-            slot_original[hole] = slot_original[probe]
-            hole = probe
-            break
-
+ID_BYTES = 4
+"""Bytes an entry the replay adds when it follows entries (their ids, int32)."""
 
 @compiled
 def _followed(entry, followed_low, followed_high):
@@ -88,30 +43,16 @@ def _followed(entry, followed_low, followed_high):
 
 
 @compiled
-def _exchange(entries, i, j, followed_low, followed_high, slot_position, slot_original, shift, mask):
-    """Swap entries i and j, and the positions of the followed ones among them."""
+def _exchange(entries, i, j, ids, follow):
+    """Swap entries i and j, and their ids where entries are followed (the ids of entries that are not followed
+    are junk, swapped along: cheaper than a test per swap)."""
     a = entries[i]
-    b = entries[j]
-    entries[i] = b
+    entries[i] = entries[j]
     entries[j] = a
-    moves_a = _followed(a, followed_low, followed_high)
-    moves_b = _followed(b, followed_low, followed_high)
-    if moves_a and moves_b:
-        slot_i = _find(slot_position, i, shift, mask)
-        slot_j = _find(slot_position, j, shift, mask)
-        original = slot_original[slot_i]
-        slot_original[slot_i] = slot_original[slot_j]
-        slot_original[slot_j] = original
-    elif moves_a:
-        slot = _find(slot_position, i, shift, mask)
-        original = slot_original[slot]
-        _delete(slot_position, slot_original, slot, shift, mask)
-        _insert(slot_position, slot_original, j, original, shift, mask)
-    elif moves_b:
-        slot = _find(slot_position, j, shift, mask)
-        original = slot_original[slot]
-        _delete(slot_position, slot_original, slot, shift, mask)
-        _insert(slot_position, slot_original, i, original, shift, mask)
+    if follow:
+        t = ids[i]
+        ids[i] = ids[j]
+        ids[j] = t
 
 
 @compiled
@@ -120,25 +61,13 @@ def _precedes(a, b, descending):
 
 
 @compiled
-def _any_followed(entries, start, followed_low, followed_high):
-    """Whether the BLOCK entries from `start` hold a followed one (no branch per entry)."""
-    found = 0
-    for t in range(BLOCK):
-        entry = entries[start + t]
-        found += (entry == followed_low) + (entry == followed_high)
-    return found > 0
-
-
-@compiled
-def _gathered_exchanges(entries, low, high, pivot, descending, key_shift, followed_low, followed_high, table, buffers):
+def _gathered_exchanges(entries, low, high, pivot, descending, key_shift, ids, follow, buffers):
     """Hoare's exchanges of [low, high] (inclusive) around `pivot`, a block of each scan's stops at a time, while
     the entries not yet scanned fill two blocks; returns Hoare's (i, j) state for the entry-by-entry finish."""
-    slot_position, slot_original, shift, mask = table
     left, right = buffers
     left_count = left_used = right_count = right_used = 0
     left_start = low
     right_start = high
-    left_follows = right_follows = False
     while True:
         if left_used == left_count:
             if high - low + 1 < 2 * BLOCK:
@@ -152,7 +81,6 @@ def _gathered_exchanges(entries, low, high, pivot, descending, key_shift, follow
                 for t in range(BLOCK):
                     left[left_count] = t
                     left_count += (entries[left_start + t] >> key_shift) >= pivot
-            left_follows = _any_followed(entries, left_start, followed_low, followed_high)
             low += BLOCK
         if right_used == right_count:
             if high - low + 1 < BLOCK:
@@ -166,17 +94,10 @@ def _gathered_exchanges(entries, low, high, pivot, descending, key_shift, follow
                 for t in range(BLOCK):
                     right[right_count] = t
                     right_count += (entries[right_start - t] >> key_shift) <= pivot
-            right_follows = _any_followed(entries, right_start - BLOCK + 1, followed_low, followed_high)
             high -= BLOCK
         pairs = min(left_count - left_used, right_count - right_used)
-        if left_follows or right_follows:
-            for q in range(pairs):
-                _exchange(entries, left_start + left[left_used + q], right_start - right[right_used + q],
-                          followed_low, followed_high, slot_position, slot_original, shift, mask)
-        else:  # nothing followed moves: plain swaps (most blocks; the checks per swap doubled the replay's time)
-            for q in range(pairs):
-                i, j = left_start + left[left_used + q], right_start - right[right_used + q]
-                entries[i], entries[j] = entries[j], entries[i]
+        for q in range(pairs):
+            _exchange(entries, left_start + left[left_used + q], right_start - right[right_used + q], ids, follow)
         left_used += pairs
         right_used += pairs
     # the next forward stop (or the first entry not scanned), and one past the next backward stop
@@ -186,7 +107,7 @@ def _gathered_exchanges(entries, low, high, pivot, descending, key_shift, follow
 
 
 @compiled
-def _partition(entries, first, last, descending, key_shift, followed_low, followed_high, table, buffers):
+def _partition(entries, first, last, descending, key_shift, ids, follow, buffers):
     """libstdc++'s `__unguarded_partition_pivot` on [first, last); returns the cut."""
     middle = first + (last - first) // 2
     a, b, c = entries[first + 1] >> key_shift, entries[middle] >> key_shift, entries[last - 1] >> key_shift
@@ -203,11 +124,9 @@ def _partition(entries, first, last, descending, key_shift, followed_low, follow
         picked = last - 1
     else:
         picked = middle
-    slot_position, slot_original, shift, mask = table
-    _exchange(entries, first, picked, followed_low, followed_high, slot_position, slot_original, shift, mask)
+    _exchange(entries, first, picked, ids, follow)
     pivot = entries[first] >> key_shift
-    i, j = _gathered_exchanges(entries, first + 1, last - 1, pivot, descending, key_shift, followed_low,
-                               followed_high, table, buffers)
+    i, j = _gathered_exchanges(entries, first + 1, last - 1, pivot, descending, key_shift, ids, follow, buffers)
     while True:
         while _precedes(entries[i] >> key_shift, pivot, descending):
             i += 1
@@ -216,57 +135,40 @@ def _partition(entries, first, last, descending, key_shift, followed_low, follow
             j -= 1
         if not i < j:
             return i
-        _exchange(entries, i, j, followed_low, followed_high, slot_position, slot_original, shift, mask)
+        _exchange(entries, i, j, ids, follow)
         i += 1
 
 
 @compiled
-def _sort_leaf(entries, first, last, descending, key_shift, followed_low, followed_high, table):
+def _sort_leaf(entries, first, last, descending, key_shift, ids, follow):
     """Stably sort [first, last) (at most 16 entries) by key, as the final insertion sort leaves it."""
-    slot_position, slot_original, shift, mask = table
-    count = last - first
-    keys = np.empty(INSERTION_THRESHOLD, dtype=entries.dtype)
-    originals = np.full(INSERTION_THRESHOLD, -1, dtype=np.int64)
-    for q in range(count):
-        keys[q] = entries[first + q]
-        if _followed(keys[q], followed_low, followed_high):
-            slot = _find(slot_position, first + q, shift, mask)
-            originals[q] = slot_original[slot]
-            _delete(slot_position, slot_original, slot, shift, mask)
-    for q in range(1, count):
-        key, original = keys[q], originals[q]
+    for q in range(first + 1, last):
+        key = entries[q]
+        ident = ids[q] if follow else 0
         r = q
-        while r > 0 and _precedes(key >> key_shift, keys[r - 1] >> key_shift, descending):
-            keys[r] = keys[r - 1]
-            originals[r] = originals[r - 1]
+        while r > first and _precedes(key >> key_shift, entries[r - 1] >> key_shift, descending):
+            entries[r] = entries[r - 1]
+            if follow:
+                ids[r] = ids[r - 1]
             r -= 1
-        keys[r] = key
-        originals[r] = original
-    for q in range(count):
-        entries[first + q] = keys[q]
-        if originals[q] >= 0:
-            _insert(slot_position, slot_original, first + q, originals[q], shift, mask)
+        entries[r] = key
+        if follow:
+            ids[r] = ident
 
 
 @compiled
 def replay(entries, lo, hi, descending, key_shift, followed_low, followed_high, followed, window, depth_budget):
     """Replay the introsort on `entries` (keys: entries >> key_shift) in place along the ranges straddling lo or
     hi, with `depth_budget` partitions along any path (libstdc++: 2 floor(log2 n)). The entries equal to
-    followed_low or followed_high, at the positions `followed` at the start, are followed: window[p] is set for
-    each such starting position p whose entry ends in [lo, hi). False where libstdc++ would heap-sort a range
+    followed_low or followed_high, at the positions `followed` at the start, are followed (ID_BYTES an entry of
+    scratch; none without followed entries): window[p] is set for each such starting position p whose entry ends
+    in [lo, hi). False where libstdc++ would heap-sort a range
     (a spent depth budget): only the full sort can say then."""
     n = entries.shape[0]
-    capacity = 16
-    while capacity < 2 * followed.shape[0] + 2:
-        capacity *= 2
-    bits = 0
-    while (1 << bits) < capacity:
-        bits += 1
-    slot_position = np.full(capacity, -1, dtype=np.int32)  # positions are below 2**31 (sort_select checks)
-    slot_original = np.empty(capacity, dtype=np.int32)
-    table = (slot_position, slot_original, 64 - bits, capacity - 1)
+    follow = followed.shape[0] > 0
+    ids = np.empty(n if follow else 1, dtype=np.int32)  # positions are below 2**31 (sort_select checks)
     for q in range(followed.shape[0]):
-        _insert(slot_position, slot_original, followed[q], followed[q], 64 - bits, capacity - 1)
+        ids[followed[q]] = followed[q]
     buffers = (np.empty(BLOCK, dtype=np.int64), np.empty(BLOCK, dtype=np.int64))
     stack = np.empty((2 * depth_budget + 8, 3), dtype=np.int64)  # (first, last, depth budget left)
     stack[0, 0], stack[0, 1], stack[0, 2] = 0, n, depth_budget
@@ -277,19 +179,19 @@ def replay(entries, lo, hi, descending, key_shift, followed_low, followed_high, 
         if not (first < lo < last or first < hi < last):
             continue  # its set of entries is final
         if last - first <= INSERTION_THRESHOLD:
-            _sort_leaf(entries, first, last, descending, key_shift, followed_low, followed_high, table)
+            _sort_leaf(entries, first, last, descending, key_shift, ids, follow)
             continue
         if budget == 0:
             return False
-        cut = _partition(entries, first, last, descending, key_shift, followed_low, followed_high, table, buffers)
+        cut = _partition(entries, first, last, descending, key_shift, ids, follow, buffers)
         stack[top, 0], stack[top, 1], stack[top, 2] = first, cut, budget - 1
         stack[top + 1, 0], stack[top + 1, 1], stack[top + 1, 2] = cut, last, budget - 1
         top += 2
-    for slot in range(capacity):
-        position = slot_position[slot]
-        if position != -1 and lo <= position < hi:
-            window[slot_original[slot]] = True
+    if follow:  # a range's entries stay where they are once it no longer straddles lo or hi
+        for p in range(lo, hi):
+            if _followed(entries[p], followed_low, followed_high):
+                window[ids[p]] = True
     return True
 
 
-__all__ = ["AVAILABLE", "MAX_TRACKED_SHARE", "replay"]
+__all__ = ["AVAILABLE", "ID_BYTES", "replay"]

@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import sort_select
 from .common import as_bool, check_same_shape, require_base
+from .introsort_replay import ID_BYTES
 from .reductions import BlockedTotal, total
 from .registry import MERGE_WHOLE, MergeInputs, TotalsPass
 from .sort_select import sorted_window_mask
@@ -182,10 +184,12 @@ def totals_memory(n_inputs: int, numel: int, compute_size: int) -> tuple[int, in
     window's end cuts (counted for up to a quarter of the entries: measured 22% on bf16 deltas of 1% of the
     weights, less on wider ones; more than half takes the packed replay, 8 bytes an entry), and the partition's
     scratch (with 32-bit keys 2 bytes an entry more, as measured on 5 M entries); float64 takes torch's full
-    sort. `rescale: true` copies the keys first (the compute dtype's size an entry more). Kept: the packed masks,
-    a bit an entry per task vector."""
+    sort. `rescale: true` copies the keys first (the compute dtype's size an entry more). The compiled replay
+    adds the followed entries' ids (introsort_replay.ID_BYTES an entry). Kept: the packed masks, a bit an entry
+    per task vector."""
     tasks = max(0, n_inputs - 1)
-    select = {2: 3, 4: 5}.get(compute_size, 17) * numel + min(16 * numel, SELECT_SCRATCH)
+    ids = ID_BYTES if sort_select.COMPILED else 0
+    select = ({2: 3, 4: 5}.get(compute_size, 17) + ids) * numel + min(16 * numel, SELECT_SCRATCH)
     kept = tasks * numel // 8
     return numel * compute_size * tasks + select + kept, kept
 
