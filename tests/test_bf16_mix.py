@@ -71,3 +71,41 @@ def test_infinities_nans_and_negative_zeros_round_as_torch_does(monkeypatch, con
         assert compiled.isinf().any() or not plain.isinf().any()
         numbers = ~plain.isnan()
         assert torch.equal(compiled[numbers].view(torch.int16), plain[numbers].view(torch.int16)), (normalize, lam)
+
+
+def _special_values(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.randn(n, generator=g) * 0.02).bfloat16()
+    values[:6] = torch.tensor([float("inf"), -float("inf"), -0.0, 0.0, 3e38, -3e38])
+    return values
+
+
+def test_subtract_gives_torch_bytes(monkeypatch):
+    """Task vectors: x - base rounded to bfloat16 as torch rounds it (including overflow to inf and -0 - 0)."""
+    x, base = _special_values(10_007, 1), _special_values(10_007, 2)
+    base[:6] = torch.tensor([1.0, 2.0, 0.0, -0.0, -3e38, 3e38])
+    results = []
+    for compiled in (True, False):
+        monkeypatch.setattr(bf16_mix, "ELEMENTWISE", compiled)
+        results.append(bf16_mix.subtract(x, base, torch.empty_like(x)))
+    assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
+    monkeypatch.setattr(bf16_mix, "ELEMENTWISE", True)  # other dtypes and strided inputs take torch's path
+    assert torch.equal(bf16_mix.subtract(x.float(), base.float(), torch.empty(x.shape)), x.float() - base.float())
+    strided = torch.stack([x, x], dim=1)[:, 0]
+    from_strided = bf16_mix.subtract(strided, base, torch.empty_like(x))
+    assert torch.equal(from_strided.view(torch.int16), results[1].view(torch.int16))
+
+
+def test_keep_masked_gives_torch_bytes(monkeypatch):
+    """Dropped entries become delta * 0: -0 for negative ones, nan for infinite ones, as torch's bool product."""
+    delta = _special_values(7 * 1429, 3)
+    mask = torch.rand(7 * 1429, generator=torch.Generator().manual_seed(4)) < 0.5
+    mask[:6] = False
+    results = []
+    for compiled in (True, False):
+        monkeypatch.setattr(bf16_mix, "ELEMENTWISE", compiled)
+        results.append(bf16_mix.keep_masked(delta.clone().reshape(7, 1429), mask.reshape(7, 1429)))
+    assert torch.equal(results[0].isnan(), results[1].isnan())
+    numbers = ~results[1].isnan()
+    assert torch.equal(results[0][numbers].view(torch.int16), results[1][numbers].view(torch.int16))
+    assert results[1][0, :2].isnan().all() and results[0][0, 2].view(torch.int16) == results[1][0, 2].view(torch.int16)

@@ -8,12 +8,14 @@ taking the GIL (bench/README.md, "Fourth round"). This loop makes the same round
 GIL: every product, sum and quotient is formed in float32 and rounded to nearest-even bfloat16 where torch
 rounds it, sums over the task vectors are accumulated in float32 in their order and rounded once, as torch's
 reduction over dim 0 does. tests/test_bf16_mix.py compares it with task_arithmetic._mix byte for byte; the torch
-path stays for other dtypes and devices, and where numba is missing.
+path stays for other dtypes and devices, and where numba is missing. The two elementwise steps before the mix
+(the task vector's subtraction, and its masking by the magnitude selection) are here too, for the same reason.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .compiled import AVAILABLE, compiled
 from .compiled import sign as _sign
@@ -111,3 +113,57 @@ def mix(base, deltas, weights, consensus, normalize, lam, scale, out):
                 mixed = _round(mixed * lam)
             result = _round(_widen(base[start + j]) + mixed)
             out[start + j] = np.uint16(bits_from_float32(result) >> np.uint32(16))
+
+
+@compiled
+def _narrow(value):
+    """The bf16 bits of a float32 that is already a bfloat16 value (as _round leaves it)."""
+    return np.uint16(bits_from_float32(value) >> np.uint32(16))
+
+
+@compiled
+def difference(a, b, out):
+    """out = a - b on bf16 bits (1-D, contiguous), rounded as torch's bfloat16 subtraction rounds."""
+    for i in range(out.shape[0]):
+        out[i] = _narrow(_round(_widen(a[i]) - _widen(b[i])))
+
+
+@compiled
+def keep_where(delta, mask):
+    """delta *= mask in place on bf16 bits and a bool mask (1-D, contiguous), as torch multiplies a bfloat16
+    tensor by a bool one: a dropped entry becomes its product with 0 (-0 for a negative one, nan for inf)."""
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    for i in range(delta.shape[0]):
+        delta[i] = _narrow(_round(_widen(delta[i]) * (one if mask[i] else zero)))
+
+
+ELEMENTWISE = AVAILABLE
+"""The task vectors' bf16 subtraction and masking on the CPU by the loops above (the same bytes as torch's, which
+take ~2 ns an entry on one thread against ~0.3; tests switch it off to compare)."""
+
+
+def _flat_bits(t: torch.Tensor) -> np.ndarray:
+    return t.view(-1).view(torch.int16).numpy().view(np.uint16)
+
+
+def _elementwise(*tensors: torch.Tensor) -> bool:
+    return ELEMENTWISE and all(
+        t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors
+    )
+
+
+def subtract(x: torch.Tensor, base: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = x - base (same shapes): torch.sub, or its compiled twin for contiguous bf16 CPU tensors."""
+    if _elementwise(x, base, out) and x.shape == base.shape == out.shape:
+        difference(_flat_bits(x), _flat_bits(base), _flat_bits(out))
+        return out
+    return torch.sub(x, base, out=out)
+
+
+def keep_masked(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """delta.mul_(mask) for a bool mask of delta's shape: compiled for contiguous bf16 CPU tensors."""
+    if _elementwise(delta) and mask.dtype == torch.bool and mask.is_contiguous() and mask.shape == delta.shape:
+        keep_where(_flat_bits(delta), mask.view(-1).numpy())
+        return delta
+    return delta.mul_(mask)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from . import sort_select
+from .bf16_mix import keep_masked, subtract
 from .common import as_bool, check_same_shape, require_base
 from .introsort_replay import ID_BYTES
 from .reductions import BlockedTotal, total
@@ -155,10 +156,10 @@ def sparsified(inputs: MergeInputs, selected: Selected) -> torch.Tensor:
             delta.zero_()
             inputs.done_with(i)
             continue
-        torch.sub(inputs.tensors[i], base, out=delta)
+        subtract(inputs.tensors[i], base, delta)
         inputs.done_with(i)
         if isinstance(kept, np.ndarray):
-            delta.mul_(_unpacked(kept, inputs.offset, delta.numel()).view(delta.shape).to(delta.device))
+            keep_masked(delta, _unpacked(kept, inputs.offset, delta.numel()).view(delta.shape).to(delta.device))
             factor = selected.factors[row]
             if factor is not None:
                 delta.mul_(factor)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .bf16_mix import keep_masked
 from .reductions import total
 from .sort_select import sorted_window_mask
 
@@ -44,7 +45,7 @@ def keep_l1_norm(delta: torch.Tensor, mask: torch.Tensor, rescale: bool, in_plac
     delta is its own scratch saves a tensor-sized allocation, which for an embedding is the peak's margin.
     """
     before = total(delta.abs()) if rescale else 0.0
-    kept = delta.mul_(mask) if in_place else delta * mask
+    kept = keep_masked(delta, mask) if in_place else delta * mask
     if not rescale:
         return kept
     after = total(kept.abs())

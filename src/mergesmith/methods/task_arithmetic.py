@@ -251,7 +251,7 @@ class _Family:
         deltas = base.new_empty((len(others), *base.shape))
         for row, i in enumerate(others):
             delta = deltas[row]
-            torch.sub(inputs.tensors[i], base, out=delta)  # no tensor-sized temporary for the difference
+            bf16_mix.subtract(inputs.tensors[i], base, delta)  # no tensor-sized temporary for the difference
             inputs.done_with(i)
             kept = self.sparsifier(delta, inputs.model_params[i], rescale, inputs.generator, inputs.tensor_name)
             if kept is not delta:  # without sparsification the difference is already in place
