@@ -88,7 +88,7 @@ def gather(rule: Rule, default_rescale: bool, state: _Gathering | None, inputs: 
             buffer.append(out.view(-1))
         else:
             out = buffer[inputs.offset : inputs.offset + n].view(base.shape)
-        torch.sub(inputs.tensors[i], base, out=out)  # the whole path's difference, into its place
+        subtract(inputs.tensors[i], base, out)  # the whole path's difference, into its place
         inputs.done_with(i)
         out.abs_()  # magnitudes_of's values
     state.numel += n
