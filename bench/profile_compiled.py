@@ -1,11 +1,11 @@
-"""The compiled loops against the paths they replace, one thread, the same inputs (issue 21's fourth round).
+"""The compiled loops against the paths they replace, one thread, the same inputs (issue 21's fourth and fifth rounds).
 
 Why a separate script: the merge benchmarks time whole merges; this one times each compiled loop beside the
 torch/numpy code it stands in for, through the module switches the tests use, on one row block of bench-like
 data: keyed_merge's totals and merge passes (dare_ties, 2 task vectors, rescale), keyed_random's Philox draws,
-sort_select's replay (TIES' selection of half of a task vector of bf16 magnitudes) and task_arithmetic's bf16
-mix (TIES, sum consensus, normalize). Process CPU time, one torch thread, after a warm-up call (which compiles
-or loads the loops).
+sort_select's replay (TIES' selection of half of a task vector of bf16 magnitudes), bf16_mix's subtraction and
+masking of a bf16 task vector, and task_arithmetic's bf16 mix (TIES, sum consensus, normalize). Process CPU
+time, one torch thread, after a warm-up call (which compiles or loads the loops).
 
 Usage::
 
@@ -20,7 +20,7 @@ import argparse
 import torch
 from profile_task_vectors import per_entry  # bench/ is on the path when a script here runs
 
-from mergesmith.methods import keyed_merge, keyed_random, sort_select, task_arithmetic
+from mergesmith.methods import bf16_mix, keyed_merge, keyed_random, sort_select, task_arithmetic
 from mergesmith.methods.keyed_random import MaskStream
 
 
@@ -40,6 +40,11 @@ def main() -> None:
     mix = keyed_merge.Mix("sum", True, True, 1.0)
     deltas = torch.stack([t - base for t in tuned])
     magnitudes = (tuned[0] - base).abs().reshape(-1)
+    keep = sort_select.sorted_window_mask(magnitudes.clone(), 0, n // 2, True).reshape(shape)
+    scratch = torch.empty_like(base)
+
+    def subtract_and_mask() -> None:
+        bf16_mix.keep_masked(bf16_mix.subtract(tuned[0], base, scratch), keep)
 
     def totals() -> keyed_merge.Totals:
         return keyed_merge.finish(keyed_merge.gather(None, tensors, 0, vectors, MaskStream(3), 0))
@@ -55,6 +60,7 @@ def main() -> None:
             "TIES selection, half of one vector": per_entry(
                 lambda: sort_select.sorted_window_mask(magnitudes.clone(), 0, n // 2, True), n, args.reps
             ),
+            "bf16 subtract + mask, one vector": per_entry(subtract_and_mask, n, args.reps),
             "bf16 mix, TIES (2 vectors)": per_entry(
                 lambda: task_arithmetic.merge_task_vectors(base, deltas, [0.5, 0.5], consensus="sum", normalize=True),
                 n,
@@ -67,6 +73,7 @@ def main() -> None:
         (keyed_random, "COMPILED"),
         (sort_select, "COMPILED"),
         (task_arithmetic, "COMPILED_MIX"),
+        (bf16_mix, "ELEMENTWISE"),
     )
     results = {}
     for compiled in (False, True):

@@ -42,11 +42,14 @@ def magnitudes(kind: str, n: int, generator: torch.Generator) -> torch.Tensor:
 KINDS = ["bf16_deltas", "few_values", "distinct", "ascending", "descending_fp16", "all_equal", "organ_pipe"]
 
 
-@pytest.fixture(params=[True, False], ids=["compiled", "numpy"])
+@pytest.fixture(params=["ids", "table", "numpy"], ids=["compiled-ids", "compiled-table", "numpy"])
 def replay_everything(monkeypatch, request):
     """Replay even tiny inputs, with tiny blocks and exchange chunks, so every bookkeeping branch runs; by the
-    compiled replay (introsort_replay.py) and by the numpy one."""
-    monkeypatch.setattr(sort_select, "COMPILED", request.param and sort_select.introsort_replay.AVAILABLE)
+    compiled replay (introsort_replay.py) following entries by ids or by its table, and by the numpy one."""
+    monkeypatch.setattr(sort_select, "COMPILED", request.param != "numpy" and sort_select.introsort_replay.AVAILABLE)
+    if request.param == "table":
+        monkeypatch.setattr(sort_select.introsort_replay, "IDS_MAX_ENTRIES", 0)
+        monkeypatch.setattr(sort_select.introsort_replay, "MAX_TRACKED_SHARE", 1.0)  # follow any number compiled
     monkeypatch.setattr(sort_select, "REPLAY_MIN_ENTRIES", 0)
     monkeypatch.setattr(sort_select, "_BLOCK", 61)
     monkeypatch.setattr(sort_select, "_SWAP_CHUNK", 17)

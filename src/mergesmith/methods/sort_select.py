@@ -35,9 +35,10 @@ are more than half of all) each entry is one int64, its key in the high 32 bits 
 low 32, so a swap moves both. The Hoare scans are vectorised with numpy
 (see `_partition`), whose comparisons, nonzero and fancy indexing are several times faster than torch's on
 one thread. Where numba is installed, the same replay runs as one compiled loop instead (introsort_replay.py,
-which follows the entries by an int32 id an entry rather than the tracker: `python bench/profile_compiled.py`
-gives 7.3 ns an entry for the whole selection against 15.4 with the numpy replay); the numpy one remains for
-where numba is not. Tests compare
+which follows the entries by an int32 id an entry, or on tensors of more than IDS_MAX_ENTRIES by a hash table:
+`python bench/profile_compiled.py` gives 7.3 ns an entry for the whole selection against 15.4 with the numpy
+replay); the numpy one remains for where numba is not, and for large tensors whose cut keys cover more than
+introsort_replay.MAX_TRACKED_SHARE of the entries. Tests compare
 both against `torch.sort` on many inputs.
 """
 
@@ -265,9 +266,11 @@ def _keys_only_window(
         filled += found.size
     if not consume:
         keys = keys.copy()  # the replay reorders them
-    if COMPILED:
+    use_ids = n <= introsort_replay.IDS_MAX_ENTRIES
+    if COMPILED and (use_ids or tracked_count <= n * introsort_replay.MAX_TRACKED_SHARE):
         low, high = keys.dtype.type(split_keys[0]), keys.dtype.type(split_keys[-1])
-        if not introsort_replay.replay(keys, lo, hi, descending, 0, low, high, tracked, mask, depth_budget(n)):
+        if not introsort_replay.replay(keys, lo, hi, descending, 0, low, high, tracked, mask, depth_budget(n),
+                                       use_ids):
             raise _ReplayGaveUp
         return mask
     tracker = _Tracker(tracked, split_keys)
@@ -367,7 +370,7 @@ def _replay_packed(packed: np.ndarray, lo: int, hi: int, descending: bool) -> bo
         nothing = np.empty(0, dtype=np.int64)
         unused = np.empty(0, dtype=np.bool_)
         return bool(introsort_replay.replay(packed, lo, hi, descending, _INDEX_BITS, none, none, nothing, unused,
-                                            depth_budget(packed.size)))
+                                            depth_budget(packed.size), True))
     return _replay(packed, lo, hi, descending)
 
 
