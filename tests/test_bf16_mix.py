@@ -109,3 +109,14 @@ def test_keep_masked_gives_torch_bytes(monkeypatch):
     numbers = ~results[1].isnan()
     assert torch.equal(results[0][numbers].view(torch.int16), results[1][numbers].view(torch.int16))
     assert results[1][0, :2].isnan().all() and results[0][0, 2].view(torch.int16) == results[1][0, 2].view(torch.int16)
+
+
+def test_warm_loads_the_loops_a_ties_merge_uses():
+    """The executor warms these on a thread of its own for task-vector merges; the calls must be consistent
+    inputs (a table replay given positions that do not hold the followed key would never end)."""
+    from mergesmith.engine.executor import TASK_VECTOR_METHODS
+    from mergesmith.methods import introsort_replay
+
+    bf16_mix.warm()
+    introsort_replay.warm()
+    assert {"ties", "task_arithmetic", "breadcrumbs_ties"} <= TASK_VECTOR_METHODS

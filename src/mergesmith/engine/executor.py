@@ -26,9 +26,10 @@ from ..io.direct_read import pool_bytes
 from ..io.dtypes import to_torch
 from ..io.journal import Journal, partial_path
 from ..io.safetensors_writer import ShardWriter
-from ..methods import MergeInputs, get_method, keyed_kernels, require_method
+from ..methods import MergeInputs, bf16_mix, get_method, introsort_replay, keyed_kernels, require_method
 from ..methods.keyed_random import MaskStream
 from ..methods.registry import MERGE_WHOLE
+from ..methods.task_arithmetic import FAMILY
 from ..runtime import intra_op_threads
 from ..runtime.devices import resolve_device
 from ..runtime.memory_limits import MemoryWatch, human, memory_room
@@ -48,6 +49,15 @@ ADMISSION_WINDOW = 16
 """How far past a recipe that does not fit the budget the executor looks for one that does (so a thread
 is not idle while, say, lm_head waits for embed_tokens to finish); after this many recipes have gone past
 it, the waiting one is admitted next, as soon as it fits."""
+
+
+TASK_VECTOR_METHODS = frozenset(member.name for member in FAMILY)
+"""The methods whose merges use bf16_mix's loops (and, the ranking ones, introsort_replay's)."""
+
+
+def _run_all(functions: list) -> None:
+    for function in functions:
+        function()
 
 
 @dataclass
@@ -423,13 +433,18 @@ class LocalExecutor(Executor):
         return writer
 
     def _warm_kernels(self, recipes: list[TensorRecipe]) -> None:
-        """Load DARE's and DELLA's compiled loops (keyed_kernels) on a thread of their own while the feed probes
-        the disk and reads ahead, not in the first worker to need them (~0.3-0.4 s, holding both workers up)."""
+        """Load the compiled loops the recipes will use on a thread of their own while the feed probes the disk
+        and reads ahead, not in the first worker to need them (~0.3-0.4 s each, holding both workers up): DARE's
+        and DELLA's (keyed_kernels), and the task-vector family's bf16 steps and TIES' replay."""
         if self.device.type != "cpu" or not keyed_kernels.AVAILABLE:
             return
-        keyed = (r for r in recipes if r.op == "merge" and r.seed is not None)
-        if any(getattr(get_method(r.method or ""), "keyed_random", False) for r in keyed):
-            threading.Thread(target=keyed_kernels.warm, name="warm-kernels", daemon=True).start()
+        merges = [r for r in recipes if r.op == "merge"]
+        keyed = any(getattr(get_method(r.method or ""), "keyed_random", False) for r in merges if r.seed is not None)
+        warms = [keyed_kernels.warm] if keyed else []
+        if any(r.method in TASK_VECTOR_METHODS for r in merges):
+            warms += [bf16_mix.warm, introsort_replay.warm]
+        if warms:
+            threading.Thread(target=_run_all, args=(warms,), name="warm-kernels", daemon=True).start()
 
     def run(self) -> None:
         pending = [s for s in self.plan.shards if s.filename not in self.journal.finished]

@@ -167,3 +167,16 @@ def keep_masked(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         keep_where(_flat_bits(delta), mask.view(-1).numpy())
         return delta
     return delta.mul_(mask)
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) the loops here now, on tiny inputs, rather than in the first merge
+    that needs them."""
+    if not AVAILABLE:
+        return
+    one = np.zeros(1, dtype=np.uint16)
+    weights = np.ones(1, dtype=np.float32)
+    mix(one, one.reshape(1, 1), weights, 1, True, np.float32(1), False, one)
+    mix(one, np.zeros((1, 2), dtype=np.uint16)[:, :1], weights, 1, True, np.float32(1), False, one)  # strided
+    difference(one, one, one)
+    keep_where(one, np.ones(1, dtype=np.bool_))

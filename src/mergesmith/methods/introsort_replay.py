@@ -442,9 +442,9 @@ def warm() -> None:
         none = dtype(-1)
         replay(np.zeros(2, dtype=dtype), 0, 1, True, 0, none, none, np.empty(0, dtype=np.int64), window, 0, True)
     for dtype in (np.int16, np.int32):
-        one = np.zeros(1, dtype=np.int64)
+        both = np.arange(2, dtype=np.int64)  # the positions of every entry equal to the followed key (0)
         for use_ids in (True, False):
-            replay(np.zeros(2, dtype=dtype), 0, 1, True, 0, dtype(0), dtype(0), one, window, 0, use_ids)
+            replay(np.zeros(2, dtype=dtype), 0, 1, True, 0, dtype(0), dtype(0), both, window, 0, use_ids)
 
 
 __all__ = ["AVAILABLE", "ID_BYTES", "IDS_MAX_ENTRIES", "MAX_TRACKED_SHARE", "replay", "warm"]
