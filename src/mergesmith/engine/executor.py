@@ -418,6 +418,7 @@ class LocalExecutor(Executor):
         self._bytes = 0
         self._error: BaseException | None = None
         self._feed: InputFeed | None = None
+        self._warm_thread: threading.Thread | None = None
         self._uncache_inputs = False  # set by run(): see inputs_exceed_room
         self.monitor = NonFiniteMonitor(self.settings.strict)  # NaN/inf in inputs and outputs; `warnings()` after run
 
@@ -444,7 +445,8 @@ class LocalExecutor(Executor):
         if any(r.method in TASK_VECTOR_METHODS for r in merges):
             warms += [bf16_mix.warm, introsort_replay.warm]
         if warms:
-            threading.Thread(target=_run_all, args=(warms,), name="warm-kernels", daemon=True).start()
+            self._warm_thread = threading.Thread(target=_run_all, args=(warms,), name="warm-kernels", daemon=True)
+            self._warm_thread.start()
 
     def run(self) -> None:
         pending = [s for s in self.plan.shards if s.filename not in self.journal.finished]
@@ -496,6 +498,11 @@ class LocalExecutor(Executor):
                 # that holds this executor (a notebook keeps the last one) is finally dropped
                 for writer in list(self._writers.values()):
                     writer.close()
+                # the warm-up does not outlive the merge: a first compile (seconds, on a fresh install) still
+                # running in a library caller's process was seen to send that process's later output astray
+                # (pytest's capsys lost the next merges' error and warning lines)
+                if self._warm_thread is not None:
+                    self._warm_thread.join()
         if self._error is not None:
             raise self._error
         if self.stop.is_set():
