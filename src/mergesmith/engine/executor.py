@@ -55,7 +55,7 @@ TASK_VECTOR_METHODS = frozenset(member.name for member in FAMILY)
 """The methods whose merges use bf16_mix's loops (and, the ranking ones, introsort_replay's)."""
 
 
-def _run_all(functions: list) -> None:
+def _run_all(functions: list[Callable[[], None]]) -> None:
     for function in functions:
         function()
 

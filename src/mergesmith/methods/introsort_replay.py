@@ -9,8 +9,9 @@ the partition is what libstdc++ does, with the scans' stops gathered 64 entries 
 entry (the i-th stop from the left is exchanged with the i-th from the right, as in Hoare's loop, so the pairs
 and the cut are Hoare's). On tensors of up to IDS_MAX_ENTRIES the followed entries carry their starting position
 in an int32 array beside the keys, swapped with every exchange, whether the entries are followed or not: 4 bytes
-an entry, and no test per swap. Measured on `model.layers.3.mlp.up_proj.weight`'s two task vectors of the 1 B
-bench (~1.9% of their entries followed; the replay alone, one thread, ns an entry): ids 4.7-5.5; without
+an entry, and no test per swap. Timed ad hoc on `model.layers.3.mlp.up_proj.weight`'s two task vectors of the 1 B
+bench (~1.9% of their entries followed; the replay alone, one thread, ns an entry; `python
+bench/profile_compiled.py` times the whole selection on synthetic data): ids 4.7-5.5; without
 following 2.3-2.6; stop 26's hash table keyed by position, tested per gathered block of stops, 8.8-9.5. Larger
 tensors keep a hash table of the followed entries only (memory: see IDS_MAX_ENTRIES); in this module's shared
 partition code that way measures 14-16 ns on the same data, slower than stop 26's dedicated loop (8.8) for a

@@ -31,7 +31,7 @@ import torch
 from . import sort_select
 from .bf16_mix import keep_masked, subtract
 from .common import as_bool, check_same_shape, require_base
-from .introsort_replay import ID_BYTES, IDS_MAX_ENTRIES
+from .introsort_replay import ID_BYTES
 from .reductions import BlockedTotal, total
 from .registry import MERGE_WHOLE, MergeInputs, TotalsPass
 from .sort_select import sorted_window_mask
@@ -186,10 +186,10 @@ def totals_memory(n_inputs: int, numel: int, compute_size: int) -> tuple[int, in
     weights, less on wider ones; more than half takes the packed replay, 8 bytes an entry), and the partition's
     scratch (with 32-bit keys 2 bytes an entry more, as measured on 5 M entries); float64 takes torch's full
     sort. `rescale: true` copies the keys first (the compute dtype's size an entry more). The compiled replay
-    adds the followed entries' ids (introsort_replay.ID_BYTES an entry) up to IDS_MAX_ENTRIES entries. Kept: the
+    adds the followed entries' ids (introsort_replay.ID_BYTES an entry) where sort_select.follows_by_ids. Kept: the
     packed masks, a bit an entry per task vector."""
     tasks = max(0, n_inputs - 1)
-    ids = ID_BYTES if sort_select.COMPILED and numel <= IDS_MAX_ENTRIES else 0
+    ids = ID_BYTES if sort_select.follows_by_ids(numel) else 0
     select = ({2: 3, 4: 5}.get(compute_size, 17) + ids) * numel + min(16 * numel, SELECT_SCRATCH)
     kept = tasks * numel // 8
     return numel * compute_size * tasks + select + kept, kept

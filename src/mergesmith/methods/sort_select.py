@@ -38,8 +38,7 @@ one thread. Where numba is installed, the same replay runs as one compiled loop 
 which follows the entries by an int32 id an entry, or on tensors of more than IDS_MAX_ENTRIES by a hash table:
 `python bench/profile_compiled.py` gives 7.3 ns an entry for the whole selection against 15.4 with the numpy
 replay); the numpy one remains for where numba is not, and for large tensors whose cut keys cover more than
-introsort_replay.MAX_TRACKED_SHARE of the entries. Tests compare
-both against `torch.sort` on many inputs.
+introsort_replay.MAX_TRACKED_SHARE of the entries. Tests compare both against `torch.sort` on many inputs.
 """
 
 from __future__ import annotations
@@ -266,8 +265,8 @@ def _keys_only_window(
         filled += found.size
     if not consume:
         keys = keys.copy()  # the replay reorders them
-    use_ids = n <= introsort_replay.IDS_MAX_ENTRIES
-    if COMPILED and (use_ids or tracked_count <= n * introsort_replay.MAX_TRACKED_SHARE):
+    use_ids = follows_by_ids(n)
+    if use_ids or (COMPILED and tracked_count <= n * introsort_replay.MAX_TRACKED_SHARE):
         low, high = keys.dtype.type(split_keys[0]), keys.dtype.type(split_keys[-1])
         if not introsort_replay.replay(keys, lo, hi, descending, 0, low, high, tracked, mask, depth_budget(n),
                                        use_ids):
@@ -279,6 +278,13 @@ def _keys_only_window(
         raise _ReplayGaveUp
     mask[tracker.originals_in(lo, hi)] = True
     return mask
+
+
+def follows_by_ids(n: int) -> bool:
+    """Whether a selection over n entries is replayed compiled with an id an entry (introsort_replay.ID_BYTES
+    each: magnitude_blocks charges them); else by the compiled replay's table or by numpy, whose memory the keys
+    and mask bound."""
+    return COMPILED and n <= introsort_replay.IDS_MAX_ENTRIES
 
 
 def _narrow_window_keys(keys: np.ndarray, lo: int, hi: int, descending: bool) -> tuple[tuple[int, int] | None,

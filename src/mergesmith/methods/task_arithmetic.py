@@ -136,11 +136,6 @@ def _compiled_mix_applies(base: torch.Tensor, deltas: torch.Tensor, consensus: s
     )
 
 
-def _bits(t: torch.Tensor) -> np.ndarray:
-    """The bfloat16 tensor's bits as a uint16 numpy view (strided where it is)."""
-    return t.view(torch.int16).numpy().view(np.uint16)
-
-
 def _compiled_mix(
     base: torch.Tensor, deltas: torch.Tensor, weights: Sequence[float], consensus: str | None, normalize: bool,
     lam: float,
@@ -148,14 +143,14 @@ def _compiled_mix(
     out = torch.empty(base.shape, dtype=base.dtype)
     rounded = torch.tensor(list(weights), dtype=torch.bfloat16).float().numpy()
     bf16_mix.mix(
-        _bits(base.reshape(-1)),
-        _bits(deltas.reshape(deltas.shape[0], -1)),
+        bf16_mix.bits_of(base.reshape(-1)),
+        bf16_mix.bits_of(deltas.reshape(deltas.shape[0], -1)),
         rounded,
         CONSENSUS_CODES[consensus],
         normalize,
         np.float32(lam),
         lam != 1,
-        _bits(out.view(-1)),
+        bf16_mix.bits_of(out.view(-1)),
     )
     return out
 
