@@ -28,6 +28,7 @@ from .runtime.process_tuning import (
     prefer_huge_pages,
     thaw_objects,
 )
+from .sizes import human_size
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?)([bB]?)\s*$")
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -52,13 +53,6 @@ def parse_size(text: str | int, option: str) -> int:
         raise ConfigError(f"`{option}`: size must be positive, got {text!r}")
     return size
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -508,7 +502,7 @@ def _report_result(out_dir: Path, result: Any, prefix: str = "", quiet: bool = F
     resumed = f", resumed with {result.shards_reused} finished shard(s)" if result.shards_reused else ""
     click.echo(
         f"{prefix}wrote {out_dir} ({len(plan.recipes)} tensors in {len(plan.shards)} shard(s), "
-        f"{_human(plan.total_size)}) in {result.seconds:.1f}s{seed}{resumed}"
+        f"{human_size(plan.total_size)}) in {result.seconds:.1f}s{seed}{resumed}"
     )
 
 
@@ -680,7 +674,7 @@ def moe_cmd(
     resumed = f", resumed with {result.shards_reused} finished shard(s)" if result.shards_reused else ""
     click.echo(
         f"wrote {out_dir} ({moe['architecture']}, {moe['experts']} experts, {moe['experts_per_token']} per token; "
-        f"{len(plan.recipes)} tensors in {len(plan.shards)} shard(s), {_human(plan.total_size)}) "
+        f"{len(plan.recipes)} tensors in {len(plan.shards)} shard(s), {human_size(plan.total_size)}) "
         f"in {result.seconds:.1f}s{seed}{resumed}"
     )
 

@@ -32,8 +32,9 @@ from ..methods.registry import MERGE_WHOLE
 from ..methods.task_arithmetic import FAMILY
 from ..runtime import intra_op_threads
 from ..runtime.devices import resolve_device
-from ..runtime.memory_limits import MemoryWatch, human, memory_room
+from ..runtime.memory_limits import MemoryWatch, memory_room
 from ..runtime.memory_release import release_free_heap
+from ..sizes import human_size
 from .blocks import row_blocks, two_pass
 from .input_feed import MERGE, TOTALS, InputFeed, open_feed
 from .nonfinite import NonFiniteMonitor
@@ -126,7 +127,7 @@ class MemoryBudget:
             return
         room = self.room() or 0
         raise MemoryShortage(
-            f"needs {human(cost)} of working memory, only {human(room)} is free for it "
+            f"needs {human_size(cost, 2)} of working memory, only {human_size(room, 2)} is free for it "
             f"(this process may use {self.watch.last.describe()})",
             needed=cost,
             available=room,

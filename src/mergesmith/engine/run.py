@@ -46,6 +46,7 @@ from ..io.journal import STATE_DIR, Journal, ensure_writable_dir, partial_path, 
 from ..io.references import open_checkpoint
 from ..io.safetensors_writer import file_checksum, write_file_atomic
 from ..methods import require_method
+from ..sizes import human_size
 from .executor import ExecutionSettings, Executor, LocalExecutor, ProgressEvent
 from .plan import Plan
 from .planner import Planner
@@ -293,14 +294,6 @@ def _verify_finished(out_dir: Path, plan: Plan, journal: Journal, stop: threadin
     return bad
 
 
-def _human_bytes(n: float) -> str:
-    """Bytes in decimal units with enough precision that two different numbers never print alike."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
-
 
 def _check_space(out_dir: Path, plan: Plan, journal: Journal, force: bool) -> None:
     needed = SMALL_FILES_MARGIN
@@ -317,8 +310,8 @@ def _check_space(out_dir: Path, plan: Plan, journal: Journal, force: bool) -> No
     free = shutil.disk_usage(out_dir).free
     if free < needed and not force:
         raise OutputError(
-            f"{out_dir}: not enough free space: the merge needs {_human_bytes(needed)}, the filesystem has "
-            f"{_human_bytes(free)} free (use --force to try anyway)"
+            f"{out_dir}: not enough free space: the merge needs {human_size(needed, 2)}, the filesystem has "
+            f"{human_size(free, 2)} free (use --force to try anyway)"
         )
 
 

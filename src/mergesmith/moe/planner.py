@@ -34,6 +34,7 @@ from ..engine.planning import TOKENIZER_FILES, MergeOptions, ModelPlanner, cut_s
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import dtype_size, is_float, parse_config_dtype
+from ..sizes import human_size
 from .arch import DENSE_MLP, OutputArchitecture, select_architecture
 from .card import moe_model_card
 from .config import PROMPT_MODES, Expert, MoEConfiguration, dump_moe_config
@@ -288,7 +289,7 @@ class MoEPlanner(ModelPlanner):
         budget = self.options.max_memory
         if budget and memory > budget:
             self.warnings.append(
-                f"the {what} needs about {_human(memory)}, over the --max-memory budget of {_human(budget)} "
+                f"the {what} needs about {human_size(memory)}, over the --max-memory budget of {human_size(budget)} "
                 "(it cannot be split)"
             )
         return estimate
@@ -339,10 +340,3 @@ class MoEPlanner(ModelPlanner):
         )
         return plan, self.gates
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
