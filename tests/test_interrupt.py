@@ -24,7 +24,7 @@ from mergesmith.engine.executor import ProgressEvent
 from mergesmith.engine.planning import MergeOptions
 from mergesmith.engine.run import run_merge
 from mergesmith.errors import MergeInterrupted
-from mergesmith.io.journal import STATE_DIR, Journal
+from mergesmith.io.journal import STATE_DIR, STATE_TOP, Journal
 
 SHARD_ARGS = ["--out-shard-size", "50K", "--threads", "1"]
 
@@ -50,7 +50,7 @@ def case(tiny_models: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
 
 
 def _files(out: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != STATE_DIR}
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != STATE_TOP}
 
 
 def _start(config: Path, out: Path, slow: float) -> subprocess.Popen[str]:

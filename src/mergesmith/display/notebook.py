@@ -142,8 +142,15 @@ def final_line(out_dir: Path, result: Any) -> str:
     if result.already_complete:
         return f"{out_dir}: already complete (same config and inputs); nothing to do"
     seed = f", random seed {plan.random_seed}" if plan.random_seed is not None else ""
-    resumed = f", resumed with {result.shards_reused} finished shard(s)" if result.shards_reused else ""
     return (
         f"model written to {Path(out_dir).resolve()} ({len(plan.recipes)} tensors in {len(plan.shards)} shard(s), "
-        f"{human_size(plan.total_size)}) in {result.seconds:.1f}s{seed}{resumed}"
+        f"{human_size(plan.total_size)}) in {result.seconds:.1f}s{seed}"
     )
+
+
+def result_lines(out_dir: Path, result: Any, prefix: str = "") -> list[str]:
+    """What a shown run prints at its end, as the command line does: `resumed: ...` when it continued an
+    earlier run, then the final line."""
+    resumed = result.resume_line()
+    lines = [resumed] if resumed is not None and not result.already_complete else []
+    return [prefix + line for line in [*lines, final_line(out_dir, result)]]

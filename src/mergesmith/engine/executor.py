@@ -392,6 +392,7 @@ class Executor:
         self.threads = max(1, self.settings.threads)
         self.on_progress = on_progress
         self.stop = stop or threading.Event()
+        self.resumed_tensors = 0  # set by `run`: tensors earlier runs had made durable, reused rather than redone
         self._prepare()
 
     def _prepare(self) -> None:
@@ -468,6 +469,7 @@ class LocalExecutor(Executor):
             if not todo:
                 self._finish_shard(shard.filename)
             work.extend((shard, r) for r in todo)
+        self.resumed_tensors = self._done
         self._emit(None)
         self._warm_kernels([recipe for _, recipe in work])
 

@@ -29,7 +29,7 @@ from ..engine.architecture import (
     rewrite_config,
     ties_embeddings,
 )
-from ..engine.plan import Estimate, InputRef, Plan, TensorRecipe
+from ..engine.plan import MOE_CONFIG_NAME, Estimate, InputRef, Plan, TensorRecipe
 from ..engine.planning import TOKENIZER_FILES, MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
@@ -317,6 +317,7 @@ class MoEPlanner(ModelPlanner):
             out_dtype=self.out_dtype,
             files_to_copy=self.files_to_copy(),
             config_yaml=config_yaml,
+            config_name=MOE_CONFIG_NAME,
             model_card=card,
             input_identities=identities,
             options={
