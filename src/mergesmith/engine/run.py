@@ -220,6 +220,7 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
     """
     ensure_writable_dir(out_dir)
     if fcntl is None:
+        adopt_legacy_state(out_dir)
         yield
         return
     try:
