@@ -204,6 +204,7 @@ def test_resume_is_reported_by_the_api(
         line += f" ({whole} of {len(plan.shards)} shards whole)"
     assert result.resume_line() == line
     assert printed[-2] == line and printed[-1].startswith("model written to "), printed
+    assert " KB) in " in printed[-1] and "0.00 GB" not in printed[-1], "a small merge's size in a unit that fits it"
     assert line in caplog.messages
 
     again = mergesmith.merge(config, out, out_shard_size="60K", threads=1)
