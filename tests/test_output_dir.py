@@ -9,7 +9,7 @@
 - A merge interrupted inside its only shard (journaled tensors, no whole shard: the case that used to say
   nothing) reports `resumed: N of M tensors already written` with the journal's N, through the CLI and the
   API (the result's `tensors_reused`, the printed line with progress=True, the `mergesmith` logger); `multi`
-  per stage; `merge-raw` and `moe` through the same result.
+  per stage; `moe` and `tokensurgeon` through their own commands; `merge-raw` through the API.
 - A journal an older version left in `.mergesmith/` is adopted: the merge it started resumes, and nothing of
   it is left where an upload would take it.
 """
@@ -295,3 +295,73 @@ def test_older_versions_journal_is_adopted_and_the_merge_resumes(tmp_path: Path,
     assert (out / STATE_DIR / "journal.json").is_file()
     assert _model_files(out) == _model_files(tmp_path / "ref")
     assert STATE_TOP not in {name.split("/")[0] for name in _uploaded(out)}
+
+
+def _stopper(after: int) -> tuple[threading.Event, Any]:
+    stop = threading.Event()
+
+    def on_progress(event: ProgressEvent) -> None:
+        if event.tensors_done >= after:
+            stop.set()
+
+    return stop, on_progress
+
+
+def test_moe_resume_is_reported_by_the_cli(tmp_path: Path, capsys: Any, tiny_models: Any) -> None:
+    from mergesmith.moe import run_moe
+
+    experts = [tiny_models("llama", seed=s) for s in (1, 2)]
+    config = tmp_path / "moe.yml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "base_model": str(experts[0]),
+                "gate_mode": "random",
+                "experts": [{"source_model": str(m)} for m in experts],
+            }
+        )
+    )
+    out = tmp_path / "out"
+    stop, on_progress = _stopper(10)
+    options = MergeOptions(threads=1, out_shard_size=60_000, random_seed=3)
+    with pytest.raises(MergeInterrupted):
+        run_moe(config, out, options, on_progress=on_progress, stop=stop)
+    journal = Journal.load(out)
+    assert journal is not None
+    args = ("--out-shard-size", SHARD, "--threads", "1", "--random-seed", "3", "-q")
+    code, stdout, err = run_cli(capsys, "moe", config, out, *args)
+    assert code == 0, err
+    first = stdout.splitlines()[0]
+    assert first.startswith("resumed: ") and " tensors already written" in first, stdout
+    reused = int(first.split()[1])
+    assert reused >= 10 and reused >= sum(len(t) for t in journal.partial.values())
+    assert (out / "mergekit_moe_config.yml").is_file() and not (out / "mergekit_config.yml").exists()
+    assert ModelCard.load(out / "README.md").data.base_model_relation == "merge"
+
+
+def test_tokensurgeon_resume_is_reported_by_the_cli(tmp_path: Path, capsys: Any) -> None:
+    from mergesmith.tokensurgeon import SurgeryOptions, run_tokensurgeon
+
+    fixture = Path(__file__).parent / "fixtures" / "tokensurgeon"
+    out = tmp_path / "out"
+    stop, on_progress = _stopper(3)
+    with pytest.raises(MergeInterrupted):
+        run_tokensurgeon(
+            fixture / "base",
+            fixture / "donor",
+            out,
+            SurgeryOptions(k=16),
+            MergeOptions(threads=1, out_shard_size=20_000),
+            on_progress=on_progress,
+            stop=stop,
+        )
+    journal = Journal.load(out)
+    assert journal is not None
+    reused = sum(len(t) for t in journal.partial.values())
+    args = ("--k", "16", "--out-shard-size", "20K", "--threads", "1", "-q")
+    code, stdout, err = run_cli(capsys, "tokensurgeon", fixture / "base", fixture / "donor", out, *args)
+    assert code == 0, err
+    first = stdout.splitlines()[0]
+    assert first.startswith("resumed: ") and " tensors already written" in first, stdout
+    assert int(first.split()[1]) >= max(reused, 3)
+    assert (out / "mergesmith_config.yml").is_file(), "tokensurgeon's record is no mergekit config"
