@@ -365,3 +365,28 @@ def test_tokensurgeon_resume_is_reported_by_the_cli(tmp_path: Path, capsys: Any)
     assert first.startswith("resumed: ") and " tensors already written" in first, stdout
     assert int(first.split()[1]) >= max(reused, 3)
     assert (out / "mergesmith_config.yml").is_file(), "tokensurgeon's record is no mergekit config"
+
+
+def test_an_older_version_still_writing_is_not_robbed_of_its_files(tmp_path: Path, capsys: Any, models: Any) -> None:
+    """An older mergesmith holding `.mergesmith/lock` (its flock) while this one starts in the same directory:
+    refused in one line, its journal and partial files left where it writes them."""
+    import fcntl
+    import os
+
+    from tests.helpers import assert_one_line_error
+
+    config = _config(tmp_path / "c.yml", *models)
+    out = tmp_path / "out"
+    _interrupt(config, out, after=6)
+    (out / STATE_DIR).rename(out / LEGACY_STATE_DIR)
+    shutil.rmtree(out / STATE_TOP)
+    before = sorted(p.relative_to(out).as_posix() for p in (out / LEGACY_STATE_DIR).glob("**/*"))
+    fd = os.open(out / LEGACY_STATE_DIR / "lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code, _, err = run_cli(capsys, "merge", config, out, "--threads", "1", "-q")
+    finally:
+        os.close(fd)
+    assert_one_line_error(code, err, "older version", "another mergesmith process")
+    assert sorted(p.relative_to(out).as_posix() for p in (out / LEGACY_STATE_DIR).glob("**/*")) == before
+    assert not (out / "config.json").exists()
