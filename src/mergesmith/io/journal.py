@@ -7,8 +7,9 @@ download and upload bookkeeping; a `.gitignore` of `*` there keeps it out of a g
 journal must outlive the merge (a rerun of a complete merge trusts it and does nothing, `--verify`
 and `multi`'s skipping of finished stages read it), so it goes where uploads never look rather than
 being deleted. Earlier versions kept it in `<out>/.mergesmith/`: such a directory is moved here
-by the next run, so a merge an older version started still resumes. Deleting the journal is safe: the
-model files are complete without it, and a rerun merely starts over.
+by the next run, so a merge an older version started still resumes. Deleting the state of a complete
+merge is safe: the model files never need it; a rerun into the directory then finds it "not empty" and
+asks for `--overwrite` instead of saying "already complete". (Deleted mid-merge, the merge cannot resume.)
 
 It records the plan's fingerprint, the random seed, every finished shard (size and checksum), and
 for shards in progress the tensors already durable in their partial file (name -> CRC). It is only
@@ -118,7 +119,7 @@ def partial_path(out_dir: Path, shard: str) -> Path:
     return state_path(out_dir) / PARTIAL_DIR / f"{shard}.partial"
 
 
-def is_state_only(out_dir: Path, entry: Path) -> bool:
+def is_state_only(entry: Path) -> bool:
     """Whether `entry` (a top-level entry of `out_dir`) is mergesmith's state and nothing else: the legacy
     `.mergesmith` directory, or `.cache` holding only `huggingface/` with only our state (and the ignore
     and cache-tag files) in it. A `.cache` with anything else is somebody's (a download's bookkeeping)."""
@@ -137,7 +138,7 @@ def is_state_only(out_dir: Path, entry: Path) -> bool:
 
 def foreign_entries(out_dir: Path) -> list[Path]:
     """The entries of `out_dir` that are not mergesmith's state (what makes it "not empty")."""
-    return [p for p in out_dir.iterdir() if not is_state_only(out_dir, p)]
+    return [p for p in out_dir.iterdir() if not is_state_only(p)]
 
 
 def refuse_non_directory(out_dir: Path) -> None:
