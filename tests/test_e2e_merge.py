@@ -150,13 +150,13 @@ def test_output_layout_shards_index_tokenizer_card_and_dtype(tmp_path, tiny_mode
         "tokenizer.json",
         "tokenizer_config.json",
         "generation_config.json",
-        "mergesmith_config.yml",
+        "mergekit_config.yml",
         "README.md",
     ):
         assert (out / name).is_file(), name
     card = (out / "README.md").read_text()
     assert "linear" in card and str(a) in card and "mergesmith" in card
-    saved = yaml.safe_load((out / "mergesmith_config.yml").read_text())
+    saved = yaml.safe_load((out / "mergekit_config.yml").read_text())
     assert saved["merge_method"] == "linear"
     model = load_causal_lm(out)
     assert model.dtype == torch.bfloat16

@@ -62,7 +62,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("methods", ("methods",), "pure tensor math and the registry"),
     ("runtime", ("runtime",), "the process: devices, memory limits and release, caches, warm start"),
     ("io", ("io",), "checkpoints in, safetensors out, the journal, direct I/O, safe YAML"),
-    ("base", ("errors", "_version"), "error types and the version"),
+    ("base", ("errors", "_version", "sizes"), "error types, the version, byte counts as people read them"),
 ]
 
 

@@ -20,6 +20,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from mergesmith.io import safe_fs
+from mergesmith.io.journal import STATE_DIR
 from tests.helpers import assert_one_line_error, run_cli
 
 VICTIM_BYTES = b"precious data, not mergesmith's\n"
@@ -70,12 +71,12 @@ def _assert_complete(out: Path) -> None:
 
 
 def test_partial_shard_link_is_replaced_not_written_through(tmp_path: Path, capsys: Any, models: Any) -> None:
-    """A link at `.mergesmith/partial/<shard>.partial` (no --overwrite needed): the outside file keeps
+    """A link at `<state>/partial/<shard>.partial` (no --overwrite needed): the outside file keeps
     its bytes and the finished shard is our own regular file, not a link to it."""
     victim = _victim(tmp_path)
     out = tmp_path / "out"
-    (out / ".mergesmith" / "partial").mkdir(parents=True)
-    (out / ".mergesmith" / "partial" / "model.safetensors.partial").symlink_to(victim)
+    (out / STATE_DIR / "partial").mkdir(parents=True)
+    (out / STATE_DIR / "partial" / "model.safetensors.partial").symlink_to(victim)
     code, _, err = _merge(capsys, _config(tmp_path / "c.yml", *models), out)
     assert code == 0, err
     assert victim.read_bytes() == VICTIM_BYTES
@@ -84,7 +85,7 @@ def test_partial_shard_link_is_replaced_not_written_through(tmp_path: Path, caps
 
 @pytest.mark.parametrize(
     "where",
-    [".mergesmith/.journal.json.tmp", ".config.json.tmp", ".README.md.tmp", ".mergesmith_config.yml.tmp"],
+    [f"{STATE_DIR}/.journal.json.tmp", ".config.json.tmp", ".README.md.tmp", ".mergekit_config.yml.tmp"],
 )
 def test_temporary_file_link_is_replaced_not_written_through(
     tmp_path: Path, capsys: Any, models: Any, where: str
@@ -93,9 +94,9 @@ def test_temporary_file_link_is_replaced_not_written_through(
     (with `--overwrite` where the link makes the directory non-empty), the outside one keeps its bytes."""
     victim = _victim(tmp_path)
     out = tmp_path / "out"
-    (out / ".mergesmith").mkdir(parents=True)
+    (out / STATE_DIR).mkdir(parents=True)
     (out / where).symlink_to(victim)
-    extra = () if where.startswith(".mergesmith/") else ("--overwrite",)
+    extra = () if where.startswith(f"{STATE_DIR}/") else ("--overwrite",)
     code, _, err = _merge(capsys, _config(tmp_path / "c.yml", *models), out, *extra)
     assert code == 0, err
     assert victim.read_bytes() == VICTIM_BYTES
@@ -108,40 +109,60 @@ def test_dangling_temporary_link_creates_nothing_outside(tmp_path: Path, capsys:
     outside = tmp_path / "outside"
     outside.mkdir()
     out = tmp_path / "out"
-    (out / ".mergesmith").mkdir(parents=True)
-    (out / ".mergesmith" / ".journal.json.tmp").symlink_to(outside / "planted")
-    (out / ".mergesmith" / "lock").symlink_to(outside / "planted-lock")
+    (out / STATE_DIR).mkdir(parents=True)
+    (out / STATE_DIR / ".journal.json.tmp").symlink_to(outside / "planted")
+    (out / STATE_DIR / "lock").symlink_to(outside / "planted-lock")
     code, _, err = _merge(capsys, _config(tmp_path / "c.yml", *models), out)
     assert code == 0, err
     assert list(outside.iterdir()) == []
-    _assert_regular(out / ".mergesmith" / "lock")
+    _assert_regular(out / STATE_DIR / "lock")
     _assert_complete(out)
 
 
+@pytest.mark.parametrize("where", [".cache", ".cache/huggingface", STATE_DIR])
 def test_state_directory_link_with_overwrite_deletes_nothing_outside(
-    tmp_path: Path, capsys: Any, models: Any
+    tmp_path: Path, capsys: Any, models: Any, where: str
 ) -> None:
-    """`.mergesmith` itself a link to a directory outside, then `--overwrite`: refused in one line,
-    and every file of that directory is still there."""
+    """The state directory, or a directory on its way, a link to a directory outside, then `--overwrite`:
+    refused in one line, and every file of that directory is still there."""
     victim = _victim(tmp_path)
     (victim.parent / "journal.json").write_text("{}")
     out = tmp_path / "out"
-    out.mkdir()
-    (out / ".mergesmith").symlink_to(victim.parent, target_is_directory=True)
+    (out / where).parent.mkdir(parents=True)
+    (out / where).symlink_to(victim.parent, target_is_directory=True)
     code, _, err = _merge(capsys, _config(tmp_path / "c.yml", *models), out, "--overwrite")
-    assert_one_line_error(code, err, ".mergesmith", "symbolic link")
+    assert_one_line_error(code, err, where, "symbolic link")
     assert sorted(p.name for p in victim.parent.iterdir()) == ["journal.json", "victim.txt"]
     assert victim.read_bytes() == VICTIM_BYTES
     assert not (out / "config.json").exists()
 
 
+def test_legacy_state_directory_link_is_never_followed(tmp_path: Path, capsys: Any, models: Any) -> None:
+    """`.mergesmith` (where earlier versions kept the journal) a link to a directory outside: it is not read
+    as a journal nor adopted; the directory counts as not empty, and `--overwrite` removes the link itself."""
+    victim = _victim(tmp_path)
+    (victim.parent / "journal.json").write_text("{}")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".mergesmith").symlink_to(victim.parent, target_is_directory=True)
+    config = _config(tmp_path / "c.yml", *models)
+    code, _, err = _merge(capsys, config, out)
+    assert_one_line_error(code, err, "not empty", "--overwrite")
+    code, _, err = _merge(capsys, config, out, "--overwrite")
+    assert code == 0, err
+    assert not os.path.lexists(out / ".mergesmith")
+    assert sorted(p.name for p in victim.parent.iterdir()) == ["journal.json", "victim.txt"]
+    assert victim.read_bytes() == VICTIM_BYTES
+    _assert_complete(out)
+
+
 def test_partial_directory_link_is_refused_or_removed(tmp_path: Path, capsys: Any, models: Any) -> None:
-    """`.mergesmith/partial` a link: without --overwrite refused in one line; `--overwrite` removes the
+    """`<state>/partial` a link: without --overwrite refused in one line; `--overwrite` removes the
     link itself (it is inside our state directory) and merges. The outside directory is untouched."""
     victim = _victim(tmp_path)
     out = tmp_path / "out"
-    (out / ".mergesmith").mkdir(parents=True)
-    (out / ".mergesmith" / "partial").symlink_to(victim.parent, target_is_directory=True)
+    (out / STATE_DIR).mkdir(parents=True)
+    (out / STATE_DIR / "partial").symlink_to(victim.parent, target_is_directory=True)
     config = _config(tmp_path / "c.yml", *models)
     code, _, err = _merge(capsys, config, out)
     assert_one_line_error(code, err, "partial", "symbolic link")
@@ -150,7 +171,7 @@ def test_partial_directory_link_is_refused_or_removed(tmp_path: Path, capsys: An
     assert code == 0, err
     assert sorted(p.name for p in victim.parent.iterdir()) == ["victim.txt"]
     assert victim.read_bytes() == VICTIM_BYTES
-    assert not (out / ".mergesmith" / "partial").is_symlink()
+    assert not (out / STATE_DIR / "partial").is_symlink()
     _assert_complete(out)
 
 
@@ -212,8 +233,8 @@ def test_ray_shard_task_never_writes_through_a_link(tmp_path: Path, models: Any)
     out = tmp_path / "out"
     plan, checkpoints = build_plan(_config(tmp_path / "c.yml", *models), MergeOptions(threads=1), out)
     shard = plan.shards[0].filename
-    (out / ".mergesmith" / "partial").mkdir(parents=True)
-    (out / ".mergesmith" / "partial" / f"{shard}.partial").symlink_to(victim)
+    (out / STATE_DIR / "partial").mkdir(parents=True)
+    (out / STATE_DIR / "partial" / f"{shard}.partial").symlink_to(victim)
     paths = {ref: _input_path(ckpt) for ref, ckpt in checkpoints.items()}
     record = write_shard(plan, 0, str(out), paths, None, 1, None, "cpu")
     assert record["size"] == (out / shard).stat().st_size

@@ -27,7 +27,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from mergesmith.io.journal import STATE_DIR
+from mergesmith.io.journal import STATE_TOP
 from mergesmith.runtime.memory_limits import cgroup_dirs
 
 MB = 1 << 20
@@ -184,7 +184,7 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _files(out: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != STATE_DIR}
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != STATE_TOP}
 
 
 def _args(case: dict[str, Any], mode: str, hand: Path, out: Path, threads: int) -> list[str]:

@@ -14,7 +14,7 @@ import yaml
 
 from mergesmith.engine.executor import MemoryBudget
 from mergesmith.errors import MemoryShortage
-from mergesmith.io.journal import STATE_DIR
+from mergesmith.io.journal import STATE_TOP
 from mergesmith.runtime import memory_limits
 from mergesmith.runtime.memory_limits import CgroupMemory, MemoryRoom, MemoryWatch, cgroup_memory
 from tests.helpers import assert_one_line_error, run_cli
@@ -121,7 +121,7 @@ def case(tiny_models: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
     import mergesmith
 
     mergesmith.merge(config, root / "ref", out_shard_size="50K", threads=1)
-    return config, {p.name: p.read_bytes() for p in sorted((root / "ref").iterdir()) if p.name != STATE_DIR}
+    return config, {p.name: p.read_bytes() for p in sorted((root / "ref").iterdir()) if p.name != STATE_TOP}
 
 
 def test_a_merge_stops_cleanly_when_memory_runs_out_and_resumes(
@@ -148,4 +148,4 @@ def test_a_merge_stops_cleanly_when_memory_runs_out_and_resumes(
     code, stdout, err = run_cli(capsys, "merge", config, out, "--out-shard-size", "50K", "--threads", "1", "-q")
     assert code == 0, err
     assert "resumed" in stdout
-    assert {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != STATE_DIR} == expected
+    assert {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != STATE_TOP} == expected

@@ -359,7 +359,7 @@ def test_qwen3_moe_through_the_cli_with_uniform_random_gates(tmp_path, qwen3_mod
     router = state["model.layers.1.mlp.gate.weight"]
     assert router.dtype == torch.bfloat16 and router.shape == (3, HIDDEN)
     assert float(router.float().abs().max()) <= 1 / math.sqrt(HIDDEN) + 1e-3
-    assert "random seed used: 7" in (tmp_path / "out" / "mergesmith_config.yml").read_text()
+    assert "random seed used: 7" in (tmp_path / "out" / "mergekit_moe_config.yml").read_text()
 
 
 # ----- repeated experts, seeds, plans, resume ---------------------------------------------------
@@ -418,7 +418,7 @@ def test_random_gates_and_expert_noise_follow_the_seed(tmp_path, tiny_models):
     # Without --random-seed one is drawn, recorded, and reused by a rerun into the same directory.
     drawn = run_moe(cfg, tmp_path / "drawn", MergeOptions())
     assert drawn.plan.random_seed is not None
-    assert f"random seed used: {drawn.plan.random_seed}" in (tmp_path / "drawn" / "mergesmith_config.yml").read_text()
+    assert f"random seed used: {drawn.plan.random_seed}" in (tmp_path / "drawn" / "mergekit_moe_config.yml").read_text()
     assert f"`{drawn.plan.random_seed}`" in (tmp_path / "drawn" / "README.md").read_text()
     again, _, _ = build_moe_plan(cfg, MergeOptions(), tmp_path / "drawn")
     assert again.random_seed == drawn.plan.random_seed

@@ -49,7 +49,7 @@ def test_shape_mismatch_is_a_plan_time_error_even_with_allow_crimes(tmp_path, ti
     code, _out, err = run_cli(capsys, *args)
     line = assert_one_line_error(code, err, "mlp.", "shapes differ", str(llama), str(wider))
     assert "internal error" not in line
-    assert not out.exists()  # refused before the output directory (or its .mergesmith/) was made
+    assert not out.exists()  # refused before the output directory (or its state directory) was made
 
 
 # ----- merge-parameter names --------------------------------------------------------------------

@@ -21,12 +21,12 @@ import yaml
 from safetensors.torch import load_file
 
 import mergesmith
-from mergesmith.io.journal import STATE_DIR
+from mergesmith.io.journal import STATE_TOP
 from tests.helpers import run_cli
 
 
 def _files(out: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != STATE_DIR}
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != STATE_TOP}
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ def test_linear_merge_of_two_modules_loads_back_into_the_module(tmp_path):
     out = tmp_path / "out"
     result = run_raw_merge(cfg, out, MergeOptions())
     assert not result.already_complete
-    assert sorted(p.name for p in out.iterdir()) == [".mergesmith", "mergesmith_config.yml", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".cache", "mergekit_config.yml", "model.safetensors"]
     assert Journal.load(out).complete
 
     merged = TinyNet()

@@ -43,7 +43,7 @@ def test_first_merge_block_runs_as_written(tmp_path: Path) -> None:
     assert (tmp_path / "first-merge" / "config.json").is_file()
     assert "LlamaForCausalLM" in done.stdout
     listed = set(done.stdout.split())
-    for name in ("config.json", "model.safetensors", "README.md"):
+    for name in ("config.json", "model.safetensors", "README.md", "mergekit_config.yml"):
         assert name in listed, f"`ls first-merge` did not show {name}: {done.stdout}"
 
 

@@ -49,4 +49,5 @@ def test_readme_python_blocks_run(
     assert "model written to" in out and "interrupted" in out and "error: " in out
     assert (tmp_path / "merged" / "config.json").is_file() and (tmp_path / "merged-2" / "config.json").is_file()
     assert namespace["result"].shards_reused > 0
+    assert "resumed: " in out and namespace["result"].tensors_reused >= 10
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()

@@ -28,7 +28,7 @@ def test_drawn_seed_is_recorded_and_reproduces_the_bytes(tmp_path, tiny_models):
     first = _run(["merge", str(cfg), str(tmp_path / "one"), "-q"])
     assert first.returncode == 0, first.stderr
     card = (tmp_path / "one" / "README.md").read_text()
-    saved = (tmp_path / "one" / "mergesmith_config.yml").read_text()
+    saved = (tmp_path / "one" / "mergekit_config.yml").read_text()
     seeds = {int(m) for m in re.findall(r"random-seed (\d+)", card) + re.findall(r"seed used: (\d+)", saved)}
     assert len(seeds) == 1, (card, saved)
     seed = seeds.pop()
@@ -50,4 +50,4 @@ def test_deterministic_methods_record_no_seed(tmp_path, tiny_models):
     done = _run(["merge", str(cfg), str(tmp_path / "o"), "-q"])
     assert done.returncode == 0, done.stderr
     assert "seed" not in (tmp_path / "o" / "README.md").read_text().lower()
-    assert "seed" not in (tmp_path / "o" / "mergesmith_config.yml").read_text().lower()
+    assert "seed" not in (tmp_path / "o" / "mergekit_config.yml").read_text().lower()

@@ -28,6 +28,7 @@ from .runtime.process_tuning import (
     prefer_huge_pages,
     thaw_objects,
 )
+from .sizes import human_size
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?)([bB]?)\s*$")
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -52,13 +53,6 @@ def parse_size(text: str | int, option: str) -> int:
         raise ConfigError(f"`{option}`: size must be positive, got {text!r}")
     return size
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -457,7 +451,7 @@ def merge_raw(
     """Merge bare PyTorch state dicts (.safetensors, .pt, .bin; no config.json) into OUT_DIR.
 
     CONFIG_FILE is a merge config with `models` (file paths) and no `slices`; OUT_DIR receives
-    model.safetensors (or shards and an index) and mergesmith_config.yml.
+    model.safetensors (or shards and an index) and mergekit_config.yml.
     """
     from .raw.merge import run_raw_merge
 
@@ -497,18 +491,27 @@ def _print_merge_warnings(result: Any, quiet: bool, prefix: str = "") -> None:
             click.echo(f"{prefix}warning: {warning}", err=True)
 
 
+def _report_resume(result: Any, prefix: str = "") -> None:
+    """`resumed: 8 of 75 tensors already written (...)` when the run continued an earlier one, before the
+    line saying what was written: whole shards and tensors journaled inside a shard alike, so no resume
+    goes unreported."""
+    line = result.resume_line()
+    if line is not None:
+        click.echo(f"{prefix}{line}")
+
+
 def _report_result(out_dir: Path, result: Any, prefix: str = "", quiet: bool = False) -> None:
-    """What the merge found while running (not with `quiet`), then where it wrote and what."""
+    """What the merge found while running (not with `quiet`), then what it resumed, where it wrote and what."""
     _print_merge_warnings(result, quiet, prefix)
     plan = result.plan
     if result.already_complete:
         click.echo(f"{prefix}{out_dir}: already complete (same config and inputs); nothing to do")
         return
+    _report_resume(result, prefix)
     seed = f", random seed {plan.random_seed}" if plan.random_seed is not None else ""
-    resumed = f", resumed with {result.shards_reused} finished shard(s)" if result.shards_reused else ""
     click.echo(
         f"{prefix}wrote {out_dir} ({len(plan.recipes)} tensors in {len(plan.shards)} shard(s), "
-        f"{_human(plan.total_size)}) in {result.seconds:.1f}s{seed}{resumed}"
+        f"{human_size(plan.total_size)}) in {result.seconds:.1f}s{seed}"
     )
 
 
@@ -677,11 +680,11 @@ def moe_cmd(
         return
     moe = plan.options["moe"]
     seed = f", random seed {plan.random_seed}" if plan.random_seed is not None else ""
-    resumed = f", resumed with {result.shards_reused} finished shard(s)" if result.shards_reused else ""
+    _report_resume(result)
     click.echo(
         f"wrote {out_dir} ({moe['architecture']}, {moe['experts']} experts, {moe['experts_per_token']} per token; "
-        f"{len(plan.recipes)} tensors in {len(plan.shards)} shard(s), {_human(plan.total_size)}) "
-        f"in {result.seconds:.1f}s{seed}{resumed}"
+        f"{len(plan.recipes)} tensors in {len(plan.shards)} shard(s), {human_size(plan.total_size)}) "
+        f"in {result.seconds:.1f}s{seed}"
     )
 
 
@@ -795,6 +798,7 @@ def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overw
         click.echo(f"{out_dir}: already complete (same inputs and options); nothing to do")
         return
     summary = result.plan.options["tokensurgeon"]
+    _report_resume(result)
     click.echo(
         f"wrote {out_dir} (vocabulary {summary['vocab_size']}, {surgery.approximation_method}; "
         f"{describe_counts(counts)}) in {result.seconds:.1f}s"

@@ -236,8 +236,9 @@ def merge(
     notebook), a callable for every ProgressEvent; `stop`: an Event another thread may set to stop after
     the tensors in flight (MergeInterrupted). A KeyboardInterrupt (a notebook's stop button, or raised by
     the progress callable) also stops after the tensors in flight, journals them and propagates; the
-    next call resumes. Returns a MergeResult (`out_dir`, `plan`, `shards_reused`, `already_complete`,
-    `seconds`). Errors are the CLI's: ConfigError, CheckpointError, OutputError, MemoryShortage, ...
+    next call resumes. Returns a MergeResult (`out_dir`, `plan`, `already_complete`, `seconds`, and for a
+    resumed run `tensors_reused`, `shards_reused` and `resume_line()`; `resumed` says whether it was one).
+    Errors are the CLI's: ConfigError, CheckpointError, OutputError, MemoryShortage, ...
     """
     from .engine.run import run_merge
 
@@ -272,15 +273,27 @@ def _displayed(
 ) -> MergeResult:
     """Run `run(display, shown)` under the display `progress` asks for (none when `quiet`); with progress=True
     the last line says where the model is, as the command's does."""
-    from .display.notebook import choose_display, final_line
+    from .display.notebook import choose_display
 
     shown = progress is True and not kw["quiet"]
     display = choose_display(progress if not kw["quiet"] else None)
     with display:
         result = run(display, shown)
-    if shown:
-        print(final_line(Path(out_dir), result))
+    _report(Path(out_dir), result, shown)
     return result
+
+
+def _report(out_dir: Path, result: MergeResult, shown: bool, prefix: str = "") -> None:
+    """The end of a run: a resume goes to the `mergesmith` logger (INFO) always, and with progress=True the
+    command's closing lines are printed (`resumed: 8 of 75 tensors already written`, where the model is)."""
+    from .display.notebook import result_lines
+
+    resumed = result.resume_line()
+    if resumed is not None:
+        log.info("%s%s", prefix, resumed)
+    if shown:
+        for line in result_lines(out_dir, result, prefix):
+            print(line)
 
 
 def _run_with_source(run: Callable[..., Any], cfg: Any, source: str, *args: Any, **kw: Any) -> Any:
@@ -381,6 +394,7 @@ def multi(
 
     kw = _resolve("multi", "multi", options, exclude=("out_dir",))
     merge_options = _merge_options(kw)
+    shown = progress is True and not kw["quiet"]
     display = choose_display(progress if not kw["quiet"] else None)
     with display, tempfile.TemporaryDirectory(prefix="mergesmith-multi-") as scratch:
         path = Path(config) if isinstance(config, Path) or "\n" not in str(config) else None
@@ -400,6 +414,8 @@ def multi(
             on_progress=display.update,
             stop=stop,
         )
+    for r in results:  # per stage, as `mergesmith multi` reports them
+        _report(r.out_dir, r.result, shown, prefix=f"{r.name or '(final)'}: ")
     return results
 
 

@@ -199,5 +199,5 @@ def load_config(path: str | Path, *, strict: bool = False) -> MergeConfiguration
 
 
 def dump_config(config: MergeConfiguration) -> str:
-    """The config as YAML, without unset keys, for `mergesmith_config.yml` and the model card."""
+    """The config as YAML, without unset keys, for `mergekit_config.yml` and the model card."""
     return yaml.safe_dump(config.model_dump(exclude_none=True), sort_keys=False)

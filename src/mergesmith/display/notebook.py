@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..sizes import human_size
+
 NOTEBOOK_REFRESH_S = 0.25
 
 
@@ -33,10 +35,6 @@ def in_notebook() -> bool:
     except Exception:  # noqa: BLE001 - an odd IPython: not a notebook we know how to draw in
         return False
     return shell is not None and type(shell).__name__ in ("ZMQInteractiveShell", "Shell")
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
 
 
 class NotebookProgress:
@@ -87,7 +85,8 @@ class NotebookProgress:
         self._last = now
         rss = psutil.Process().memory_info().rss
         self._bar.set_postfix_str(
-            f"{event.tensors_done}/{event.tensors_total} tensors, RSS {_gb(rss)} of {_gb(self._limit)}", refresh=False
+            f"{event.tensors_done}/{event.tensors_total} tensors, RSS {human_size(rss)} of {human_size(self._limit)}",
+            refresh=False,
         )
         self._bar.update(event.bytes_written - self._bar.n)
 
@@ -143,8 +142,15 @@ def final_line(out_dir: Path, result: Any) -> str:
     if result.already_complete:
         return f"{out_dir}: already complete (same config and inputs); nothing to do"
     seed = f", random seed {plan.random_seed}" if plan.random_seed is not None else ""
-    resumed = f", resumed with {result.shards_reused} finished shard(s)" if result.shards_reused else ""
     return (
         f"model written to {Path(out_dir).resolve()} ({len(plan.recipes)} tensors in {len(plan.shards)} shard(s), "
-        f"{_gb(plan.total_size)}) in {result.seconds:.1f}s{seed}{resumed}"
+        f"{human_size(plan.total_size)}) in {result.seconds:.1f}s{seed}"
     )
+
+
+def result_lines(out_dir: Path, result: Any, prefix: str = "") -> list[str]:
+    """What a shown run prints at its end, as the command line does: `resumed: ...` when it continued an
+    earlier run, then the final line."""
+    resumed = result.resume_line()
+    lines = [resumed] if resumed is not None and not result.already_complete else []
+    return [prefix + line for line in [*lines, final_line(out_dir, result)]]

@@ -4,6 +4,10 @@ The front matter's `base_model:` is Hub metadata: the Hub, and tools that read i
 writes it into GGUF as `general.base_model.N.repo_url`), turn each entry into
 `https://huggingface.co/<entry>`. A local path there becomes a bogus URL (`https://huggingface.co//tmp/a`),
 so only Hub ids go there; local inputs are named in the card's text.
+
+`base_model_relation: merge` says how the model relates to those ids (the Hub's values are adapter, merge,
+quantized and finetune; left out, the Hub guesses from the files, and a merge's files look like a
+fine-tune's). The `merge` tag is the one published merges carry, beside `mergesmith`.
 """
 
 from __future__ import annotations
@@ -43,12 +47,14 @@ def hub_ids(refs: list[str]) -> list[str]:
 
 
 def front_matter(refs: list[str], tags: list[str]) -> str:
-    """The card's YAML front matter; `base_model` lists the Hub ids only, and is left out when there are none."""
+    """The front matter of a merge's card (MoE assemblies included); `base_model` lists the Hub ids only, and
+    is left out when there are none; the tags always include `merge`."""
     front: dict[str, object] = {}
     ids = hub_ids(refs)
     if ids:
         front["base_model"] = ids
-    front.update({"library_name": "transformers", "tags": tags})
+    front["base_model_relation"] = "merge"
+    front.update({"library_name": "transformers", "tags": list(dict.fromkeys([*tags, "merge"]))})
     return "\n".join(["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---"])
 
 

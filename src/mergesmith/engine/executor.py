@@ -32,8 +32,9 @@ from ..methods.registry import MERGE_WHOLE
 from ..methods.task_arithmetic import FAMILY
 from ..runtime import intra_op_threads
 from ..runtime.devices import resolve_device
-from ..runtime.memory_limits import MemoryWatch, human, memory_room
+from ..runtime.memory_limits import MemoryWatch, memory_room
 from ..runtime.memory_release import release_free_heap
+from ..sizes import human_size
 from .blocks import row_blocks, two_pass
 from .input_feed import MERGE, TOTALS, InputFeed, open_feed
 from .nonfinite import NonFiniteMonitor
@@ -126,7 +127,7 @@ class MemoryBudget:
             return
         room = self.room() or 0
         raise MemoryShortage(
-            f"needs {human(cost)} of working memory, only {human(room)} is free for it "
+            f"needs {human_size(cost, 2)} of working memory, only {human_size(room, 2)} is free for it "
             f"(this process may use {self.watch.last.describe()})",
             needed=cost,
             available=room,
@@ -391,6 +392,7 @@ class Executor:
         self.threads = max(1, self.settings.threads)
         self.on_progress = on_progress
         self.stop = stop or threading.Event()
+        self.resumed_tensors = 0  # set by `run`: tensors earlier runs had made durable, reused rather than redone
         self._prepare()
 
     def _prepare(self) -> None:
@@ -467,6 +469,7 @@ class LocalExecutor(Executor):
             if not todo:
                 self._finish_shard(shard.filename)
             work.extend((shard, r) for r in todo)
+        self.resumed_tensors = self._done
         self._emit(None)
         self._warm_kernels([recipe for _, recipe in work])
 

@@ -16,6 +16,15 @@ from typing import Any
 
 from ..io.dtypes import dtype_size
 
+CONFIG_NAME = "mergekit_config.yml"
+"""The merge config's name in the output directory: the one mergekit writes, which published merges carry
+and which tools reading a model's lineage look for."""
+MOE_CONFIG_NAME = "mergekit_moe_config.yml"
+"""An MoE assembly's config, as mergekit-moe names it."""
+OWN_CONFIG_NAME = "mergesmith_config.yml"
+"""A record that is no mergekit config (tokensurgeon's options); also the name earlier versions gave every
+config, so still an output file of ours for `--overwrite`."""
+
 
 @dataclass(frozen=True)
 class InputRef:
@@ -100,6 +109,7 @@ class Plan:
     random_seed: int | None = None
     warnings: list[str] = field(default_factory=list)
     estimate: Estimate | None = None
+    config_name: str = CONFIG_NAME  # the file `config_yaml` is written to
 
     @property
     def recipes(self) -> list[TensorRecipe]:

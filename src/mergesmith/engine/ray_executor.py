@@ -5,7 +5,7 @@ from the driver but the plan (plain data, put once in the object store) and the 
 its inputs. Each task opens those inputs itself, checks they are the very files the driver planned
 from (size, mtime and header hash, as in the plan's fingerprint: a node that mounts something else
 fails loudly instead of writing a wrong shard), and runs `LocalExecutor` on its one shard, which
-writes the shard under `.mergesmith/partial/`, fsyncs it and renames it into place. The driver owns
+writes the shard under the state directory's `partial/`, fsyncs it and renames it into place. The driver owns
 the journal: it records each shard as its task returns, so an interrupted Ray merge resumes exactly
 like a local one (with either executor), and `engine.run.execute_plan` writes the index and config.json
 after the last shard, as always.
@@ -194,6 +194,9 @@ class RayExecutor(Executor):
         pending = [(i, s) for i, s in enumerate(self.plan.shards) if s.filename not in self.journal.finished]
         self._done = len(self.plan.recipes) - sum(len(s.recipes) for _, s in pending)
         self._bytes = self.plan.total_size - sum(s.data_bytes for _, s in pending)  # a resume starts at what is done
+        # plus the tensors a local run journaled inside an unfinished shard, which its task reuses once their
+        # checksums match (the driver cannot see that check: the journal's word is the count reported)
+        self.resumed_tensors = self._done + sum(len(self.journal.partial.get(s.filename) or {}) for _, s in pending)
         self._emit()
         if not pending:
             return

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import OutputError
 from ..io.checkpoint import Checkpoint
+from ..sizes import human_size
 from .plan import Plan
 from .planning import MergeOptions
 
@@ -50,7 +51,7 @@ def probe_write_throughput(directory: Path, size: int = PROBE_WRITE_BYTES) -> tu
     except OSError as exc:
         return None, f"cannot read free space ({exc.strerror or exc})"
     if free < 2 * size:
-        return None, f"less than {_h(2 * size)} free"
+        return None, f"less than {human_size(2 * size)} free"
     block = os.urandom(1_000_000)
     try:
         fd, name = tempfile.mkstemp(dir=directory, prefix=".mergesmith-probe-")
@@ -182,7 +183,7 @@ def _memory(est: Any) -> dict[str, Any]:
 
 def _over_budget_text(tensor: str, needed: int, budget: int) -> str:
     return (
-        f"tensor {tensor} alone needs {_h(needed)}, over the --max-memory budget of {_h(budget)}; "
+        f"tensor {tensor} alone needs {human_size(needed)}, over the --max-memory budget of {human_size(budget)}; "
         "it will run by itself"
     )
 
@@ -196,13 +197,6 @@ def over_budget_warning(plan: Plan, max_memory: int | None) -> str | None:
     return _over_budget_text(est.largest_tensor, est.largest_tensor_bytes, max_memory)
 
 
-def _h(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
 
 def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
     lines = [
@@ -211,15 +205,14 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
         f"tensors: {len(report['tensors'])}    shards: {len(report['shards'])}",
     ]
     for s in report["shards"]:
-        lines.append(f"  {s['file']}: {s['tensors']} tensors, {_h(s['bytes'])}")
-    lines.append(f"read: {_h(report['bytes_read'])}    write: {_h(report['bytes_written'])}")
+        lines.append(f"  {s['file']}: {s['tensors']} tensors, {human_size(s['bytes'])}")
+    lines.append(f"read: {human_size(report['bytes_read'])}    write: {human_size(report['bytes_written'])}")
     lines.append(
-        f"peak memory (estimate, {report['threads']} threads): {_h(report['peak_memory_bytes'])}"
-        f" (read-ahead buffers {_h(report['read_ahead_bytes'])})"
+        f"peak memory (estimate, {report['threads']} threads): {human_size(report['peak_memory_bytes'])}"
+        f" (read-ahead buffers {human_size(report['read_ahead_bytes'])})"
     )
-    lines.append(
-        f"largest working set: {report['largest_tensor']['name']} ({_h(report['largest_tensor']['working_bytes'])})"
-    )
+    largest = report["largest_tensor"]
+    lines.append(f"largest working set: {largest['name']} ({human_size(largest['working_bytes'])})")
     if report["over_budget"]:
         o = report["over_budget"]
         lines.append("warning: " + _over_budget_text(o["tensor"], o["bytes"], o["budget"]))
@@ -233,10 +226,11 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
     if report["disk"]:
         d = report["disk"]
         verdict = "not writable" if not d.get("writable", True) else "ok" if d["enough"] else "NOT ENOUGH"
-        lines.append(f"disk at {d['path']}: {_h(d['free_bytes'])} free, {_h(d['needed_bytes'])} needed ({verdict})")
-    probe = f"throughput probe: read {_h(report['read_throughput_bytes_per_s'])}/s, "
+        free, needed = human_size(d["free_bytes"]), human_size(d["needed_bytes"])
+        lines.append(f"disk at {d['path']}: {free} free, {needed} needed ({verdict})")
+    probe = f"throughput probe: read {human_size(report['read_throughput_bytes_per_s'])}/s, "
     if report["write_throughput_bytes_per_s"]:
-        probe += f"write {_h(report['write_throughput_bytes_per_s'])}/s"
+        probe += f"write {human_size(report['write_throughput_bytes_per_s'])}/s"
     else:
         why = report.get("write_not_measured") or "not measured"
         probe += f"write speed not measured ({why}; the estimate assumes the read speed)"

@@ -1,12 +1,14 @@
 """The Python API: plan a merge, run it into a directory (resuming when possible).
 
 Output directory protocol, which makes merges crash-consistent:
-0. one run at a time holds `.mergesmith/lock` (flock: released by the kernel even on SIGKILL);
+The state (journal, partial shards, lock) lives in `<out>/.cache/huggingface/mergesmith/` (io/journal.py
+says why there: uploads skip it); below, `<state>`.
+0. one run at a time holds `<state>/lock` (flock: released by the kernel even on SIGKILL);
 1. the journal (plan fingerprint) is written first, and any config.json/index from an earlier run
    is removed (before any damaged shard), so a directory is never mistaken for complete while
    shards change;
-2. shards are written under `.mergesmith/partial/`, fsync'ed, renamed into place, journaled;
-3. tokenizer files, model card and `mergesmith_config.yml` are copied;
+2. shards are written under `<state>/partial/`, fsync'ed, renamed into place, journaled;
+3. tokenizer files, model card and the config (`mergekit_config.yml`, as mergekit names it) are written;
 4. the index and finally `config.json` are written atomically: a directory that has `config.json`
    has all of its shards.
 
@@ -42,12 +44,23 @@ from ..errors import MergeInterrupted, MergesmithError, OutputError
 from ..io import safe_fs
 from ..io._test_hooks import kill_point
 from ..io.checkpoint import Checkpoint
-from ..io.journal import STATE_DIR, Journal, ensure_writable_dir, partial_path, refuse_non_directory
+from ..io.journal import (
+    LEGACY_STATE_DIR,
+    LOCK_NAME,
+    STATE_PARTS,
+    Journal,
+    adopt_legacy_state,
+    ensure_writable_dir,
+    foreign_entries,
+    partial_path,
+    refuse_non_directory,
+)
 from ..io.references import open_checkpoint
 from ..io.safetensors_writer import file_checksum, write_file_atomic
 from ..methods import require_method
+from ..sizes import human_size
 from .executor import ExecutionSettings, Executor, LocalExecutor, ProgressEvent
-from .plan import Plan
+from .plan import CONFIG_NAME, MOE_CONFIG_NAME, OWN_CONFIG_NAME, Plan
 from .planner import Planner
 from .planning import MergeOptions
 from .report import over_budget_warning
@@ -58,18 +71,43 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks, so concurr
     fcntl = None  # type: ignore[assignment]
 
 INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAMES = (CONFIG_NAME, MOE_CONFIG_NAME, OWN_CONFIG_NAME)
 SMALL_FILES_MARGIN = 16 << 20
-LOCK_NAME = "lock"
 
 
 @dataclass
 class MergeResult:
+    """What a run into a directory did. A rerun after an interruption reuses what earlier runs made durable:
+    whole shards (`shards_reused`) and, inside unfinished shards, every journaled tensor whose checksum still
+    matches; `tensors_reused` counts both (all of them when `already_complete`). `resume_line()` is how the
+    command line and the API report it."""
+
     out_dir: Path
     plan: Plan
     shards_reused: int
     already_complete: bool
     seconds: float
     warnings: list[str] = field(default_factory=list)  # found while merging: NaN/inf in inputs or outputs
+    tensors_reused: int = 0
+    shards_discarded: int = 0  # finished shards that failed their size or checksum check and were written again
+
+    @property
+    def resumed(self) -> bool:
+        """Whether this run continued an earlier one (reused any tensor) rather than finding it complete."""
+        return not self.already_complete and (self.tensors_reused > 0 or self.shards_discarded > 0)
+
+    def resume_line(self) -> str | None:
+        """`resumed: 8 of 75 tensors already written (1 of 3 shards whole)`, or None when nothing was resumed."""
+        if not self.resumed:
+            return None
+        total = len(self.plan.recipes)
+        line = f"resumed: {self.tensors_reused} of {total} tensors already written"
+        if self.shards_reused:
+            line += f" ({self.shards_reused} of {len(self.plan.shards)} shards whole)"
+        if self.shards_discarded:
+            s = "s" if self.shards_discarded != 1 else ""
+            line += f"; {self.shards_discarded} missing or damaged shard{s} written again"
+        return line
 
 
 def as_config(config: str | Path | MergeConfiguration, strict: bool = False) -> tuple[MergeConfiguration, str]:
@@ -133,7 +171,7 @@ def completion_marker(plan: Plan) -> str:
 
 def _owned_outputs(out_dir: Path) -> list[Path]:
     """Files a merge writes (and so may remove with --overwrite); other files are left alone."""
-    names = {"config.json", INDEX_NAME, "README.md", "mergesmith_config.yml", "generation_config.json"}
+    names = {"config.json", INDEX_NAME, "README.md", "generation_config.json", *CONFIG_NAMES}
     from .planning import TOKENIZER_FILES
 
     names.update(TOKENIZER_FILES)
@@ -173,7 +211,7 @@ def _refuse_input_directory(out_dir: Path, checkpoints: dict[str, Checkpoint]) -
 
 @contextmanager
 def _exclusive(out_dir: Path) -> Iterator[None]:
-    """Hold `.mergesmith/lock` while writing into `out_dir`.
+    """Hold `<state>/lock` while writing into `out_dir` (and adopt an older version's `.mergesmith/` under it).
 
     A second run into the same directory (another terminal, a scheduler's retry) would reopen the
     same partial files by name, truncating what the first already wrote and journaled, and rename
@@ -182,10 +220,11 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
     """
     ensure_writable_dir(out_dir)
     if fcntl is None:
+        adopt_legacy_state(out_dir)
         yield
         return
     try:
-        with safe_fs.opened_dir(out_dir, (STATE_DIR,)) as state:
+        with safe_fs.opened_dir(out_dir, STATE_PARTS) as state:
             fd = safe_fs.open_lock_file(state, LOCK_NAME)
     except OSError as exc:
         if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
@@ -199,6 +238,7 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
             raise OutputError(
                 f"{out_dir}: another mergesmith process is writing to this directory; wait for it or stop it first"
             ) from None
+        adopt_legacy_state(out_dir)
         yield
     finally:
         os.close(fd)
@@ -208,13 +248,15 @@ def _prepare_out_dir(out_dir: Path, fingerprint: str, overwrite: bool) -> Journa
     """Validate the output directory and return the journal to continue (or a fresh one)."""
     ensure_writable_dir(out_dir)
     journal = Journal.load(out_dir)
-    others = [p for p in out_dir.iterdir() if p.name != STATE_DIR]
+    others = foreign_entries(out_dir)
     if journal is not None and journal.fingerprint == fingerprint and not overwrite:
         return journal
     if overwrite:
         for path in _owned_outputs(out_dir):
             _remove(path)
-        with safe_fs.opened_dir(out_dir, (STATE_DIR,)) as state:  # never through a link (safe_fs)
+        if (out_dir / LEGACY_STATE_DIR).is_symlink():  # a link where older versions kept their state: unlinked
+            _remove(out_dir / LEGACY_STATE_DIR)
+        with safe_fs.opened_dir(out_dir, STATE_PARTS) as state:  # never through a link (safe_fs)
             for name in os.listdir(state):  # all but the lock this run holds; links removed, not followed
                 if name != LOCK_NAME:
                     safe_fs.remove_tree(state, name)
@@ -293,14 +335,6 @@ def _verify_finished(out_dir: Path, plan: Plan, journal: Journal, stop: threadin
     return bad
 
 
-def _human_bytes(n: float) -> str:
-    """Bytes in decimal units with enough precision that two different numbers never print alike."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
-
 
 def _check_space(out_dir: Path, plan: Plan, journal: Journal, force: bool) -> None:
     needed = SMALL_FILES_MARGIN
@@ -317,15 +351,15 @@ def _check_space(out_dir: Path, plan: Plan, journal: Journal, force: bool) -> No
     free = shutil.disk_usage(out_dir).free
     if free < needed and not force:
         raise OutputError(
-            f"{out_dir}: not enough free space: the merge needs {_human_bytes(needed)}, the filesystem has "
-            f"{_human_bytes(free)} free (use --force to try anyway)"
+            f"{out_dir}: not enough free space: the merge needs {human_size(needed, 2)}, the filesystem has "
+            f"{human_size(free, 2)} free (use --force to try anyway)"
         )
 
 
 def _write_small_files(out_dir: Path, plan: Plan) -> None:
     for src, name in plan.files_to_copy:
         write_file_atomic(out_dir / name, Path(src).read_bytes())
-    write_file_atomic(out_dir / "mergesmith_config.yml", plan.config_yaml.encode())
+    write_file_atomic(out_dir / plan.config_name, plan.config_yaml.encode())
     if plan.model_card is not None:
         write_file_atomic(out_dir / "README.md", plan.model_card.encode())
 
@@ -459,8 +493,9 @@ def _write_plan(
     verify: bool = False,
 ) -> MergeResult:
     """Steps 1-4 of the output-directory protocol (see the module docstring) into a prepared `out`."""
+    everything = len(plan.recipes)
     if not verify and _untouched_since_complete(out, plan, journal):
-        return MergeResult(out, plan, len(journal.finished), True, time.monotonic() - started)
+        return MergeResult(out, plan, len(journal.finished), True, time.monotonic() - started, [], everything)
     bad = _verify_finished(out, plan, journal, stop)
     reused = len(journal.finished)
     if journal.complete and not bad and reused == len(plan.shards) and (out / completion_marker(plan)).is_file():
@@ -469,7 +504,7 @@ def _write_plan(
                 journal.save()
         except OSError:
             pass
-        return MergeResult(out, plan, reused, True, time.monotonic() - started)
+        return MergeResult(out, plan, reused, True, time.monotonic() - started, [], everything)
     journal.complete = False
     for stale in (out / "config.json", out / INDEX_NAME, *bad):
         _remove(stale)
@@ -490,4 +525,5 @@ def _write_plan(
     _record_mtimes(out, journal)
     journal.complete = True
     journal.save()
-    return MergeResult(out, plan, reused, False, time.monotonic() - started, warnings)
+    seconds = time.monotonic() - started
+    return MergeResult(out, plan, reused, False, seconds, warnings, executor.resumed_tensors, len(bad))

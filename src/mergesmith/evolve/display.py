@@ -8,11 +8,7 @@ from typing import Any
 
 import click
 
-from ..runtime.memory_limits import human
-
-
-def _h(n: float) -> str:
-    return human(n, digits=1)
+from ..sizes import human_size
 
 
 def estimate_lines(est: dict[str, Any]) -> list[str]:
@@ -20,8 +16,8 @@ def estimate_lines(est: dict[str, Any]) -> list[str]:
     return [
         f"genome: {est['parameters']} parameters (layer groups x models x parameter sets x method parameters = "
         f"{' x '.join(map(str, est['shape']))})",
-        f"per candidate: reads {_h(est['bytes_read'])}, merges {_h(est['merged_bytes'])} {where}; "
-        f"memory about {_h(est['memory_bytes'])}; disk {_h(est['disk_bytes'])}; merge about "
+        f"per candidate: reads {human_size(est['bytes_read'])}, merges {human_size(est['merged_bytes'])} {where}; "
+        f"memory about {human_size(est['memory_bytes'])}; disk {human_size(est['disk_bytes'])}; merge about "
         f"{est['merge_seconds']:.1f} s from the read speed (evaluation time is measured on the first candidate)",
     ]
 

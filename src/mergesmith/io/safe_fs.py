@@ -2,10 +2,10 @@
 
 Why: an output directory may sit in a shared or world-writable place (/tmp, a group scratch disk) or be a
 copy of another one, and anybody who can create entries in it can plant a link where mergesmith is about
-to write (`.mergesmith/partial/<shard>.partial`, `.mergesmith/.journal.json.tmp`) or clean
-(`.mergesmith` itself, before `--overwrite` empties it). Opening those names by path follows the link
-and writes or deletes outside the directory. So everything below the trusted root goes through
-directory descriptors:
+to write (`<state>/partial/<shard>.partial`, `<state>/.journal.json.tmp`, where `<state>` is
+`.cache/huggingface/mergesmith`) or clean (the state directory itself, before `--overwrite` empties
+it). Opening those names by path follows the link and writes or deletes outside the directory. So
+everything below the trusted root goes through directory descriptors:
 
 - the root (the output directory the user named, or the cache directory) is opened as given: a link
   the user chose there is the user's business;

@@ -17,7 +17,7 @@ from ..engine.planning import MergeOptions
 from ..engine.run import MergeResult, RunControls, reuse_or_draw_seed, run_planned
 from ..errors import OutputError
 from ..io.checkpoint import Checkpoint
-from ..io.journal import STATE_DIR, Journal, refuse_non_directory
+from ..io.journal import Journal, foreign_entries, refuse_non_directory
 from ..io.references import open_checkpoint
 from .config import MoEConfiguration, load_moe_config, validate_moe_config
 from .planner import MoEPlanner
@@ -59,7 +59,7 @@ def _refuse_early(out: Path, plan: Plan, overwrite: bool) -> None:
     journal = Journal.load(out)
     if journal is not None and journal.fingerprint != plan.fingerprint():
         raise OutputError(f"{out}: holds a merge with a different config or inputs; use --overwrite to replace it")
-    if journal is None and any(p.name != STATE_DIR for p in out.iterdir()):
+    if journal is None and foreign_entries(out):
         raise OutputError(f"{out}: directory is not empty; use --overwrite to replace its model files")
 
 

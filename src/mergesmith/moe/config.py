@@ -208,5 +208,5 @@ def load_moe_config(path: str | Path, *, allow_all_same: bool = False, strict: b
 
 
 def dump_moe_config(config: MoEConfiguration) -> str:
-    """The config as YAML without unset keys, for `mergesmith_config.yml` and the model card."""
+    """The config as YAML without unset keys, for `mergekit_moe_config.yml` and the model card."""
     return yaml.safe_dump(config.model_dump(exclude_none=True), sort_keys=False)

@@ -29,11 +29,12 @@ from ..engine.architecture import (
     rewrite_config,
     ties_embeddings,
 )
-from ..engine.plan import Estimate, InputRef, Plan, TensorRecipe
+from ..engine.plan import MOE_CONFIG_NAME, Estimate, InputRef, Plan, TensorRecipe
 from ..engine.planning import TOKENIZER_FILES, MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import dtype_size, is_float, parse_config_dtype
+from ..sizes import human_size
 from .arch import DENSE_MLP, OutputArchitecture, select_architecture
 from .card import moe_model_card
 from .config import PROMPT_MODES, Expert, MoEConfiguration, dump_moe_config
@@ -288,7 +289,7 @@ class MoEPlanner(ModelPlanner):
         budget = self.options.max_memory
         if budget and memory > budget:
             self.warnings.append(
-                f"the {what} needs about {_human(memory)}, over the --max-memory budget of {_human(budget)} "
+                f"the {what} needs about {human_size(memory)}, over the --max-memory budget of {human_size(budget)} "
                 "(it cannot be split)"
             )
         return estimate
@@ -316,6 +317,7 @@ class MoEPlanner(ModelPlanner):
             out_dtype=self.out_dtype,
             files_to_copy=self.files_to_copy(),
             config_yaml=config_yaml,
+            config_name=MOE_CONFIG_NAME,
             model_card=card,
             input_identities=identities,
             options={
@@ -339,10 +341,3 @@ class MoEPlanner(ModelPlanner):
         )
         return plan, self.gates
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"

@@ -9,7 +9,7 @@ not, since they interpolate over layers and a state dict has none.
 Planning reuses `Planner`'s recipe and parameter machinery with its architecture parts switched off
 (no layer stacks, no tied-head lookup, no tokenizer, no model card); execution and the output
 protocol are the ordinary journaled ones, so raw merges resume, shard and run on Ray like any other.
-The output directory holds `model.safetensors` (or shards and an index) and `mergesmith_config.yml`;
+The output directory holds `model.safetensors` (or shards and an index) and `mergekit_config.yml`;
 see `engine.run.completion_marker` for what marks it complete when there is no config.json.
 """
 

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..sizes import human_size
+
 RESERVE_BYTES = 64 << 20
 """Kept free beyond the tensors' working sets: Python objects, writer buffers and allocator slack grow
 during a merge without being counted in any recipe's estimate."""
@@ -72,19 +74,12 @@ class MemoryRoom:
         parts = []
         if self.cgroup is not None:
             parts.append(
-                f"cgroup v{self.cgroup.version} limit {human(self.cgroup.limit)}, {human(self.cgroup.used)} used"
+                f"cgroup v{self.cgroup.version} limit {human_size(self.cgroup.limit, 2)}, "
+                f"{human_size(self.cgroup.used, 2)} used"
             )
-        parts.append(f"system available {human(self.system_available)} of {human(self.system_total)}")
-        return f"{human(self.available)} ({'; '.join(parts)})"
+        parts.append(f"system available {human_size(self.system_available, 2)} of {human_size(self.system_total, 2)}")
+        return f"{human_size(self.available, 2)} ({'; '.join(parts)})"
 
-
-def human(n: float, digits: int = 2) -> str:
-    """A byte count in decimal units, with `digits` after the point above bytes."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.{digits}f} {unit}"
-        n /= 1000
-    return f"{n:.{digits}f} TB"
 
 
 def _read(path: Path) -> str | None:
@@ -320,12 +315,14 @@ def memory_report(peak: int, largest: int, read_ahead: int = 0) -> dict[str, obj
         warning = None
     elif runs:
         warning = (
-            f"the peak memory estimate ({human(peak)}) is more than this process may use now ({room.describe()}); "
+            f"the peak memory estimate ({human_size(peak, 2)}) is more than this process may use now "
+            f"({room.describe()}); "
             "the merge will run fewer tensors at once"
         )
     else:
         warning = (
-            f"the largest tensor's working set ({human(largest)} plus {human(read_ahead)} of read-ahead buffers) is "
+            f"the largest tensor's working set ({human_size(largest, 2)} plus {human_size(read_ahead, 2)} of "
+            "read-ahead buffers) is "
             f"more than this process may use now ({room.describe()}); the merge will stop at that tensor"
         )
     return {

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from ..engine.architecture import LM_HEAD_NAMES, embedding_for_head, find_layer_stack, ties_embeddings
-from ..engine.plan import InputRef, Plan, TensorRecipe
+from ..engine.plan import OWN_CONFIG_NAME, InputRef, Plan, TensorRecipe
 from ..engine.planning import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
@@ -276,6 +276,7 @@ class TokenSurgeonPlanner:
             out_dtype=out_dtype,
             files_to_copy=files,
             config_yaml=config_yaml,
+            config_name=OWN_CONFIG_NAME,  # tokensurgeon's options, not a mergekit config
             model_card=self._card(found) if self.options.write_model_card else None,
             input_identities={
                 self.base_ref: [list(x) for x in self.base.identity()],
