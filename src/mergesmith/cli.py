@@ -589,6 +589,7 @@ class _StageProgress:
 @click.option(
     "--out-dir",
     "--intermediate-dir",
+    "-I",
     "out_dir",
     type=click.Path(path_type=Path),
     required=True,
@@ -897,16 +898,20 @@ def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overw
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="ray: a generation's candidates are scored as Ray tasks.")
 @click.option("--ray-address", default=None, help="Ray cluster to join (default: RAY_ADDRESS or a local Ray).")
-@click.option("--vllm/--no-vllm", default=False, hidden=True)
 @click.option("--merge-best", type=click.Path(path_type=Path), default=None, help="Write the best merge here.")
 @click.option("--overwrite", is_flag=True, help="Start over when the storage path holds a different search.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow model code from checkpoints.")
-@click.option("--allow-crimes", is_flag=True, help="Merge models of different architectures.")
-@click.option("--quiet", "-q", is_flag=True, help="Only the summary.")
+@click.option("--trust-remote-code/--no-trust-remote-code", default=False, help="Allow model code from checkpoints.")
+@click.option("--allow-crimes/--no-allow-crimes", default=False, help="Merge models of different architectures.")
+@click.option("--quiet/--no-quiet", "-q", "quiet", default=False, help="Only the summary.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details.")
+@mergekit_flags.add_flags("evolve")
 def evolve_cmd(genome_file: Path, storage_path: Path, **kw: Any) -> None:
     """Find merge parameters for GENOME_FILE (mergekit-evolve's format) by CMA-ES; resumable: rerun to continue."""
     from .evolve.command import run_evolve_command
+
+    taken = mergekit_flags.take("evolve", kw)
+    if taken.get("save_final_model") and kw.get("merge_best") is None:  # mergekit-evolve's place for it
+        kw["merge_best"] = storage_path / "final_model"
 
     run_evolve_command(genome_file, storage_path, kw)
 

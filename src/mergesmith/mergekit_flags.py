@@ -374,6 +374,14 @@ FLAGS: tuple[Flag, ...] = (
         attrs={"is_flag": True, "default": False},
     ),
     Flag(
+        ("--vllm/--no-vllm", "vllm"),
+        "No effect: candidates are scored with transformers (lm-eval's hf model), not vLLM.",
+        ("evolve",),
+        note="candidates are scored with transformers (lm-eval's hf model), not vLLM",
+        hidden=True,
+        attrs={"default": False},
+    ),
+    Flag(
         ("--i-understand-the-depths-of-the-evils-i-am-unleashing", "allow_benchmark_tasks"),
         "No effect: mergesmith does not refuse benchmark tasks as objectives.",
         ("evolve",),
