@@ -265,8 +265,6 @@ class Planner(ModelPlanner):
             same_tail = len({s[1:] for s in shapes}) == 1
             if (is_embedding(canonical) or canonical in LM_HEAD_NAMES) and same_tail:
                 rows = min(s[0] for s in shapes)
-                if not self.options.unsafe_truncate_embeddings:
-                    raise ConfigError(self._vocabulary_refusal(out_name, inputs, infos, rows))
                 inputs = [
                     InputRef(i.model, i.tensor, rows if info.shape[0] != rows else None)
                     for i, info in zip(inputs, infos)
@@ -490,19 +488,25 @@ class Planner(ModelPlanner):
             files.append((str(gen), "generation_config.json"))
         return files
 
-    def _vocabulary_refusal(self, out_name: str, inputs: list[InputRef], infos: list[Any], rows: int) -> str:
-        """mergekit 0.1.5's rule, checked from headers: vocabularies of different sizes are merged only when the
-        config says how to line their tokens up (`tokenizer_source` / `tokenizer`), or with
-        --unsafe-truncate-embeddings, which keeps the first rows of each (matched by position)."""
-        sizes = ", ".join(dict.fromkeys(f"model {i.model!r} has {info.shape[0]}" for i, info in zip(inputs, infos)))
+    def _refuse_mismatched_vocabularies(self) -> None:
+        """mergekit 0.1.5's rule, checked from headers before any tensor is read: vocabularies of different sizes
+        are merged only when the config says how to line their tokens up (`tokenizer_source` or a `tokenizer`
+        section), or with --unsafe-truncate-embeddings, which keeps the first rows of each, matched by position
+        (then a warning says so)."""
+        configured = self.config.tokenizer is not None or bool(self.config.tokenizer_source)
+        if not self._truncated or configured or self.options.unsafe_truncate_embeddings:
+            return
+        (counts, rows), names = next(iter(self._truncated.items()))
+        sizes = ", ".join(f"model {m!r} has {n}" for m, n in counts)
         fix = (
             "set `tokenizer_source: base` (or `union`) to build the vocabulary and re-index the rows by token, or "
             if self.needs_model_config  # a raw merge (bare state dicts) has no tokenizer to build
             else ""
         )
-        return (
-            f"tensor {out_name!r}: vocabulary sizes differ ({sizes} rows); {fix}pass --unsafe-truncate-embeddings "
-            f"to keep the first {rows} rows of each, matched by position (right only when the token ids agree)"
+        raise ConfigError(
+            f"{self.source}: vocabulary sizes differ ({names[0]!r}: {sizes} rows); {fix}pass "
+            f"--unsafe-truncate-embeddings to keep the first {rows} rows of each, matched by position (right only "
+            "when the token ids agree)"
         )
 
     def _truncation_warnings(self) -> list[str]:
@@ -558,6 +562,7 @@ class Planner(ModelPlanner):
 
     def build(self) -> Plan:
         recipes, layer_sources = self.recipes()
+        self._refuse_mismatched_vocabularies()
         tokenizer_plan = None
         transplant = self._transplant_source()  # `transplant:<donor>` (tokensurgeon/merge.py)
         if transplant is not None:
