@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from mergesmith.engine.planning import MergeOptions
-from mergesmith.errors import ConfigError
 from mergesmith.engine.run import run_merge
+from mergesmith.errors import ConfigError
 from tests.helpers import finite_logits, load_causal_lm, read_state_dict
 
 ARCHS = ["llama", "mistral", "qwen2", "phi3", "gemma", "gemma2", "gemma3"]

@@ -190,8 +190,9 @@ def _epilog(command: str) -> str | None:
     return mergekit_flags.epilog(command, _MERGEKIT_NAMES[command]) or None
 
 
-def _options(kw: dict[str, Any], command: str = "merge"):
-    """MergeOptions from a merging command's (or the API's) keyword values, mergekit's flags mapped first."""
+def _options(kw: dict[str, Any], command: str = "merge", echo: Callable[[str], None] | None = None):
+    """MergeOptions from a merging command's (or the API's) keyword values, mergekit's flags mapped first; the
+    notes about flags without effect go to `echo` (default: stderr) once the options are checked."""
     from .engine.planning import MergeOptions
     from .io.lora_cache import lora_merge_settings
 
@@ -207,7 +208,7 @@ def _options(kw: dict[str, Any], command: str = "merge"):
     device = resolve_device(device, check=executor != "ray", what="--device")
     if executor == "ray":
         from .engine.ray_executor import RayExecutor  # noqa: F401 - fail before planning when Ray is not installed
-    return MergeOptions(
+    options = MergeOptions(
         out_shard_size=parse_size(kw["out_shard_size"], "--out-shard-size"),
         random_seed=kw.get("random_seed"),
         copy_tokenizer=kw.get("copy_tokenizer", True),
@@ -223,6 +224,8 @@ def _options(kw: dict[str, Any], command: str = "merge"):
         unsafe_truncate_embeddings=bool(taken.get("unsafe_truncate_embeddings")),
         lora_merge=lora_merge_settings(taken.get("lora_merge_cache"), taken.get("lora_merge_dtype")),
     )
+    taken.say_notes(echo)  # the options are checked: a refused command line printed no note
+    return options
 
 
 class _Interrupts:
@@ -775,6 +778,7 @@ def extract_lora_cmd(model: str, base: str, out: Path, max_rank: int, sv_epsilon
 
     taken = mergekit_flags.take("extract-lora", kw)
     device = resolve_device(kw["device"], what="--device")
+    taken.say_notes()
     if kw.get("threads"):  # -j/--num-threads: the SVDs' torch threads, as in mergekit
         import torch
 
@@ -910,6 +914,7 @@ def evolve_cmd(genome_file: Path, storage_path: Path, **kw: Any) -> None:
     from .evolve.command import run_evolve_command
 
     taken = mergekit_flags.take("evolve", kw)
+    taken.say_notes()
     if taken.get("save_final_model") and kw.get("merge_best") is None:  # mergekit-evolve's place for it
         kw["merge_best"] = storage_path / "final_model"
 

@@ -441,16 +441,32 @@ def _given(ctx: click.Context | None, name: str) -> bool:
     )
 
 
-def take(command: str, kw: dict[str, Any], echo: Callable[[str], None] | None = None) -> dict[str, Any]:
+class Taken(dict[str, Any]):
+    """The mergekit flags' values a command took from its keywords, and the notes to print about them.
+
+    The notes are printed by `say_notes`, which a command calls once its options are checked, so a refused
+    command line prints its one `error:` line alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.notes: list[str] = []
+
+    def say_notes(self, echo: Callable[[str], None] | None = None) -> None:
+        say = echo or (lambda line: click.echo(line, err=True))
+        for line in self.notes:
+            say(line)
+        self.notes.clear()
+
+
+def take(command: str, kw: dict[str, Any]) -> Taken:
     """Remove `command`'s mergekit flags from `kw`, map those with a meaning onto mergesmith's options in
-    `kw`, print one `note:` line per flag given that has no effect, and return the removed values (for the
-    options a command passes on by itself, such as the LoRA settings).
+    `kw`, and return the removed values (for the options a command passes on by itself, such as the LoRA
+    settings) with one `note:` line per flag given that has no effect here.
 
     Works for the command line (the current click context says what was given) and for the API (no
     context: a value other than the default counts as given)."""
-    say = echo or (lambda line: click.echo(line, err=True))
     ctx = click.get_current_context(silent=True)
-    taken: dict[str, Any] = {}
+    taken = Taken()
     for flag in flags_for(command):
         if flag.name not in kw:
             continue
@@ -463,12 +479,12 @@ def take(command: str, kw: dict[str, Any], echo: Callable[[str], None] | None = 
         asked = flag.when == "any" or (flag.when == "on" and value) or (flag.when == "off" and value is False)
         if asked:
             spelling = flag.decls[0].split("/")[0 if flag.when != "off" else 1]
-            say(f"note: `{spelling}` has no effect here: {flag.note}")
-    _map(kw, taken, say)
+            taken.notes.append(f"note: `{spelling}` has no effect here: {flag.note}")
+    _map(kw, taken)
     return taken
 
 
-def _map(kw: dict[str, Any], taken: dict[str, Any], say: Callable[[str], None]) -> None:
+def _map(kw: dict[str, Any], taken: Taken) -> None:
     """The flags with a meaning here, onto mergesmith's own options in `kw`."""
     threads = taken.get("num_threads")
     if threads is not None:
@@ -489,4 +505,6 @@ def _map(kw: dict[str, Any], taken: dict[str, Any], say: Callable[[str], None]) 
         if device == "cpu":
             kw["device"] = "cuda"
     if taken.get("read_to_gpu") and kw.get("device", "cpu") == "cpu" and not kw.get("cuda"):
-        say("note: `--read-to-gpu` has no effect here: the arithmetic runs on the CPU (add --cuda or --device cuda)")
+        taken.notes.append(
+            "note: `--read-to-gpu` has no effect here: the arithmetic runs on the CPU (add --cuda or --device cuda)"
+        )
