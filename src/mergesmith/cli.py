@@ -82,10 +82,23 @@ _CARD_HELP = {
     "moe": "Write a README.md model card naming the base model, the experts and the gate mode.",
     "tokensurgeon": "Write a README.md model card naming BASE, DONOR and the approximation method.",
 }
+_STRICT_HELP = {
+    "moe": "Treat every warning as an error: an unknown config key, NaN/inf in the inputs, a plan's warnings.",
+    "tokensurgeon": "Treat every warning as an error: NaN/inf in the inputs, a plan's warnings.",
+}
+_STRICT_HELP_MERGE = (
+    "Treat every warning as an error: an unknown key or a parameter the method does not use (which mergekit "
+    "ignores), a suspicious parameter value, NaN/inf in the inputs, a plan's warnings."
+)
+_DEVICE_HELP = {
+    "moe": "Where the router pass (gate_mode hidden) and the arithmetic run.",
+    "tokensurgeon": "Where the approximation of the new rows runs.",
+}
 # mergekit's merge options that do nothing in a command: declared there by mergekit_flags (with a note)
 _OMIT = {
     "merge-raw": ("copy_tokenizer", "write_model_card", "trust_remote_code"),
-    "tokensurgeon": ("copy_tokenizer",),
+    "moe": ("allow_crimes",),
+    "tokensurgeon": ("copy_tokenizer", "allow_crimes"),
 }
 _MERGEKIT_NAMES = {
     "merge": "mergekit-yaml",
@@ -136,18 +149,13 @@ def _merge_options(command: str) -> Callable[[Any], Any]:
                 default=False,
                 help="Allow model code from checkpoints (off by default).",
             ),
-            click.option(
-                "--strict",
-                is_flag=True,
-                help="Treat every warning as an error: an unknown key or a parameter the method does not use (which "
-                "mergekit ignores), a suspicious parameter value, NaN/inf in the inputs, a plan's warnings.",
-            ),
+            click.option("--strict", is_flag=True, help=_STRICT_HELP.get(command, _STRICT_HELP_MERGE)),
             click.option(
                 "--device",
                 type=click.Choice(["cpu", "cuda", "mps", "auto"]),
                 default="cpu",
                 show_default=True,
-                help="Where the merge arithmetic runs.",
+                help=_DEVICE_HELP.get(command, "Where the merge arithmetic runs."),
             ),
             click.option("--cuda/--no-cuda", default=False, help="Same as --device cuda."),
             click.option(

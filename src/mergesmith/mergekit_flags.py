@@ -91,11 +91,9 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--multi-gpu/--no-multi-gpu", "multi_gpu"),
-        "Same as --device cuda: the arithmetic runs on one GPU (spread shards over GPUs or machines with "
-        "--executor ray).",
+        "Same as --device cuda: the arithmetic runs on one GPU.",
         MERGING,
-        note="the arithmetic runs on one GPU (--device cuda); to spread a merge over several GPUs or machines "
-        "use --executor ray",
+        note="the arithmetic runs on one GPU (--device cuda), not spread over several",
         attrs={"default": False},
     ),
     Flag(
@@ -225,8 +223,9 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--quiet/--no-quiet", "-q", "quiet"),
-        "Print nothing but the final line.",
+        "Accepted for mergekit compatibility: extract-lora draws no progress display.",
         ("extract-lora",),
+        hidden=True,
         attrs={"default": False},
     ),
     # ----- merge options that do nothing in merge-raw and tokensurgeon -------------------------------------------
@@ -262,6 +261,24 @@ FLAGS: tuple[Flag, ...] = (
         when="off",
         hidden=True,
         attrs={"default": True},
+    ),
+    Flag(
+        ("--allow-crimes/--no-allow-crimes", "allow_crimes"),
+        "No effect: mergesmith moe has no architecture check to lift.",
+        ("moe",),
+        note="mergesmith moe has no architecture check to lift (each expert's MLP tensors must have base_model's "
+        "names and shapes)",
+        hidden=True,
+        attrs={"default": False},
+    ),
+    Flag(
+        ("--allow-crimes/--no-allow-crimes", "allow_crimes"),
+        "No effect: BASE and DONOR may have different architectures anyway.",
+        ("tokensurgeon",),
+        note="BASE and DONOR may have different architectures anyway (only the donor's tokenizer and embeddings "
+        "are read)",
+        hidden=True,
+        attrs={"default": False},
     ),
     # ----- mergekit-moe ------------------------------------------------------------------------------------------
     Flag(
