@@ -1,8 +1,9 @@
 """Write tests/fixtures/mergekit_flags.json: every argument and option of mergekit 0.1.5's commands.
 
-Run it with the python of the venv `scripts/mergekit_venv.sh` makes (mergekit installed there):
+Run it with the python of the venv `scripts/mergekit_venv.sh` makes, with mergekit's `evolve` extra (without
+it `mergekit-evolve` cannot be imported):
 
-    "$(bash scripts/mergekit_venv.sh | tail -1)" scripts/mergekit_flags.py
+    "$(MERGEKIT_EXTRAS=evolve bash scripts/mergekit_venv.sh | tail -1)" scripts/mergekit_flags.py
 
 It reads the commands from mergekit's installed entry points and walks their click parameters, so
 the list is what mergekit's parser accepts, not what its --help happens to print. Each command is

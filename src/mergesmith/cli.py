@@ -230,7 +230,10 @@ def _options(kw: dict[str, Any], command: str = "merge", echo: Callable[[str], N
         ray_address=kw.get("ray_address"),
         strict=bool(kw.get("strict")),
         unsafe_truncate_embeddings=bool(taken.get("unsafe_truncate_embeddings")),
-        lora_merge=lora_merge_settings(taken.get("lora_merge_cache"), taken.get("lora_merge_dtype")),
+        # `plan` reads headers only: a LoRA input is seen through its adapter there, never merged into the cache
+        lora_merge=None
+        if command == "plan"
+        else lora_merge_settings(taken.get("lora_merge_cache"), taken.get("lora_merge_dtype")),
     )
     taken.say_notes(echo)  # the options are checked: a refused command line printed no note
     return options
