@@ -201,3 +201,24 @@ def test_extract_lora_skip_undecomposable_and_distribute_scale(
     with safe_open(str(tmp_path / "nd" / "adapter_model.safetensors"), "pt") as f:
         b = f.get_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight").float()
     torch.testing.assert_close(b.T @ b, torch.eye(b.shape[1]), atol=1e-2, rtol=0)  # B = U: orthonormal columns
+
+
+# ----- mergekit-evolve's flags ---------------------------------------------------------------------------------
+
+
+def test_evolve_timeout_save_final_model_and_notes(tmp_path: Path, capsys: Any) -> None:
+    """`--timeout 0` stops after the first generation (journaled, resumable), `--save-final-model` writes the best
+    merge to STORAGE_PATH/final_model as mergekit-evolve does, and the flags without effect print one note each."""
+    pytest.importorskip("cma")
+    from tests.test_evolve import genome_doc, write_genome
+
+    path = write_genome(tmp_path, genome_doc())
+    storage = tmp_path / "s"
+    args = ["evolve", path, "--storage-path", storage, "--max-fevals", "6", "--force-population-size", "2",
+            "--timeout", "0", "--save-final-model", "--strategy", "pool", "--wandb", "--no-in-memory", "-q"]
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    assert len((storage / "history.jsonl").read_text().splitlines()) == 2  # one generation of two, not six
+    assert (storage / "final_model" / "config.json").is_file() and "best fitness" in out
+    named = sorted(line.split("`")[1] for line in err.splitlines() if line.startswith("note: "))
+    assert named == ["--strategy", "--wandb"], err

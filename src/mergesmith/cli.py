@@ -928,6 +928,7 @@ def evolve_cmd(genome_file: Path, storage_path: Path, **kw: Any) -> None:
     taken.say_notes()
     if taken.get("save_final_model") and kw.get("merge_best") is None:  # mergekit-evolve's place for it
         kw["merge_best"] = storage_path / "final_model"
+    kw["timeout"] = taken.get("timeout")
 
     run_evolve_command(genome_file, storage_path, kw)
 

@@ -340,13 +340,10 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--timeout", "timeout"),
-        "Not supported: the search stops after --max-fevals evaluations (interrupt it with Ctrl-C; rerun to resume).",
+        "Start no new generation after this many seconds (the first always runs; the one running is finished "
+        "and journaled; rerun to continue).",
         ("evolve",),
-        note="the search stops after --max-fevals evaluations, not after a time; Ctrl-C stops it and a rerun "
-        "resumes it",
-        when="any",
-        hidden=True,
-        attrs={"type": float, "default": None},
+        attrs={"type": click.FloatRange(min=0), "default": None},
     ),
     Flag(
         ("--wandb/--no-wandb", "wandb"),

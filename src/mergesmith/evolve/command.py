@@ -39,6 +39,7 @@ def search_options(kw: dict[str, Any]) -> SearchOptions:
         num_fewshot=kw.get("num_fewshot"),
         threads=kw.get("threads"),
         lm_eval_args=list(kw.get("lm_eval_arg") or ()),
+        timeout=kw.get("timeout"),
     )
 
 
