@@ -222,3 +222,26 @@ def test_evolve_timeout_save_final_model_and_notes(tmp_path: Path, capsys: Any) 
     assert (storage / "final_model" / "config.json").is_file() and "best fitness" in out
     named = sorted(line.split("`")[1] for line in err.splitlines() if line.startswith("note: "))
     assert named == ["--strategy", "--wandb"], err
+
+
+def test_plan_reads_a_lora_input_without_filling_the_cache(
+    lora_cfg: tuple[Path, Path], tmp_path: Path, capsys: Any
+) -> None:
+    cfg, _base = lora_cfg
+    code, _out, err = run_cli(capsys, "plan", cfg, "--lora-merge-cache", tmp_path / "lora-cache")
+    assert code == 0, err
+    assert not (tmp_path / "lora-cache").exists()
+
+
+def test_the_api_takes_the_same_flags(tmp_path: Path, tiny_models: Any) -> None:
+    """mergesmith.merge(..., unsafe_truncate_embeddings=True, num_threads=...) as the command line."""
+    import mergesmith
+
+    big, small = tiny_models("llama", seed=2, vocab_size=272), tiny_models("llama", seed=1)
+    models = [{"model": str(m), "parameters": {"weight": 1}} for m in (big, small)]
+    config = {"merge_method": "linear", "models": models}
+    with pytest.raises(ConfigError, match="--unsafe-truncate-embeddings"):
+        mergesmith.merge(config, tmp_path / "refused")
+    result = mergesmith.merge(config, tmp_path / "out", unsafe_truncate_embeddings=True, num_threads=2)
+    assert result.plan.recipes and (tmp_path / "out" / "config.json").is_file()
+    assert read_state_dict(tmp_path / "out")["model.embed_tokens.weight"].shape[0] == 256
