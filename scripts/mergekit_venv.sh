@@ -8,6 +8,12 @@
 #                             CUDA wheels are pulled; a CPU wheel must be reachable: a local
 #                             find-links folder or e.g. PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)
 #   MERGEKIT_PYTHON=python3.11  the interpreter that creates the venv (default: python3)
+#   MERGEKIT_EXTRAS=evolve    mergekit's extras to install too (comma-separated; default none). `evolve`
+#                             (cma, lm-eval, ray, wandb) is needed to import mergekit-evolve, e.g. for
+#                             scripts/mergekit_flags.py, which lists every command's flags
+#
+# On this project's machines the default torch pin resolves to the local wheel torch-2.13.0+cpu (pip's
+# find-links); elsewhere give a CPU wheel index as said above.
 #
 # Idempotent: when the venv already has mergekit 0.1.5 and the pinned torch, it does nothing but
 # print the python path; a half-made venv is completed. Other scripts (benchmarks, fixture
@@ -17,17 +23,25 @@ set -euo pipefail
 VENV="${MERGEKIT_VENV:-$HOME/.cache/mergesmith/mergekit-venv}"
 TORCH_SPEC="${MERGEKIT_TORCH_SPEC:-torch==2.13.0+cpu}"
 PY="${MERGEKIT_PYTHON:-python3}"
-MERGEKIT_SPEC="mergekit==0.1.5"
+EXTRAS="${MERGEKIT_EXTRAS:-}"
+MERGEKIT_SPEC="mergekit${EXTRAS:+[$EXTRAS]}==0.1.5"
 
 want_torch="${TORCH_SPEC#torch==}"
 
 installed_ok() {
     [ -x "$VENV/bin/python" ] || return 1
-    "$VENV/bin/python" - "$want_torch" <<'EOF' >/dev/null 2>&1
+    "$VENV/bin/python" - "$want_torch" "$EXTRAS" <<'EOF' >/dev/null 2>&1
+import re
 import sys
-from importlib.metadata import version
+from importlib.metadata import requires, version
 assert version("mergekit") == "0.1.5"
-assert version("torch") == sys.argv[1]
+torch, want = version("torch"), sys.argv[1]
+# a pin without a local label (torch==2.13.0) is met by any build of it, e.g. the local 2.13.0+cpu wheel
+assert torch == want or ("+" not in want and torch.split("+")[0] == want)
+for extra in filter(None, sys.argv[2].split(",")):  # every requirement of each extra asked for is installed
+    for req in requires("mergekit") or []:
+        if re.search(rf"extra\s*==\s*['\"]{re.escape(extra.strip())}['\"]", req):
+            version(re.split(r"[ ;<>=!~\[]", req, maxsplit=1)[0])
 EOF
 }
 

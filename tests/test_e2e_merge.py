@@ -15,6 +15,7 @@ import yaml
 
 from mergesmith.engine.planning import MergeOptions
 from mergesmith.engine.run import run_merge
+from mergesmith.errors import ConfigError
 from tests.helpers import finite_logits, load_causal_lm, read_state_dict
 
 ARCHS = ["llama", "mistral", "qwen2", "phi3", "gemma", "gemma2", "gemma3"]
@@ -282,15 +283,17 @@ def test_gpt_neox_head_named_embed_out_comes_from_the_last_slice(tmp_path):
 
 
 def test_vocab_size_mismatch_truncates_to_common_rows(tmp_path, tiny_models):
+    """With --unsafe-truncate-embeddings (without it such a merge is refused, as in mergekit 0.1.5)."""
     a = tiny_models("llama", seed=1)
     b = tiny_models("llama", seed=2, vocab_size=272, tokenizer=False)
-    out = _merge(
-        tmp_path,
-        {
-            "merge_method": "linear",
-            "models": [{"model": str(a), "parameters": {"weight": 1}}, {"model": str(b), "parameters": {"weight": 1}}],
-        },
-    )
+    config = {
+        "merge_method": "linear",
+        "models": [{"model": str(a), "parameters": {"weight": 1}}, {"model": str(b), "parameters": {"weight": 1}}],
+    }
+    with pytest.raises(ConfigError, match="--unsafe-truncate-embeddings"):
+        _merge(tmp_path, config, name="refused")
+    assert not (tmp_path / "refused").exists()
+    out = _merge(tmp_path, config, unsafe_truncate_embeddings=True)
     merged, sa, sb = read_state_dict(out), read_state_dict(a), read_state_dict(b)
     emb = "model.embed_tokens.weight"
     assert merged[emb].shape[0] == 256

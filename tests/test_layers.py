@@ -19,7 +19,11 @@ PACKAGE_DIR = Path(mergesmith.__file__).parent
 
 # Top to bottom. Each entry: (layer, the modules or packages in it, what it knows).
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
-    ("face", ("mergesmith", "python_api", "cli", "display"), "argument handling, the public API, progress displays"),
+    (
+        "face",
+        ("mergesmith", "python_api", "cli", "mergekit_flags", "display"),
+        "argument handling (mergekit's flags included), the public API, progress displays",
+    ),
     (
         "commands",
         ("evolve", "multi", "moe", "raw", "lora", "tokensurgeon", "tokensurgeon.api"),

@@ -229,7 +229,11 @@ def _run_mergesmith(case: str, out_dir: Path) -> dict[str, torch.Tensor]:
     from mergesmith.engine.planning import MergeOptions
     from mergesmith.engine.run import run_merge
 
-    options = MergeOptions(random_seed=MANIFEST["cases"][case]["random_seed"], copy_tokenizer=False)
+    # the options mergekit ran with (--unsafe-truncate-embeddings for the mismatched vocabularies' case)
+    truncate = bool(MANIFEST["cases"][case].get("mergekit_options", {}).get("unsafe_truncate_embeddings"))
+    options = MergeOptions(
+        random_seed=MANIFEST["cases"][case]["random_seed"], copy_tokenizer=False, unsafe_truncate_embeddings=truncate
+    )
     cwd = os.getcwd()
     os.chdir(REFERENCE)  # the configs name the models by paths relative to tests/reference/
     try:

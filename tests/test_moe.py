@@ -584,12 +584,14 @@ def test_bad_moe_configs_fail_with_one_line_naming_the_key(tmp_path, tiny_models
     assert "shared_experts" not in lines["gemma"], lines["gemma"]
     for family in ("Mixtral is built from", "Qwen2-MoE is built from", "Qwen3-MoE is built from"):
         assert family in lines["gemma"], lines["gemma"]
-    code, _out, err = run_cli(capsys, "moe", tmp_path / "no_prompts.yml", tmp_path / "q", "--load-in-4bit")
-    one_line_error(code, err, "--load-in-4bit")
-    # mergekit-moe's escape hatch for one model as every expert with prompt-based gates
+    # mergekit-moe's escape hatch for one model as every expert with prompt-based gates; --load-in-4bit (mergekit
+    # quantizes the base model for the hidden states) is accepted with one note: the model runs in its own dtype
     flag = "--i-understand-this-is-not-useful-without-training"
-    code, _out, err = run_cli(capsys, "moe", tmp_path / "all_same_model.yml", tmp_path / "same", flag, "-q")
+    args = ("moe", tmp_path / "all_same_model.yml", tmp_path / "same", flag, "-q", "--load-in-4bit")
+    code, _out, err = run_cli(capsys, *args)
     assert code == 0 and (tmp_path / "same" / "config.json").is_file(), err
+    notes = [line for line in err.splitlines() if line.startswith("note: `--load-in-4bit`")]
+    assert len(notes) == 1 and "own dtype" in notes[0], err
 
 
 def test_merge_of_an_moe_config_points_to_the_moe_command(tmp_path, tiny_models, capsys):

@@ -52,12 +52,27 @@ def _vocab_warning(lines: list[str], big: Path, small: Path) -> str:
     return line
 
 
-def test_plan_text_and_json_show_the_vocabulary_truncation_warning(vocab_cfg, capsys):
+def test_different_vocabularies_are_refused_without_a_tokenizer_setting_or_the_flag(vocab_cfg, tmp_path, capsys):
+    """mergekit 0.1.5 fails on mismatched vocabularies unless `tokenizer_source`/`tokenizer` or
+    --unsafe-truncate-embeddings says how; mergesmith refuses the same, from headers, before writing."""
     cfg, big, small = vocab_cfg
-    code, out, err = run_cli(capsys, "plan", cfg)
+    for command, extra in (("plan", ()), ("merge", (tmp_path / "out",))):
+        code, _out, err = run_cli(capsys, command, cfg, *extra)
+        line = assert_one_line_error(code, err, "vocabulary sizes differ", "--unsafe-truncate-embeddings")
+        for part in (f"model {str(big)!r} has 272", f"model {str(small)!r} has 256", "tokenizer_source: base"):
+            assert part in line, line
+    assert not (tmp_path / "out").exists()
+    code, _out, err = run_cli(capsys, "merge", cfg, tmp_path / "out", "--no-unsafe-truncate-embeddings")
+    assert_one_line_error(code, err, "--unsafe-truncate-embeddings")
+
+
+def test_plan_text_and_json_show_the_vocabulary_truncation_warning(vocab_cfg, capsys):
+    """With --unsafe-truncate-embeddings the first rows are kept, and a warning says what that risks."""
+    cfg, big, small = vocab_cfg
+    code, out, err = run_cli(capsys, "plan", cfg, "--unsafe-truncate-embeddings")
     assert code == 0, err
     _vocab_warning(out.splitlines(), big, small)
-    code, out, err = run_cli(capsys, "plan", cfg, "--json")
+    code, out, err = run_cli(capsys, "plan", cfg, "--json", "--unsafe-truncate-embeddings")
     assert code == 0, err
     warnings = json.loads(out)["warnings"]
     _vocab_warning([f"warning: {w}" for w in warnings], big, small)
@@ -65,10 +80,10 @@ def test_plan_text_and_json_show_the_vocabulary_truncation_warning(vocab_cfg, ca
 
 def test_merge_prints_plan_warnings_once_on_stderr_unless_quiet(vocab_cfg, tmp_path, capsys):
     cfg, big, small = vocab_cfg
-    code, out, err = run_cli(capsys, "merge", cfg, tmp_path / "out")
+    code, out, err = run_cli(capsys, "merge", cfg, tmp_path / "out", "--unsafe-truncate-embeddings")
     assert code == 0, err
     _vocab_warning(err.splitlines(), big, small)
-    code, out, err = run_cli(capsys, "merge", cfg, tmp_path / "out2", "-q")
+    code, out, err = run_cli(capsys, "merge", cfg, tmp_path / "out2", "-q", "--unsafe-truncate-embeddings")
     assert code == 0, err
     assert "warning" not in err
 

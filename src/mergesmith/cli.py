@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 import click
 
+from . import mergekit_flags
 from .errors import ConfigError, MergesmithError
 from .runtime.process_tuning import (
     exit_code_of,
@@ -61,97 +62,143 @@ def cli() -> None:
     """Merge language-model checkpoints (mergekit configs, streamed, resumable)."""
 
 
-_NO_EFFECT_ON_RAW = (
-    "--copy-tokenizer/--no-copy-tokenizer",
-    "--write-model-card/--no-write-model-card",
-    "--trust-remote-code",
+# What --random-seed, --copy-tokenizer and --write-model-card do in each command that has them (a help text
+# says what the option does in THAT command).
+_SEED_HELP = {
+    "moe": "Seed for gate_mode random and uniform_random router weights (default: drawn and recorded).",
+    "tokensurgeon": "Seed for --approximation-method randn and --new-vocab-noise (default: drawn and recorded).",
+}
+_SEED_HELP_MERGE = "Seed for randomised methods (DARE, DELLA, ...; default: drawn and recorded)."
+_TOKENIZER_HELP = {
+    "moe": "Copy base_model's tokenizer to OUT_DIR.",
+}
+_CARD_HELP = {
+    "moe": "Write a README.md model card naming the base model, the experts and the gate mode.",
+    "tokensurgeon": "Write a README.md model card naming BASE, DONOR and the approximation method.",
+}
+_STRICT_HELP = {
+    "moe": "Treat every warning as an error: an unknown config key, NaN/inf in the inputs, a plan's warnings.",
+    "tokensurgeon": "Treat every warning as an error: NaN/inf in the inputs, a plan's warnings.",
+}
+_STRICT_HELP_MERGE = (
+    "Treat every warning as an error: an unknown key or a parameter the method does not use (which mergekit "
+    "ignores), a suspicious parameter value, NaN/inf in the inputs, a plan's warnings."
 )
+_DEVICE_HELP = {
+    "moe": "Where the router pass (gate_mode hidden) and the arithmetic run.",
+    "tokensurgeon": "Where the approximation of the new rows runs.",
+}
+# mergekit's merge options that do nothing in a command: declared there by mergekit_flags (with a note)
+_OMIT = {
+    "merge-raw": ("copy_tokenizer", "write_model_card", "trust_remote_code"),
+    "moe": ("allow_crimes",),
+    "tokensurgeon": ("copy_tokenizer", "allow_crimes"),
+}
+_MERGEKIT_NAMES = {
+    "merge": "mergekit-yaml",
+    "plan": "mergekit-yaml",
+    "moe": "mergekit-moe",
+    "multi": "mergekit-multi",
+    "merge-raw": "mergekit-pytorch",
+    "tokensurgeon": "mergekit-tokensurgeon",
+    "extract-lora": "mergekit-extract-lora",
+    "evolve": "mergekit-evolve",
+}
 
 
-def _merge_options(f: Any, hide: tuple[str, ...] = ()) -> Any:
-    """The options every merging command shares; those in `hide` are still accepted but left out of --help."""
+def _merge_options(command: str) -> Callable[[Any], Any]:
+    """The options every merging command shares, worded for `command`, then the mergekit flags it accepts
+    (mergekit_flags.py)."""
+    omit = _OMIT.get(command, ())
 
-    def option(*decls: str, **attrs: Any) -> Any:
-        return click.option(*decls, hidden=decls[0] in hide, **attrs)
+    def apply(f: Any) -> Any:
+        opts = [
+            click.option(
+                "--out-shard-size",
+                default="5B",
+                show_default=True,
+                help="Bytes of tensor data per output shard: 5B, 500M, 2G...",
+            ),
+            click.option("--random-seed", type=int, default=None, help=_SEED_HELP.get(command, _SEED_HELP_MERGE)),
+            click.option(
+                "--copy-tokenizer/--no-copy-tokenizer",
+                "copy_tokenizer",
+                default=True,
+                show_default=True,
+                help=_TOKENIZER_HELP.get(command, "Copy the tokenizer (from the base model or tokenizer_source)."),
+            ),
+            click.option(
+                "--write-model-card/--no-write-model-card",
+                "write_model_card",
+                default=True,
+                show_default=True,
+                help=_CARD_HELP.get(command, "Write a README.md model card naming the method and the models merged."),
+            ),
+            click.option(
+                "--allow-crimes/--no-allow-crimes", default=False, help="Merge models of different architectures."
+            ),
+            click.option(
+                "--trust-remote-code/--no-trust-remote-code",
+                "trust_remote_code",
+                default=False,
+                help="Allow model code from checkpoints (off by default).",
+            ),
+            click.option("--strict", is_flag=True, help=_STRICT_HELP.get(command, _STRICT_HELP_MERGE)),
+            click.option(
+                "--device",
+                type=click.Choice(["cpu", "cuda", "mps", "auto"]),
+                default="cpu",
+                show_default=True,
+                help=_DEVICE_HELP.get(command, "Where the merge arithmetic runs."),
+            ),
+            click.option("--cuda/--no-cuda", default=False, help="Same as --device cuda."),
+            click.option(
+                "--threads",
+                type=click.IntRange(1, 256),
+                default=None,
+                help="Worker threads (default: number of cores).",
+            ),
+            click.option("--max-memory", default=None, help="Bound on bytes in flight, e.g. 8GB."),
+            click.option(
+                "--executor",
+                type=click.Choice(["local", "ray"]),
+                default="local",
+                show_default=True,
+                help="local: a thread pool here; ray: one Ray task per output shard (needs `pip install "
+                "mergesmith[ray]` and OUT_DIR and the inputs on a filesystem every node shares).",
+            ),
+            click.option(
+                "--ray-address",
+                default=None,
+                help="Ray cluster to join (`auto`, `HOST:6379`, `ray://HOST:10001`); default: RAY_ADDRESS or a "
+                "local Ray.",
+            ),
+            click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details."),
+        ]
+        names = ("out_shard_size", "random_seed", "copy_tokenizer", "write_model_card", "allow_crimes",
+                 "trust_remote_code", "strict", "device", "cuda", "threads", "max_memory", "executor", "ray_address",
+                 "verbose")
+        f = mergekit_flags.add_flags(command)(f)
+        for name, opt in reversed(list(zip(names, opts))):
+            if name not in omit:
+                f = opt(f)
+        return f
 
-    opts = [
-        option(
-            "--out-shard-size",
-            default="5B",
-            show_default=True,
-            help="Bytes of tensor data per output shard: 5B, 500M, 2G...",
-        ),
-        option("--random-seed", type=int, default=None, help="Seed for randomised methods (DARE, DELLA)."),
-        option(
-            "--copy-tokenizer/--no-copy-tokenizer",
-            default=True,
-            show_default=True,
-            help="Copy the tokenizer (from the base model or tokenizer_source).",
-        ),
-        option(
-            "--write-model-card/--no-write-model-card",
-            default=True,
-            show_default=True,
-            help="Write a README.md model card naming the method and the models merged.",
-        ),
-        option("--allow-crimes", is_flag=True, help="Merge models of different architectures."),
-        option(
-            "--clone-tensors",
-            is_flag=True,
-            help="Accepted for mergekit compatibility; has no effect (every tensor is always written "
-            "as its own bytes).",
-        ),
-        option(
-            "--lazy-unpickle",
-            is_flag=True,
-            help="Accepted for mergekit compatibility; has no effect (inputs are always read lazily).",
-        ),
-        option("--trust-remote-code", is_flag=True, help="Allow model code from checkpoints (off by default)."),
-        option(
-            "--strict",
-            is_flag=True,
-            help="Treat every warning as an error: an unknown key or a parameter the method does not use (which "
-            "mergekit ignores), a suspicious parameter value, NaN/inf in the inputs, a plan's warnings.",
-        ),
-        option(
-            "--device",
-            type=click.Choice(["cpu", "cuda", "mps", "auto"]),
-            default="cpu",
-            show_default=True,
-            help="Where the merge arithmetic runs.",
-        ),
-        option("--cuda", is_flag=True, help="Same as --device cuda."),
-        option(
-            "--threads", type=click.IntRange(1, 256), default=None, help="Worker threads (default: number of cores)."
-        ),
-        option("--max-memory", default=None, help="Bound on bytes in flight, e.g. 8GB."),
-        option(
-            "--executor",
-            type=click.Choice(["local", "ray"]),
-            default="local",
-            show_default=True,
-            help="local: a thread pool here; ray: one Ray task per output shard (needs `pip install mergesmith[ray]` "
-            "and OUT_DIR and the inputs on a filesystem every node shares).",
-        ),
-        option(
-            "--ray-address",
-            default=None,
-            help="Ray cluster to join (`auto`, `HOST:6379`, `ray://HOST:10001`); default: RAY_ADDRESS or a local Ray.",
-        ),
-        option("-v", "--verbose", is_flag=True, help="Show tracebacks and details."),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-def _raw_merge_options(f: Any) -> Any:
-    """merge-raw writes no tokenizer, model card or config.json, so those options are hidden there."""
-    return _merge_options(f, hide=_NO_EFFECT_ON_RAW)
+    return apply
 
 
-def _options(kw: dict[str, Any]):
+def _epilog(command: str) -> str | None:
+    """The --help epilog naming the mergekit flags `command` accepts without effect."""
+    return mergekit_flags.epilog(command, _MERGEKIT_NAMES[command]) or None
+
+
+def _options(kw: dict[str, Any], command: str = "merge", echo: Callable[[str], None] | None = None):
+    """MergeOptions from a merging command's (or the API's) keyword values, mergekit's flags mapped first; the
+    notes about flags without effect go to `echo` (default: stderr) once the options are checked."""
     from .engine.planning import MergeOptions
+    from .io.lora_cache import lora_merge_settings
+
+    taken = mergekit_flags.take(command, kw)
 
     executor = kw.get("executor") or "local"
     if kw.get("ray_address") and executor != "ray":
@@ -163,7 +210,7 @@ def _options(kw: dict[str, Any]):
     device = resolve_device(device, check=executor != "ray", what="--device")
     if executor == "ray":
         from .engine.ray_executor import RayExecutor  # noqa: F401 - fail before planning when Ray is not installed
-    return MergeOptions(
+    options = MergeOptions(
         out_shard_size=parse_size(kw["out_shard_size"], "--out-shard-size"),
         random_seed=kw.get("random_seed"),
         copy_tokenizer=kw.get("copy_tokenizer", True),
@@ -176,7 +223,14 @@ def _options(kw: dict[str, Any]):
         executor=executor,
         ray_address=kw.get("ray_address"),
         strict=bool(kw.get("strict")),
+        unsafe_truncate_embeddings=bool(taken.get("unsafe_truncate_embeddings")),
+        # `plan` reads headers only: a LoRA input is seen through its adapter there, never merged into the cache
+        lora_merge=None
+        if command == "plan"
+        else lora_merge_settings(taken.get("lora_merge_cache"), taken.get("lora_merge_dtype")),
     )
+    taken.say_notes(echo)  # the options are checked: a refused command line printed no note
+    return options
 
 
 class _Interrupts:
@@ -336,7 +390,9 @@ def _output_options(
     def apply(command: Any) -> Any:
         if verify:
             command = _verify_option(command)
-        command = click.option("--quiet", "-q", is_flag=True, help="No progress display.")(command)
+        command = click.option(
+            "--quiet/--no-quiet", "-q", "quiet", default=False, help="No progress display."
+        )(command)
         command = click.option("--force", is_flag=True, help="Start even if the disk looks too small.")(command)
         return click.option("--overwrite", is_flag=True, help=overwrite_help)(command)
 
@@ -351,10 +407,10 @@ def _run_shown(run: Callable[..., Any], quiet: bool, *args: Any, **kwargs: Any) 
         return run(*args, on_plan=on_plan, on_progress=progress.update, stop=interrupts.stop, **kwargs)
 
 
-@cli.command(short_help="Merge a mergekit config into OUT_DIR (resumable).")
+@cli.command(short_help="Merge a mergekit config into OUT_DIR (resumable).", epilog=_epilog("merge"))
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@_merge_options
+@_merge_options("merge")
 @_output_options()
 def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, verify: bool, **kw: Any) -> None:
     """Merge the models of CONFIG_FILE into OUT_DIR (rerun to resume an interrupted merge)."""
@@ -368,7 +424,7 @@ def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet:
 
     if is_moe_config_file(config_file):
         raise ConfigError(f"{config_file}: this is a mergekit-moe config (it has `experts`); use `mergesmith moe`")
-    options = _options(kw)
+    options = _options(kw, "merge")
     result = _run_shown(
         run_merge, quiet, config_file, out_dir, options, overwrite=overwrite, force=force, verify=verify
     )
@@ -376,10 +432,10 @@ def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet:
     _report_result(out_dir, result, quiet=quiet)
 
 
-@cli.command("plan", short_help="Show what a merge will do and cost, from headers.")
+@cli.command("plan", short_help="Show what a merge will do and cost, from headers.", epilog=_epilog("plan"))
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path), required=False)
-@_merge_options
+@_merge_options("plan")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--tensors/--no-tensors", default=False, help="List every output tensor.")
 def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bool, **kw: Any) -> None:
@@ -394,7 +450,7 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
 
     if out_dir is not None:
         check_plan_out_dir(out_dir)
-    options = _options(kw)
+    options = _options(kw, "plan")
     if is_moe_config_file(config_file):
         from .moe import build_moe_plan
 
@@ -428,10 +484,12 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
             )
 
 
-@cli.command("merge-raw", short_help="Merge bare state dicts (no config.json) into OUT_DIR.")
+@cli.command(
+    "merge-raw", short_help="Merge bare state dicts (no config.json) into OUT_DIR.", epilog=_epilog("merge-raw")
+)
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@_raw_merge_options
+@_merge_options("merge-raw")
 @click.option(
     "--tensor-union", "-u", is_flag=True, help="Merge a tensor some models lack from the models that have it."
 )
@@ -458,7 +516,7 @@ def merge_raw(
     _refuse_moe_config(config_file)
     if tensor_union and tensor_intersection:
         raise ConfigError("give --tensor-union or --tensor-intersection, not both")
-    options = _options(kw)
+    options = _options(kw, "merge-raw")
     tensor_set = "union" if tensor_union else "intersection" if tensor_intersection else "exact"
     result = _run_shown(
         run_raw_merge, quiet, config_file, out_dir, options, tensor_set=tensor_set, overwrite=overwrite, force=force,
@@ -541,11 +599,14 @@ class _StageProgress:
         self._plan = None
 
 
-@cli.command("multi", short_help="Run a multi-stage merge file (documents split by ---).")
+@cli.command(
+    "multi", short_help="Run a multi-stage merge file (documents split by ---).", epilog=_epilog("multi")
+)
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.option(
     "--out-dir",
     "--intermediate-dir",
+    "-I",
     "out_dir",
     type=click.Path(path_type=Path),
     required=True,
@@ -554,7 +615,7 @@ class _StageProgress:
 @click.option(
     "--out-path", type=click.Path(path_type=Path), default=None, help="Output of the unnamed final merge, if any."
 )
-@_merge_options
+@_merge_options("multi")
 @click.option(
     "--lazy/--no-lazy",
     default=True,
@@ -581,7 +642,7 @@ def multi_cmd(
     from .multi.stages import run_multi
 
     _refuse_moe_config(config_file)
-    options = _options(kw)
+    options = _options(kw, "multi")
     progress = _StageProgress(enabled=not quiet)
 
     def on_stage(stage: Any, target: Path) -> None:
@@ -611,25 +672,21 @@ def multi_cmd(
         _report_result(r.out_dir, r.result, prefix=f"{r.name or '(final)'}: ")
 
 
-@cli.command("moe", short_help="Build a mixture of experts from dense models.")
+@cli.command("moe", short_help="Build a mixture of experts from dense models.", epilog=_epilog("moe"))
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@_merge_options
+@_merge_options("moe")
 @click.option(
     "--i-understand-this-is-not-useful-without-training",
     "allow_all_same",
     is_flag=True,
     help="Allow every expert to be the same model with prompt-based gates (mergekit-moe's flag).",
 )
-@click.option("--load-in-4bit", is_flag=True, hidden=True)
-@click.option("--load-in-8bit", is_flag=True, hidden=True)
 @_output_options(verify=False)
 def moe_cmd(
     config_file: Path,
     out_dir: Path,
     allow_all_same: bool,
-    load_in_4bit: bool,
-    load_in_8bit: bool,
     overwrite: bool,
     force: bool,
     quiet: bool,
@@ -644,12 +701,7 @@ def moe_cmd(
     from .moe import run_moe
     from .moe.progress import RouterProgress
 
-    if load_in_4bit or load_in_8bit:
-        raise ConfigError(
-            "`--load-in-4bit`/`--load-in-8bit` are not supported: gate_mode hidden runs the base model in its "
-            "own dtype (use --device cuda to move it off the CPU)"
-        )
-    options = _options(kw)
+    options = _options(kw, "moe")
 
     def warn(message: str) -> None:
         click.echo(f"warning: {message}", err=True)
@@ -688,38 +740,63 @@ def moe_cmd(
     )
 
 
-@cli.command("extract-lora", short_help="Extract a LoRA adapter approximating MODEL - BASE.")
+@cli.command(
+    "extract-lora", short_help="Extract a LoRA adapter approximating MODEL - BASE.", epilog=_epilog("extract-lora")
+)
 @click.option("--model", required=True, help="The fine-tuned model (path, cached hub id, or model+lora).")
 @click.option("--base", "--base-model", "base", required=True, help="The model it was fine-tuned from.")
 @click.option("--out", "--out-path", "out", required=True, type=click.Path(path_type=Path), help="Adapter directory.")
 @click.option("--max-rank", type=click.IntRange(min=1), default=128, show_default=True, help="Largest LoRA rank.")
 @click.option("--sv-epsilon", type=float, default=0.0, show_default=True, help="Drop singular values at or below.")
-@click.option("--embed-lora", is_flag=True, help="Factor the embedding and lm_head too (default: save them whole).")
+@click.option(
+    "--embed-lora/--no-embed-lora",
+    default=False,
+    help="Factor the embedding and lm_head too (default: save them whole).",
+)
+@click.option(
+    "--include-regex",
+    "-i",
+    multiple=True,
+    help="Only modules whose name matches (re.search) are extracted; repeatable.",
+)
+@click.option("--exclude-regex", "-e", multiple=True, help="Modules whose name matches are left out; repeatable.")
+@click.option(
+    "--save-module", multiple=True, help="Save this module (full name or last part) whole, not factored; repeatable."
+)
+@click.option(
+    "--skip-undecomposable",
+    is_flag=True,
+    help="Leave out changed modules that are not low-rank material (norms, ...) instead of saving them whole.",
+)
+@click.option(
+    "--distribute-scale/--no-distribute-scale",
+    default=True,
+    show_default=True,
+    help="Split the singular values evenly between A and B (off: all in A, B orthonormal).",
+)
 @click.option(
     "--device",
-    type=click.Choice(["cpu", "cuda", "mps"]),
+    type=click.Choice(["cpu", "cuda", "mps", "auto"]),
     default="cpu",
     show_default=True,
     help="Where the SVDs run.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an adapter already in --out.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details.")
-def extract_lora_cmd(
-    model: str,
-    base: str,
-    out: Path,
-    max_rank: int,
-    sv_epsilon: float,
-    embed_lora: bool,
-    device: str,
-    overwrite: bool,
-    verbose: bool,
-) -> None:
+@mergekit_flags.add_flags("extract-lora")
+def extract_lora_cmd(model: str, base: str, out: Path, max_rank: int, sv_epsilon: float, **kw: Any) -> None:
     """Write a PEFT LoRA adapter approximating MODEL - BASE (truncated SVD per linear weight)."""
+    from .io.lora_cache import lora_merge_settings
     from .lora.extract import extract_lora
     from .runtime.devices import resolve_device
 
-    device = resolve_device(device, what="--device")
+    taken = mergekit_flags.take("extract-lora", kw)
+    device = resolve_device(kw["device"], what="--device")
+    taken.say_notes()
+    if kw.get("threads"):  # -j/--num-threads: the SVDs' torch threads, as in mergekit
+        import torch
+
+        torch.set_num_threads(kw["threads"])
 
     result = extract_lora(
         model,
@@ -727,10 +804,16 @@ def extract_lora_cmd(
         out,
         max_rank,
         sv_epsilon=sv_epsilon,
-        embed_lora=embed_lora,
+        embed_lora=kw["embed_lora"],
         device=device,
-        overwrite=overwrite,
-        on_module=(lambda m: click.echo(f"  {m}", err=True)) if verbose else None,
+        overwrite=kw["overwrite"],
+        include=kw["include_regex"],
+        exclude=kw["exclude_regex"],
+        save_modules=kw["save_module"],
+        skip_undecomposable=kw["skip_undecomposable"],
+        distribute_scale=kw["distribute_scale"],
+        lora_merge=lora_merge_settings(taken.get("lora_merge_cache"), taken.get("lora_merge_dtype")),
+        on_module=(lambda m: click.echo(f"  {m}", err=True)) if kw["verbose"] else None,
     )
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
@@ -745,7 +828,11 @@ def extract_lora_cmd(
 _MATCH = click.Choice(["no", "yes", "embed", "lm_head"])
 
 
-@cli.command("tokensurgeon", short_help="Give a model another model's tokenizer (training-free).")
+@cli.command(
+    "tokensurgeon",
+    short_help="Give a model another model's tokenizer (training-free).",
+    epilog=_epilog("tokensurgeon"),
+)
 @click.argument("base")
 @click.argument("donor")
 @click.argument("out_dir", type=click.Path(path_type=Path))
@@ -772,7 +859,7 @@ _MATCH = click.Choice(["no", "yes", "embed", "lm_head"])
 @click.option("--new-vocab-noise", "-nvn", type=float, default=None, help="Gaussian noise added to new rows.")
 @click.option("--new-vocab-scale", "-nvs", type=float, default=None, help="Scale applied to new rows.")
 @click.option("--magikarp/--no-magikarp", default=False, hidden=True)
-@_merge_options
+@_merge_options("tokensurgeon")
 @_output_options("Replace a different model already in OUT_DIR.", verify=False)
 def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overwrite: bool, force: bool,
                      quiet: bool, **kw: Any) -> None:
@@ -790,7 +877,7 @@ def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overw
     names = ("approximation_method", "k", "prefix_match", "byte_match", "weight_scheme", "cosine_similarity",
              "subword_method", "batch_size", "new_vocab_noise", "new_vocab_scale")
     surgery = SurgeryOptions(**{n: kw.pop(n) for n in names})
-    options = _options(kw)
+    options = _options(kw, "tokensurgeon")
     result, counts = _run_shown(
         run_tokensurgeon, quiet, base, donor, out_dir, surgery, options, overwrite=overwrite, force=force
     )
@@ -804,7 +891,9 @@ def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overw
         f"{describe_counts(counts)}) in {result.seconds:.1f}s"
     )
 
-@cli.command("evolve", short_help="Search merge parameters with CMA-ES (mergekit-evolve genomes).")
+@cli.command(
+    "evolve", short_help="Search merge parameters with CMA-ES (mergekit-evolve genomes).", epilog=_epilog("evolve")
+)
 @click.argument("genome_file", type=click.Path(path_type=Path))
 @click.option(
     "--storage-path", required=True, type=click.Path(path_type=Path), help="Journal, history, best config."
@@ -828,16 +917,22 @@ def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overw
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="ray: a generation's candidates are scored as Ray tasks.")
 @click.option("--ray-address", default=None, help="Ray cluster to join (default: RAY_ADDRESS or a local Ray).")
-@click.option("--vllm/--no-vllm", default=False, hidden=True)
 @click.option("--merge-best", type=click.Path(path_type=Path), default=None, help="Write the best merge here.")
 @click.option("--overwrite", is_flag=True, help="Start over when the storage path holds a different search.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow model code from checkpoints.")
-@click.option("--allow-crimes", is_flag=True, help="Merge models of different architectures.")
-@click.option("--quiet", "-q", is_flag=True, help="Only the summary.")
+@click.option("--trust-remote-code/--no-trust-remote-code", default=False, help="Allow model code from checkpoints.")
+@click.option("--allow-crimes/--no-allow-crimes", default=False, help="Merge models of different architectures.")
+@click.option("--quiet/--no-quiet", "-q", "quiet", default=False, help="Only the summary.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details.")
+@mergekit_flags.add_flags("evolve")
 def evolve_cmd(genome_file: Path, storage_path: Path, **kw: Any) -> None:
     """Find merge parameters for GENOME_FILE (mergekit-evolve's format) by CMA-ES; resumable: rerun to continue."""
     from .evolve.command import run_evolve_command
+
+    taken = mergekit_flags.take("evolve", kw)
+    taken.say_notes()
+    if taken.get("save_final_model") and kw.get("merge_best") is None:  # mergekit-evolve's place for it
+        kw["merge_best"] = storage_path / "final_model"
+    kw["timeout"] = taken.get("timeout")
 
     run_evolve_command(genome_file, storage_path, kw)
 

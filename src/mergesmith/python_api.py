@@ -77,10 +77,11 @@ def _resolve(function: str, command: str, given: dict[str, Any], exclude: tuple[
     return resolved
 
 
-def _merge_options(kw: dict[str, Any]) -> Any:
+def _merge_options(kw: dict[str, Any], command: str = "merge") -> Any:
+    """The command's MergeOptions; notes about mergekit flags without effect go to the logger, as warnings do."""
     from .cli import _options
 
-    return _options(kw)
+    return _options(kw, command, echo=lambda line: log.info("%s", line))
 
 
 def as_merge_config(config: Any, what: str = "merge") -> tuple[Any, str]:
@@ -175,7 +176,7 @@ def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> Plan
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         check_plan_out_dir(out)
-    merge_options = _merge_options(kw)
+    merge_options = _merge_options(kw, "plan")
     moe_config = _maybe_moe(config)
     if moe_config is not None:
         from .moe import build_moe_plan
@@ -244,7 +245,7 @@ def merge(
 
     kw = _resolve("merge", "merge", options)
     cfg, source = as_merge_config(config)
-    merge_options = _merge_options(kw)
+    merge_options = _merge_options(kw, "merge")
     return _displayed(
         progress,
         kw,
@@ -318,7 +319,7 @@ def merge_raw(
     if kw["tensor_union"] and kw["tensor_intersection"]:
         raise ConfigError("give tensor_union or tensor_intersection, not both")
     cfg, source = as_merge_config(config)
-    merge_options = _merge_options(kw)
+    merge_options = _merge_options(kw, "merge-raw")
     tensor_set = "union" if kw["tensor_union"] else "intersection" if kw["tensor_intersection"] else "exact"
     return _displayed(
         progress,
@@ -354,12 +355,10 @@ def moe(
     from .moe import run_moe
 
     kw = _resolve("moe", "moe", options)
-    if kw["load_in_4bit"] or kw["load_in_8bit"]:
-        raise ConfigError("`load_in_4bit`/`load_in_8bit` are not supported")
     cfg = _maybe_moe(config, allow_all_same=kw["allow_all_same"])
     if cfg is None:
         raise ConfigError("config: not a mergekit-moe config (it has no `experts`); use mergesmith.merge")
-    merge_options = _merge_options(kw)
+    merge_options = _merge_options(kw, "moe")
     return _displayed(
         progress,
         kw,
@@ -393,7 +392,7 @@ def multi(
     from .multi.stages import run_multi
 
     kw = _resolve("multi", "multi", options, exclude=("out_dir",))
-    merge_options = _merge_options(kw)
+    merge_options = _merge_options(kw, "multi")
     shown = progress is True and not kw["quiet"]
     display = choose_display(progress if not kw["quiet"] else None)
     with display, tempfile.TemporaryDirectory(prefix="mergesmith-multi-") as scratch:
@@ -423,10 +422,14 @@ def extract_lora(model: str, base: str, out: str | Path, **options: Any) -> Extr
     """`mergesmith extract-lora` as a function: write a PEFT LoRA adapter approximating `model - base`
     into `out` (`max_rank=128`, `sv_epsilon`, `embed_lora`, `device`, `overwrite`). Returns an
     ExtractResult (`out_dir`, `ranks`, `modules_to_save`, `seconds`, `notes`)."""
+    from . import mergekit_flags
+    from .io.lora_cache import lora_merge_settings
     from .lora.extract import extract_lora as run_extract
     from .runtime.devices import resolve_device
 
     kw = _resolve("extract_lora", "extract-lora", options, exclude=("model", "base", "out"))
+    taken = mergekit_flags.take("extract-lora", kw)
+    taken.say_notes(lambda line: log.info("%s", line))
     return run_extract(
         str(model),
         str(base),
@@ -436,4 +439,10 @@ def extract_lora(model: str, base: str, out: str | Path, **options: Any) -> Extr
         embed_lora=kw["embed_lora"],
         device=resolve_device(kw["device"], what="device"),
         overwrite=kw["overwrite"],
+        include=kw["include_regex"],
+        exclude=kw["exclude_regex"],
+        save_modules=kw["save_module"],
+        skip_undecomposable=kw["skip_undecomposable"],
+        distribute_scale=kw["distribute_scale"],
+        lora_merge=lora_merge_settings(taken.get("lora_merge_cache"), taken.get("lora_merge_dtype")),
     )

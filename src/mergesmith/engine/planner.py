@@ -488,6 +488,27 @@ class Planner(ModelPlanner):
             files.append((str(gen), "generation_config.json"))
         return files
 
+    def _refuse_mismatched_vocabularies(self) -> None:
+        """mergekit 0.1.5's rule, checked from headers before any tensor is read: vocabularies of different sizes
+        are merged only when the config says how to line their tokens up (`tokenizer_source` or a `tokenizer`
+        section), or with --unsafe-truncate-embeddings, which keeps the first rows of each, matched by position
+        (then a warning says so)."""
+        configured = self.config.tokenizer is not None or bool(self.config.tokenizer_source)
+        if not self._truncated or configured or self.options.unsafe_truncate_embeddings:
+            return
+        (counts, rows), names = next(iter(self._truncated.items()))
+        sizes = ", ".join(f"model {m!r} has {n}" for m, n in counts)
+        fix = (
+            "set `tokenizer_source: base` (or `union`) to build the vocabulary and re-index the rows by token, or "
+            if self.needs_model_config  # a raw merge (bare state dicts) has no tokenizer to build
+            else ""
+        )
+        raise ConfigError(
+            f"{self.source}: vocabulary sizes differ ({names[0]!r}: {sizes} rows); {fix}pass "
+            f"--unsafe-truncate-embeddings to keep the first {rows} rows of each, matched by position (right only "
+            "when the token ids agree)"
+        )
+
     def _truncation_warnings(self) -> list[str]:
         """One warning per distinct vocabulary mismatch the recipes cut to the smallest vocabulary.
 
@@ -541,6 +562,7 @@ class Planner(ModelPlanner):
 
     def build(self) -> Plan:
         recipes, layer_sources = self.recipes()
+        self._refuse_mismatched_vocabularies()
         tokenizer_plan = None
         transplant = self._transplant_source()  # `transplant:<donor>` (tokensurgeon/merge.py)
         if transplant is not None:

@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.direct_read import pool_bytes
 from ..io.dtypes import dtype_size, is_float, parse_config_dtype
+from ..io.lora_cache import LoraMerge
 from ..runtime.devices import resolve_device
 from .plan import Estimate, InputRef, ShardPlan, TensorRecipe
 
@@ -49,7 +50,21 @@ class MergeOptions:
     executor: str = "local"  # "local" (thread pool) or "ray" (one task per shard); never changes output bytes
     ray_address: str | None = None
     strict: bool = False  # --strict: every warning (config keys and parameters, plan, non-finite inputs) is an error
+    # --unsafe-truncate-embeddings: vocabularies of different sizes keep their first rows (else refused, as mergekit)
+    unsafe_truncate_embeddings: bool = False
+    # --lora-merge-cache/--lora-merge-dtype: `model+lora` inputs merged once into a directory (None: applied as read)
+    lora_merge: LoraMerge | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def open_input(self, ref: str) -> Checkpoint:
+        """Open one input as these options say (a `model+lora` one merged into the LoRA cache when asked)."""
+        from ..io.references import open_checkpoint
+
+        if self.lora_merge is None or not self.lora_merge.materialise:
+            return open_checkpoint(ref)
+        from ..runtime.cache_root import cache_root
+
+        return open_checkpoint(ref, self.lora_merge, cache_root())
 
 
 class ModelPlanner:

@@ -116,9 +116,11 @@ def as_config(config: str | Path | MergeConfiguration, strict: bool = False) -> 
     return load_config(config, strict=strict), str(config)
 
 
-def open_checkpoints(config: MergeConfiguration) -> dict[str, Checkpoint]:
-    """Open (and validate the headers of) every model the config names."""
-    return {ref: open_checkpoint(ref) for ref in config.referenced_models()}
+def open_checkpoints(config: MergeConfiguration, options: MergeOptions | None = None) -> dict[str, Checkpoint]:
+    """Open (and validate the headers of) every model the config names (LoRA inputs as `options` say)."""
+    if options is None:
+        return {ref: open_checkpoint(ref) for ref in config.referenced_models()}
+    return {ref: options.open_input(ref) for ref in config.referenced_models()}
 
 
 def build_plan(
@@ -134,7 +136,7 @@ def build_plan(
     cfg, default_source = as_config(config, options.strict)
     source = source or default_source
     choose_random_seed(cfg, source, options, out_dir)
-    checkpoints = open_checkpoints(cfg)
+    checkpoints = open_checkpoints(cfg, options)
     planner_cls: type[Planner] = Planner
     if cfg.modules:
         from .module_planner import (

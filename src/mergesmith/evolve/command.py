@@ -13,8 +13,6 @@ from .search import SearchOptions, run_search
 
 
 def search_options(kw: dict[str, Any]) -> SearchOptions:
-    if kw.get("vllm"):
-        raise ConfigError("`--vllm` is not supported: candidates are scored with transformers")
     from ..runtime.devices import resolve_device
 
     device = resolve_device(kw.get("device", "cpu"), check=kw.get("executor") != "ray", what="--device")
@@ -41,6 +39,7 @@ def search_options(kw: dict[str, Any]) -> SearchOptions:
         num_fewshot=kw.get("num_fewshot"),
         threads=kw.get("threads"),
         lm_eval_args=list(kw.get("lm_eval_arg") or ()),
+        timeout=kw.get("timeout"),
     )
 
 

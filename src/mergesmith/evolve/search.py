@@ -61,6 +61,9 @@ class SearchOptions:
     num_fewshot: int | None = None  # overrides the config's `num_fewshot`
     threads: int | None = None  # torch threads while scoring (None: 1 for small models, else torch's default)
     lm_eval_args: list[str] = field(default_factory=list)  # KEY=VALUE for lm-eval's simple_evaluate
+    # mergekit-evolve's --timeout: no generation starts once this many seconds have passed (one in progress is
+    # finished and journaled, so a rerun resumes there)
+    timeout: float | None = None
 
 
 @dataclass
@@ -74,6 +77,12 @@ class SearchResult:
 
 
 Task = BuiltinTask | LmEvalTask
+
+
+def _timed_out(options: SearchOptions, started: float) -> bool:
+    """Whether --timeout seconds have passed since the search started (checked between generations, as CMA-ES's
+    own `timeout` stop that mergekit-evolve sets; the first generation always runs, so there is a best)."""
+    return options.timeout is not None and time.monotonic() - started >= options.timeout
 
 
 def resolve_tasks(config: EvolveConfiguration, source: str, options: SearchOptions) -> list[Task]:
@@ -243,7 +252,7 @@ def run_search(config_path: str | Path, storage_path: str | Path, options: Searc
     try:
         # only the evaluation budget ends a search: accuracies are discrete, so CMA-ES's flat-fitness and
         # tolerance stops would end it early on a plateau (mergekit-evolve users set --max-fevals)
-        while es.countevals < options.max_fevals:
+        while es.countevals < options.max_fevals and not (best is not None and _timed_out(options, started)):
             generation = es.countiter + 1
             candidates = es.ask()
             rows: dict[int, dict[str, Any]] = {}

@@ -10,12 +10,26 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint
 from .lora_adapter import LoraCheckpoint, split_lora_ref
+from .lora_cache import LoraMerge, merged_dir
 
 
-def open_checkpoint(ref: str) -> Checkpoint:
+def open_checkpoint(ref: str, lora: LoraMerge | None = None, cache_root: Path | None = None) -> Checkpoint:
     """Open `ref`, validating every header up front; `model+lora` reads as the model with the adapter merged in
-    (the model part may itself be any reference)."""
+    (the model part may itself be any reference): applied tensor by tensor as read, or, when `lora` asks for a
+    cache directory or a dtype (mergekit's --lora-merge-cache/--lora-merge-dtype), merged once into a
+    directory (under `cache_root` when `lora` names none) and read from there."""
     if "+" in ref and not Path(ref).expanduser().exists():
         model_ref, adapter_dir = split_lora_ref(ref)
-        return LoraCheckpoint.over(ref, open_checkpoint(model_ref), adapter_dir)
+        adapted = LoraCheckpoint.over(ref, open_checkpoint(model_ref), adapter_dir)
+        if lora is None or not lora.materialise:
+            return adapted
+        if lora.cache is None and cache_root is None:
+            raise ValueError("a LoRA dtype without a cache directory needs cache_root")
+        try:
+            where = merged_dir(adapted, lora, cache_root or Path("."))
+        finally:
+            adapted.close()
+        merged = Checkpoint.open(str(where))
+        merged.ref = ref  # messages name the input as the config does
+        return merged
     return Checkpoint.open(ref)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,8 +44,10 @@ from ..io.checkpoint import Checkpoint
 from ..io.dtypes import from_torch, is_float
 from ..io.journal import refuse_non_directory
 from ..io.lora_adapter import ADAPTER_CONFIG, PEFT_PREFIX
+from ..io.lora_cache import LoraMerge
 from ..io.references import open_checkpoint
 from ..io.safetensors_writer import ShardWriter, write_file_atomic
+from ..runtime.cache_root import cache_root
 from ..runtime.devices import resolve_device
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -63,10 +65,11 @@ class ExtractResult:
 
 
 def _factor(
-    delta: torch.Tensor, max_rank: int, sv_epsilon: float
+    delta: torch.Tensor, max_rank: int, sv_epsilon: float, distribute_scale: bool = True
 ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, float]:
     """((A, B) with B @ A the best rank-r approximation of `delta`, or None when nothing is kept;
-    the largest singular value)."""
+    the largest singular value). The singular values go half to each factor, or all to A when not
+    `distribute_scale` (mergekit's --no-distribute-scale: B = U_r, orthonormal columns)."""
     u, s, vh = torch.linalg.svd(delta.to(torch.float32), full_matrices=False)
     top = float(s[0]) if s.numel() else 0.0
     rank = min(max_rank, s.shape[0])
@@ -74,8 +77,24 @@ def _factor(
         rank = min(rank, int((s > sv_epsilon).sum()))
     if rank == 0:
         return None, top
+    if not distribute_scale:
+        return (s[:rank, None] * vh[:rank], u[:, :rank].clone()), top
     root = s[:rank].sqrt()
     return (root[:, None] * vh[:rank], u[:, :rank] * root[None, :]), top
+
+
+def _compile(patterns: Sequence[str], option: str) -> list[re.Pattern[str]]:
+    try:
+        return [re.compile(p) for p in patterns]
+    except re.error as exc:
+        raise ConfigError(f"`{option}`: {exc.pattern!r} is not a regular expression ({exc})") from None
+
+
+def _wanted(module: str, include: list[re.Pattern[str]], exclude: list[re.Pattern[str]]) -> bool:
+    """mergekit's rule: any include pattern matches (when there are any) and no exclude pattern does."""
+    if include and not any(p.search(module) for p in include):
+        return False
+    return not any(p.search(module) for p in exclude)
 
 
 def _differs(ft: Checkpoint, bs: Checkpoint, name: str) -> bool:
@@ -102,18 +121,35 @@ def extract_lora(
     embed_lora: bool = False,
     device: str = "cpu",
     overwrite: bool = False,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    save_modules: Sequence[str] = (),
+    skip_undecomposable: bool = False,
+    distribute_scale: bool = True,
+    lora_merge: LoraMerge | None = None,
     on_module: Callable[[str], None] | None = None,
 ) -> ExtractResult:
-    """Write a PEFT LoRA adapter for `model` relative to `base` into `out_dir`."""
+    """Write a PEFT LoRA adapter for `model` relative to `base` into `out_dir`.
+
+    As mergekit-extract-lora: a module listed in `save_modules` (its full name or its last part) is saved
+    whole; otherwise a module is extracted only when it matches an `include` pattern (when any are given)
+    and no `exclude` pattern (re.search on the module name), except that the embedding and lm_head without
+    `embed_lora` are saved whole unless excluded; a changed module that is not low-rank material is saved
+    whole, or left out with `skip_undecomposable`. `lora_merge`: how `model+lora` inputs are read."""
     started = time.monotonic()
     device = resolve_device(device)  # before anything is opened or written
     if max_rank < 1:
         raise ConfigError(f"`--max-rank` must be at least 1, got {max_rank}")
     if sv_epsilon < 0:
         raise ConfigError(f"`--sv-epsilon` must not be negative, got {sv_epsilon}")
+    patterns = {"--include-regex": _compile(include, "--include-regex")}
+    patterns["--exclude-regex"] = _compile(exclude, "--exclude-regex")
     out = Path(out_dir)
     _check_out(out, overwrite)
-    ft, bs = open_checkpoint(model), open_checkpoint(base)
+    if lora_merge is not None and lora_merge.materialise:
+        ft, bs = (open_checkpoint(ref, lora_merge, cache_root()) for ref in (model, base))
+    else:
+        ft, bs = open_checkpoint(model), open_checkpoint(base)
     extra = sorted(set(ft.tensors) - set(bs.tensors))
     if extra:
         raise CheckpointError(f"model {model!r} has tensors the base lacks, e.g. {extra[0]!r}; not a fine-tune of it")
@@ -146,6 +182,16 @@ def extract_lora(
             on_module(module)
         weight = params.get("weight")
         is_vocab = module in vocab_modules
+        wanted = _wanted(module, patterns["--include-regex"], patterns["--exclude-regex"])
+        if module in save_modules or module.rpartition(".")[2] in save_modules:
+            to_save.append(module)
+            continue
+        if is_vocab and not embed_lora:
+            if not any(p.search(module) for p in patterns["--exclude-regex"]):
+                to_save.append(module)
+            continue
+        if not wanted:
+            continue
         factorable = (
             weight is not None
             and len(bs.info(weight).shape) == 2
@@ -154,12 +200,15 @@ def extract_lora(
             and (embed_lora or not is_vocab)
         )
         if not factorable:
-            to_save.append(module)
+            if skip_undecomposable:
+                notes.append(f"{module}: changed but not a low-rank update; left out (--skip-undecomposable)")
+            else:
+                to_save.append(module)
             continue
         assert weight is not None
         is_embedding = is_vocab and weight == embed
         delta = ft.get(weight).to(dev, torch.float32) - bs.get(weight).to(dev, torch.float32)
-        pair, top = _factor(delta.T if is_embedding else delta, max_rank, sv_epsilon)
+        pair, top = _factor(delta.T if is_embedding else delta, max_rank, sv_epsilon, distribute_scale)
         top_sv = max(top_sv, top)
         if pair is None:
             dropped.append(module)

@@ -18,7 +18,6 @@ from ..engine.run import MergeResult, RunControls, reuse_or_draw_seed, run_plann
 from ..errors import OutputError
 from ..io.checkpoint import Checkpoint
 from ..io.journal import Journal, foreign_entries, refuse_non_directory
-from ..io.references import open_checkpoint
 from .config import MoEConfiguration, load_moe_config, validate_moe_config
 from .planner import MoEPlanner
 from .router import ROUTER_MODEL, GateJob, GateProgress
@@ -45,7 +44,7 @@ def build_moe_plan(
         source = str(config)
     if cfg.needs_seed():
         reuse_or_draw_seed(options, out_dir)
-    checkpoints = {ref: open_checkpoint(ref) for ref in cfg.referenced_models()}
+    checkpoints = {ref: options.open_input(ref) for ref in cfg.referenced_models()}
     plan, gates = MoEPlanner(cfg, checkpoints, options, source).build()
     plan.warnings[:0] = cfg.warnings  # what reading the config ignored, first
     return plan, checkpoints, gates

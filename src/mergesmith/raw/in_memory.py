@@ -115,6 +115,7 @@ def merge_state_dicts(
     device: str | torch.device | None = None,
     tensor_set: str = "exact",
     allow_crimes: bool = False,
+    unsafe_truncate_embeddings: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Merge state dicts in memory with any registered method; returns the merged state dict.
 
@@ -127,7 +128,9 @@ def merge_state_dicts(
     tensor's name, so the same seed gives the same bytes as a file-based merge with `--random-seed`.
     `device`: where the arithmetic runs, by default the inputs' device; results are on that device.
     `tensor_set`: "exact" refuses a tensor some inputs lack, "intersection" leaves it out, "union"
-    merges it from those that hold it. Problems raise ConfigError/CheckpointError with one line.
+    merges it from those that hold it. Embeddings of different vocabulary sizes are refused unless
+    `unsafe_truncate_embeddings` (their first rows are kept, matched by position, with a warning), as
+    mergekit's --unsafe-truncate-embeddings. Problems raise ConfigError/CheckpointError with one line.
     """
     from ..engine.executor import compute
     from ..engine.planning import MergeOptions
@@ -181,6 +184,7 @@ def merge_state_dicts(
         write_model_card=False,
         allow_crimes=allow_crimes,
         device=str(run_on),
+        unsafe_truncate_embeddings=unsafe_truncate_embeddings,
     )
     from ..methods import require_method
 

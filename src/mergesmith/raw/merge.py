@@ -181,7 +181,7 @@ def build_raw_plan(
     else:
         cfg, source = load_raw_config(config, strict=options.strict), str(config)
     choose_random_seed(cfg, source, options, out_dir)
-    checkpoints = open_checkpoints(cfg)
+    checkpoints = open_checkpoints(cfg, options)
     return RawPlanner(cfg, checkpoints, options, source, tensor_set).build(), checkpoints
 
 

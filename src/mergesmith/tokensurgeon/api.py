@@ -16,7 +16,6 @@ from ..engine.planning import MergeOptions
 from ..engine.run import MergeResult, RunControls, reuse_or_draw_seed, run_planned
 from ..io.checkpoint import Checkpoint
 from ..io.journal import refuse_non_directory
-from ..io.references import open_checkpoint
 from .planner import SurgeryOptions, TokenSurgeonPlanner
 
 
@@ -38,8 +37,8 @@ def build_tokensurgeon_plan(
     if surgery.needs_seed:
         reuse_or_draw_seed(options, out_dir)
     base_ref, donor_ref = str(base), str(donor)
-    base_ck = open_checkpoint(base_ref)
-    donor_ck = base_ck if donor_ref == base_ref else open_checkpoint(donor_ref)
+    base_ck = options.open_input(base_ref)
+    donor_ck = base_ck if donor_ref == base_ref else options.open_input(donor_ref)
     planner = TokenSurgeonPlanner(base_ck, donor_ck, options, surgery, base_ref, donor_ref)
     plan, counts = planner.build()
     return plan, {base_ref: base_ck, donor_ref: donor_ck}, counts
