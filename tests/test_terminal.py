@@ -272,7 +272,8 @@ def test_extract_lora_at_a_terminal_draws_its_bar(inputs: dict[str, Path], tiny_
     base = inputs["base"]
     tuned = tiny_models.derive(base, seed=11, scale=0.02)
     out = tmp_path / "adapter"
-    screen = at_terminal(mergesmith_cli("extract-lora", "--model", tuned, "--base", base, "--out", out, "--max-rank", "4"))
+    args = ["extract-lora", "--model", tuned, "--base", base, "--out", out, "--max-rank", "4"]
+    screen = at_terminal(mergesmith_cli(*args))
     assert_finished(screen, f"wrote {out}")
     assert any(re.search(r"extracting .*\d+/\d+ modules", line) for line in screen.lines), screen.text
 
