@@ -344,7 +344,10 @@ if sys.argv[3] == "notebook":
     fake.get_ipython = lambda: ZMQInteractiveShell()
     sys.modules["IPython"] = fake
 import mergesmith
-mergesmith.merge(sys.argv[1], sys.argv[2], progress=True)
+if sys.argv[4:] == ["multi"]:
+    mergesmith.multi(sys.argv[1], sys.argv[2], progress=True)
+else:
+    mergesmith.merge(sys.argv[1], sys.argv[2], progress=True)
 """
 
 
@@ -366,6 +369,15 @@ def test_api_progress_at_a_terminal(inputs: dict[str, Path], tmp_path: Path):
     screen = at_terminal([sys.executable, "-c", _API_SCRIPT, inputs["linear"], out, "terminal"])
     assert_finished(screen, f"model written to {out.resolve()}")
     merge_bar(screen)
+
+
+def test_api_multi_progress_at_a_terminal_draws_a_bar_per_stage(inputs: dict[str, Path], tmp_path: Path):
+    """One live display at a time: each stage's bar ends before the next one starts."""
+    out = tmp_path / "stages"
+    screen = at_terminal([sys.executable, "-c", _API_SCRIPT, inputs["multi"], out, "terminal", "multi"])
+    assert_finished(screen, f"second: model written to {(out / 'second').resolve()}")
+    done = {frame for frame in merge_bar(screen) if re.search(r"merging (\d+)/\1 tensors", frame)}
+    assert len(re.findall(r"\x1b\[\?25l", screen.raw)) == 2 and done, screen.text  # two bars, each finished
 
 
 # ----- 4. -q hides progress, never warnings ------------------------------------------------------------------
@@ -441,3 +453,49 @@ def test_a_failing_display_warns_once_and_the_merge_finishes(inputs: dict[str, P
     screen = at_terminal([sys.executable, "-c", _BROKEN, "merge", inputs["linear"], tmp_path / "o2"],
                          env={**env, "MERGESMITH_DISPLAY_ERRORS": "raise"})
     assert screen.code == 1 and "KeyError" in screen.text, screen.text
+
+
+class _Exploding:
+    """A display whose update fails; records what the guard calls."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error, self.calls = error, []
+
+    def __enter__(self) -> _Exploding:
+        return self
+
+    def start(self, plan: Any) -> None:
+        self.calls.append("start")
+
+    def update(self, event: Any) -> None:
+        self.calls.append("update")
+        raise self.error
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+    def __exit__(self, *exc: Any) -> None:
+        self.calls.append("exit")
+
+
+def test_the_guard_warns_once_closes_the_display_and_lets_interrupts_through(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    from mergesmith.display.guard import Guarded
+
+    monkeypatch.delenv("MERGESMITH_DISPLAY_ERRORS")
+    inner = _Exploding(ValueError("bad width"))
+    with Guarded(inner) as display:
+        display.start(None)
+        display.update(None)
+        display.update(None)  # switched off: not called again
+    assert inner.calls == ["start", "update", "close"], inner.calls
+    err = capsys.readouterr().err
+    assert err == "warning: the progress display failed (ValueError: bad width); going on without it\n", err
+
+    with pytest.raises(KeyboardInterrupt), Guarded(_Exploding(KeyboardInterrupt())) as display:
+        display.update(None)  # Ctrl-C while drawing stops the merge, as anywhere else
+
+    monkeypatch.setenv("MERGESMITH_DISPLAY_ERRORS", "raise")
+    with pytest.raises(ValueError, match="bad width"), Guarded(_Exploding(ValueError("bad width"))) as display:
+        display.update(None)

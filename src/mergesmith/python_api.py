@@ -413,6 +413,10 @@ def multi(
     for stage in results:
         for warning in stage.result.warnings:
             _warn(warning, shown)
+        if shown:
+            from .display.notebook import final_line
+
+            print(f"{stage.name or '(final)'}: {final_line(stage.out_dir, stage.result)}")
     return results
 
 
