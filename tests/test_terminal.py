@@ -499,3 +499,46 @@ def test_the_guard_warns_once_closes_the_display_and_lets_interrupts_through(
     monkeypatch.setenv("MERGESMITH_DISPLAY_ERRORS", "raise")
     with pytest.raises(ValueError, match="bad width"), Guarded(_Exploding(ValueError("bad width"))) as display:
         display.update(None)
+
+
+def test_a_frame_that_fails_in_richs_refresh_thread_is_raised_on_the_callers_thread():
+    """rich redraws from its own thread too; a failure there would print a thread's traceback and freeze the
+    bar. It is kept and raised at the next call on the merge's thread, where the guard reports it."""
+    import io
+
+    from rich.console import Console
+    from rich.progress import ProgressColumn
+
+    from mergesmith.display.terminal import FittingProgress
+
+    class Broken(ProgressColumn):
+        def render(self, task: Any) -> Any:
+            raise KeyError("ntensors")
+
+    progress = FittingProgress([(Broken(),)], Console(file=io.StringIO(), force_terminal=True, width=40))
+    progress.add_task("x", total=1)
+    frame = progress.get_renderable()  # what the refresh thread calls
+    assert frame is not None and isinstance(progress.failure, KeyError)
+    with pytest.raises(KeyError, match="ntensors"):
+        progress.raise_failure()
+
+
+@pytest.mark.parametrize(("width", "shown"), [(120, "RSS"), (60, "MB/s"), (40, "merging")])
+def test_the_merge_bar_drops_columns_to_fit_the_width(width: int, shown: str):
+    import io
+
+    from rich.console import Console
+
+    from mergesmith.display.terminal import MergeProgress
+
+    display = MergeProgress()
+    display.console = Console(file=io.StringIO(), force_terminal=True, width=width, color_system=None)
+    display.enabled = True
+    plan = type("Plan", (), {"total_size": 10**9, "recipes": [None] * 2911})()
+    display.start(plan)
+    display.update(type("Event", (), {"bytes_written": 10**8, "tensors_done": 291, "tensors_total": 2911})())
+    display.close()
+    frames = [ANSI.sub("", f).rstrip() for f in display.console.file.getvalue().replace("\r", "\n").splitlines()]
+    frames = [f for f in frames if "merging" in f]
+    assert frames and all(len(f) <= width and shown in f for f in frames), frames
+    assert "merging 291/2911 tensors" in frames[-1]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import psutil
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.measure import Measurement
 from rich.progress import (
     BarColumn,
@@ -57,13 +57,29 @@ def _bar() -> BarColumn:
 
 class FittingProgress(Progress):
     """A rich Progress given several column sets, widest first; each frame uses the first set that fits
-    the console's width now (so a resized window is followed), the last set if none does."""
+    the console's width now (so a resized window is followed), the last set if none does.
+
+    rich also draws from its own refresh thread, where a failure would print a thread's traceback and
+    leave the bar frozen: a frame that fails is drawn empty and its error kept in `failure`, which
+    `raise_failure` raises on the caller's thread (the guard reports it there)."""
 
     def __init__(self, column_sets: Sequence[Sequence[ProgressColumn]], console: Console) -> None:
         # set first: rich's __init__ already renders a first (empty) frame
         self._column_sets = [tuple(columns) for columns in column_sets]
         self._screen = console
+        self.failure: Exception | None = None
         super().__init__(*column_sets[0], console=console, expand=True, transient=False)
+
+    def get_renderable(self) -> RenderableType:
+        try:
+            return super().get_renderable()
+        except Exception as exc:  # noqa: BLE001 - kept for the caller's thread, see the class docstring
+            self.failure = self.failure or exc
+            return Text("")
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
 
     def make_tasks_table(self, tasks: Iterable[Task]) -> Table:
         tasks = list(tasks)
@@ -95,7 +111,7 @@ class MergeProgress:
     def __init__(self, enabled: bool = True) -> None:
         self.console = Console(stderr=True)
         self.enabled = enabled and self.console.is_terminal and not self.console.is_dumb_terminal
-        self._progress: Progress | None = None
+        self._progress: FittingProgress | None = None
         self._task: Any = None
         self._last = 0.0
 
@@ -120,6 +136,7 @@ class MergeProgress:
         self._progress.start()
         self._task = self._progress.add_task("merge", total=plan.total_size, done=0, ntensors=len(plan.recipes))
         self._last = 0.0
+        self._progress.raise_failure()
 
     def update(self, event: ProgressEvent) -> None:
         if self._progress is None:
@@ -134,11 +151,13 @@ class MergeProgress:
             return
         self._last = now
         self._progress.update(self._task, completed=event.bytes_written, done=event.tensors_done)
+        self._progress.raise_failure()
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-        self._progress = None
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.stop()
+            progress.raise_failure()
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
@@ -153,7 +172,7 @@ class CountProgress:
         self.unit = unit
         self.console = Console(stderr=True)
         self.enabled = enabled and self.console.is_terminal and not self.console.is_dumb_terminal
-        self._progress: Progress | None = None
+        self._progress: FittingProgress | None = None
         self._task: Any = None
 
     def __enter__(self) -> CountProgress:
@@ -172,11 +191,13 @@ class CountProgress:
             self._progress.start()
             self._task = self._progress.add_task(self.label, total=total)
         self._progress.update(self._task, completed=done, total=total)
+        self._progress.raise_failure()
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-        self._progress = None
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.stop()
+            progress.raise_failure()
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
