@@ -88,10 +88,11 @@ def at_terminal(
     rows: int = 30,
     env: dict[str, str] | None = None,
     output: Path | None = None,
+    stderr_output: bool = True,
     timeout: float = 300,
 ) -> Screen:
-    """Run `args` with a pseudo-terminal of `columns` x `rows` as stdin, stdout and stderr (or with stdout and
-    stderr sent to the file `output` while stdin stays the terminal); return what the terminal received."""
+    """Run `args` with a pseudo-terminal of `columns` x `rows` as stdin, stdout and stderr (or with stdout, and
+    stderr unless not `stderr_output`, sent to the file `output`); return what the terminal received."""
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     sink = open(output, "wb") if output is not None else None  # noqa: SIM115 - closed below, once the child has it
@@ -100,7 +101,7 @@ def at_terminal(
             [str(a) for a in args],
             stdin=slave,
             stdout=sink or slave,
-            stderr=sink or slave,
+            stderr=(sink if stderr_output else None) or slave,
             env=child_env(columns, rows) if env is None else env,
             start_new_session=True,  # its own session: a signal meant for the test run does not reach it
             close_fds=True,
@@ -332,6 +333,18 @@ def test_output_redirected_to_a_file_while_stdin_is_a_terminal(inputs: dict[str,
     assert "Traceback" not in written and "error" not in written
 
 
+def test_stdout_redirected_keeps_the_bar_on_the_terminal_and_the_last_line_in_the_file(
+    inputs: dict[str, Path], tmp_path: Path
+):
+    """`mergesmith merge ... > merge.log` at a terminal: the bar (stderr) stays on the screen, the file gets the
+    line saying where the model is, and nothing of the bar."""
+    out, log = tmp_path / "out", tmp_path / "merge.log"
+    screen = at_terminal(mergesmith_cli("merge", inputs["linear"], out), output=log, stderr_output=False)
+    assert screen.code == 0, screen.text
+    merge_bar(screen)
+    assert log.read_text().splitlines() == [log.read_text().strip()] and log.read_text().startswith(f"wrote {out}")
+
+
 # ----- 3. the Python API's progress=True ------------------------------------------------------------------
 
 _API_SCRIPT = """
@@ -542,3 +555,18 @@ def test_the_merge_bar_drops_columns_to_fit_the_width(width: int, shown: str):
     frames = [f for f in frames if "merging" in f]
     assert frames and all(len(f) <= width and shown in f for f in frames), frames
     assert "merging 291/2911 tensors" in frames[-1]
+
+
+def test_a_plain_line_that_fails_is_raised_on_the_callers_thread(monkeypatch: pytest.MonkeyPatch):
+    from mergesmith.display.plain import PlainProgress
+
+    def broken() -> str:
+        raise OSError("no /proc")
+
+    progress = PlainProgress(0.01)
+    monkeypatch.setattr(progress, "line", broken)
+    progress.start(type("Plan", (), {"total_size": 1})())
+    assert progress._thread is not None
+    progress._thread.join()  # the printing thread stops at its first line
+    with pytest.raises(OSError, match="no /proc"):
+        progress.close()

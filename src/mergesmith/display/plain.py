@@ -28,7 +28,9 @@ def _clock(seconds: float) -> str:
 
 class PlainProgress:
     """A line on stderr every `interval` seconds (tensors done/total, MB/s, RSS, ETA), since a redrawn bar
-    cannot work there. A merge that ends (or fails) before the first interval prints nothing."""
+    cannot work there. A merge that ends (or fails) before the first interval prints nothing. A line that
+    cannot be made stops the lines; its error is raised at the next call on the merge's thread (where
+    guard.py reports it), not printed as the printing thread's traceback."""
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
@@ -38,6 +40,7 @@ class PlainProgress:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        self.failure: Exception | None = None
 
     def __enter__(self) -> PlainProgress:
         return self
@@ -51,6 +54,7 @@ class PlainProgress:
         self._thread.start()
 
     def update(self, event: Any) -> None:
+        self._raise_failure()
         with self._lock:
             if self._base is None:
                 self._base = (time.monotonic(), event.bytes_written)
@@ -58,9 +62,18 @@ class PlainProgress:
 
     def _run(self) -> None:
         while not self._done.wait(self.interval):
-            line = self.line()
-            if line:
-                click.echo(line, err=True)
+            try:
+                line = self.line()
+                if line:
+                    click.echo(line, err=True)
+            except Exception as exc:  # noqa: BLE001 - raised on the merge's thread, see the class docstring
+                self.failure = exc
+                return
+
+    def _raise_failure(self) -> None:
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
 
     def line(self) -> str | None:
         import psutil
@@ -84,6 +97,7 @@ class PlainProgress:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._thread = None
+        self._raise_failure()
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
