@@ -467,12 +467,11 @@ def multi_cmd(
     A later document names an earlier one's `name` as a model; each stage is written to OUT_DIR/<name>,
     and a stage whose output is complete for the same config and inputs is skipped.
     """
+    from .display.terminal import StageProgress
     from .multi.stages import run_multi
 
     _refuse_moe_config(config_file)
     options = _options(kw)
-    from .display.terminal import StageProgress
-
     progress = StageProgress(lambda: _merge_progress(quiet))
 
     def on_stage(stage: Any, target: Path) -> None:

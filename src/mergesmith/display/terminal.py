@@ -35,6 +35,7 @@ from .guard import Guarded
 from .plain import PlainProgress, progress_interval
 
 MIN_BAR = 10  # columns: a narrower bar says too little to be worth its place
+BAR_WIDTH = 40  # rich's own default, where the terminal has room for it
 
 
 class _RateColumn(ProgressColumn):
@@ -52,7 +53,7 @@ class _RssColumn(ProgressColumn):
 
 
 def _bar() -> BarColumn:
-    return BarColumn(bar_width=None, table_column=Column(ratio=1))  # takes the width the other columns leave
+    return BarColumn(bar_width=None, table_column=Column(ratio=1))  # FittingProgress sets its width per frame
 
 
 class FittingProgress(Progress):
@@ -84,11 +85,18 @@ class FittingProgress(Progress):
     def make_tasks_table(self, tasks: Iterable[Task]) -> Table:
         tasks = list(tasks)
         width = self._screen.width
-        chosen = self._column_sets[-1]
+        chosen, natural = self._column_sets[-1], 0
         for columns in self._column_sets:
-            if self._natural_width(columns, tasks) <= width:
+            natural = self._natural_width(columns, tasks)
+            if natural <= width:
                 chosen = columns
                 break
+        # rich's usual 40-column bar where it fits; else the bar takes what the other columns leave
+        roomy = natural - MIN_BAR + BAR_WIDTH <= width
+        for column in chosen:
+            if isinstance(column, BarColumn):
+                column.bar_width = BAR_WIDTH if roomy else None
+        self.expand = not roomy
         self.columns = chosen
         return super().make_tasks_table(tasks)
 
