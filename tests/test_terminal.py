@@ -570,3 +570,13 @@ def test_a_plain_line_that_fails_is_raised_on_the_callers_thread(monkeypatch: py
     progress._thread.join()  # the printing thread stops at its first line
     with pytest.raises(OSError, match="no /proc"):
         progress.close()
+
+
+def test_api_quiet_hides_the_bar_not_the_warnings(
+    inputs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    result = mergesmith.merge(inputs["ignored"], tmp_path / "out", progress=True, quiet=True)
+    out, err = capsys.readouterr()
+    assert any(line.startswith("warning:") and "does not use 'density'" in line for line in out.splitlines()), out
+    assert out.strip().splitlines()[-1].startswith("model written to ") and "progress" not in err, (out, err)
+    assert any("density" in w for w in result.plan.warnings)
