@@ -74,6 +74,7 @@ def run_evolve_command(genome_file: Path, storage_path: Path, kw: dict[str, Any]
         from ..engine.run import run_merge
 
         cfg = parse_config(best["config"], str(result.storage / "best_config.yml"))
+
         def warn(plan: Any) -> None:
             for warning in plan.warnings:
                 click.echo(f"warning: {warning}", err=True)
