@@ -19,6 +19,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["MERGESMITH_CACHE_DIR"] = tempfile.mkdtemp(prefix="mergesmith-test-cache-")
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# A progress display that fails is a warning for users (display/guard.py) and an error in tests, also in the
+# commands they start: no test passes over a broken display.
+os.environ["MERGESMITH_DISPLAY_ERRORS"] = "raise"
 
 if TYPE_CHECKING:
     from tests.model_factory import ModelCache

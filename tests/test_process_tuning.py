@@ -42,7 +42,7 @@ def test_importing_the_library_changes_nothing() -> None:
 
 def test_the_plan_callback_freezes_what_is_alive() -> None:
     started: list[object] = []
-    on_plan = cli._warn_then(True, started.append)
+    on_plan = cli._warn_then(started.append)
     try:
         on_plan(type("Plan", (), {"warnings": []})())
         assert started and gc.get_freeze_count() > 0

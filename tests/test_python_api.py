@@ -206,11 +206,11 @@ def test_progress_true_in_a_notebook_shows_a_bar_and_where_the_model_is(
 
 
 def test_progress_true_off_a_terminal_keeps_the_plain_lines(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mergesmith.cli import _PlainProgress
     from mergesmith.display import notebook as notebook_progress
+    from mergesmith.display.plain import PlainProgress
 
     monkeypatch.setattr(notebook_progress, "in_notebook", lambda: False)
-    assert isinstance(notebook_progress.choose_display(True), _PlainProgress)  # pytest's stderr is no terminal
+    assert isinstance(notebook_progress.choose_display(True).inner, PlainProgress)  # pytest's stderr is no terminal
     assert isinstance(notebook_progress.choose_display(None), notebook_progress.Silent)
 
 

@@ -12,7 +12,6 @@ import re
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -271,104 +270,21 @@ def _quit_at_once(_signum: int, _frame: Any) -> None:
     os._exit(130)
 
 
-PROGRESS_INTERVAL_ENV = "MERGESMITH_PROGRESS_INTERVAL"
-
-
-def _progress_interval() -> float:
-    try:
-        value = float(os.environ.get(PROGRESS_INTERVAL_ENV, "30"))
-    except ValueError:
-        return 30.0
-    return value if value > 0 else 30.0
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-class _PlainProgress:
-    """Off a terminal (a pipe, a log file, a notebook's `!mergesmith`): a plain line on stderr every
-    `interval` seconds (tensors done/total, MB/s, RSS, ETA), since a redrawn bar cannot work there.
-    A merge that ends (or fails) before the first interval prints nothing."""
-
-    def __init__(self, interval: float) -> None:
-        self.interval = interval
-        self._total_bytes = 0
-        self._event: Any = None
-        self._base: tuple[float, int] | None = None  # (time, bytes) of the first event: a resume starts there
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> _PlainProgress:
-        return self
-
-    def start(self, plan: Any) -> None:
-        self.close()
-        self._total_bytes = plan.total_size
-        self._event, self._base = None, None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mergesmith-progress", daemon=True)
-        self._thread.start()
-
-    def update(self, event: Any) -> None:
-        with self._lock:
-            if self._base is None:
-                self._base = (time.monotonic(), event.bytes_written)
-            self._event = event
-
-    def _run(self) -> None:
-        while not self._done.wait(self.interval):
-            line = self.line()
-            if line:
-                click.echo(line, err=True)
-
-    def line(self) -> str | None:
-        import psutil
-
-        with self._lock:
-            event, base = self._event, self._base
-        if event is None or base is None:
-            return None
-        elapsed = time.monotonic() - base[0]
-        rate = (event.bytes_written - base[1]) / elapsed if elapsed > 0 else 0.0
-        left = max(self._total_bytes - event.bytes_written, 0)
-        eta = _clock(left / rate) if rate > 0 else "unknown"
-        rss = psutil.Process().memory_info().rss
-        return (
-            f"progress: {event.tensors_done}/{event.tensors_total} tensors, {rate / 1e6:.1f} MB/s, "
-            f"RSS {rss / 1e9:.2f} GB, ETA {eta}"
-        )
-
-    def close(self) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._thread = None
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
 def _merge_progress(quiet: bool) -> Any:
-    """The live bar on a terminal, plain periodic lines elsewhere, nothing with -q."""
-    from .display.terminal import MergeProgress
+    """The live bar on a terminal, plain periodic lines elsewhere, nothing with -q (display/terminal.py)."""
+    from .display.terminal import merge_progress
 
-    display = MergeProgress(enabled=not quiet)
-    if quiet or display.enabled:
-        return display
-    return _PlainProgress(_progress_interval())
+    return merge_progress(quiet)
 
 
-def _warn_then(quiet: bool, start: Any, prefix: str = "") -> Any:
-    """An `on_plan` callback that prints the plan's warnings on stderr (none with -q), then calls `start`."""
+def _warn_then(start: Any, prefix: str = "") -> Any:
+    """An `on_plan` callback that prints the plan's warnings on stderr (with -q too: it hides progress only),
+    then calls `start`."""
 
     def on_plan(plan: Any) -> None:
         freeze_long_lived_objects()  # the plan is built: what is alive now lives until the end
-        if not quiet:
-            for warning in plan.warnings:
-                click.echo(f"{prefix}warning: {warning}", err=True)
+        for warning in plan.warnings:
+            click.echo(f"{prefix}warning: {warning}", err=True)
         start(plan)
 
     return on_plan
@@ -391,7 +307,8 @@ def _output_options(
         if verify:
             command = _verify_option(command)
         command = click.option(
-            "--quiet/--no-quiet", "-q", "quiet", default=False, help="No progress display."
+            "--quiet/--no-quiet", "-q", "quiet", default=False,
+            help="No progress display (warnings and errors still print).",
         )(command)
         command = click.option("--force", is_flag=True, help="Start even if the disk looks too small.")(command)
         return click.option("--overwrite", is_flag=True, help=overwrite_help)(command)
@@ -403,7 +320,7 @@ def _run_shown(run: Callable[..., Any], quiet: bool, *args: Any, **kwargs: Any) 
     """`run(*args, **kwargs)` under the progress display (none with -q) and Ctrl-C handling every command that
     writes a model uses: the plan's warnings first, then the bar; an interrupt stops at a resumable point."""
     with _Interrupts() as interrupts, _merge_progress(quiet) as progress:
-        on_plan = _warn_then(quiet, progress.start)
+        on_plan = _warn_then(progress.start)
         return run(*args, on_plan=on_plan, on_progress=progress.update, stop=interrupts.stop, **kwargs)
 
 
@@ -429,7 +346,7 @@ def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet:
         run_merge, quiet, config_file, out_dir, options, overwrite=overwrite, force=force, verify=verify
     )
     import_manifest.record()  # for the next merge's start
-    _report_result(out_dir, result, quiet=quiet)
+    _report_result(out_dir, result)
 
 
 @cli.command("plan", short_help="Show what a merge will do and cost, from headers.", epilog=_epilog("plan"))
@@ -542,11 +459,11 @@ def _refuse_moe_config(config_file: Path) -> None:
         )
 
 
-def _print_merge_warnings(result: Any, quiet: bool, prefix: str = "") -> None:
-    """What the merge found while running (NaN/inf in inputs or output), as the plan's warnings are printed."""
-    if not quiet:
-        for warning in getattr(result, "warnings", ()):
-            click.echo(f"{prefix}warning: {warning}", err=True)
+def _print_merge_warnings(result: Any, prefix: str = "") -> None:
+    """What the merge found while running (NaN/inf in inputs or output), as the plan's warnings are printed
+    (with -q too)."""
+    for warning in getattr(result, "warnings", ()):
+        click.echo(f"{prefix}warning: {warning}", err=True)
 
 
 def _report_resume(result: Any, prefix: str = "") -> None:
@@ -558,9 +475,9 @@ def _report_resume(result: Any, prefix: str = "") -> None:
         click.echo(f"{prefix}{line}")
 
 
-def _report_result(out_dir: Path, result: Any, prefix: str = "", quiet: bool = False) -> None:
-    """What the merge found while running (not with `quiet`), then what it resumed, where it wrote and what."""
-    _print_merge_warnings(result, quiet, prefix)
+def _report_result(out_dir: Path, result: Any, prefix: str = "") -> None:
+    """What the merge found while running, then what it resumed, where it wrote and what."""
+    _print_merge_warnings(result, prefix)
     plan = result.plan
     if result.already_complete:
         click.echo(f"{prefix}{out_dir}: already complete (same config and inputs); nothing to do")
@@ -571,32 +488,6 @@ def _report_result(out_dir: Path, result: Any, prefix: str = "", quiet: bool = F
         f"{prefix}wrote {out_dir} ({len(plan.recipes)} tensors in {len(plan.shards)} shard(s), "
         f"{human_size(plan.total_size)}) in {result.seconds:.1f}s{seed}"
     )
-
-
-class _StageProgress:
-    """One progress display per stage that does work; a stage that is already complete shows none."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._plan: Any = None
-        self._display: Any = None
-
-    def start(self, plan: Any) -> None:
-        self.close()
-        self._plan = plan
-
-    def update(self, event: Any) -> None:
-        if self._display is None and self._plan is not None and self.enabled:
-            self._display = _merge_progress(quiet=False).__enter__()
-            self._display.start(self._plan)
-        if self._display is not None:
-            self._display.update(event)
-
-    def close(self) -> None:
-        if self._display is not None:
-            self._display.__exit__(None, None, None)
-        self._display = None
-        self._plan = None
 
 
 @cli.command(
@@ -639,11 +530,12 @@ def multi_cmd(
     A later document names an earlier one's `name` as a model; each stage is written to OUT_DIR/<name>,
     and a stage whose output is complete for the same config and inputs is skipped.
     """
+    from .display.terminal import StageProgress
     from .multi.stages import run_multi
 
     _refuse_moe_config(config_file)
     options = _options(kw, "multi")
-    progress = _StageProgress(enabled=not quiet)
+    progress = StageProgress(lambda: _merge_progress(quiet))
 
     def on_stage(stage: Any, target: Path) -> None:
         progress.close()
@@ -662,7 +554,7 @@ def multi_cmd(
                 force=force,
                 verify=verify,
                 on_stage=on_stage,
-                on_plan=_warn_then(quiet, progress.start),
+                on_plan=_warn_then(progress.start),
                 on_progress=progress.update,
                 stop=interrupts.stop,
             )
@@ -698,15 +590,15 @@ def moe_cmd(
     MLPs; router weights from gate_mode (hidden, cheap_embed, random, uniform_random). Rerun to
     resume an interrupted run.
     """
+    from .display.terminal import count_progress
     from .moe import run_moe
-    from .moe.progress import RouterProgress
 
     options = _options(kw, "moe")
 
     def warn(message: str) -> None:
         click.echo(f"warning: {message}", err=True)
 
-    with _Interrupts() as interrupts, RouterProgress("router weights", enabled=not quiet) as router:
+    with _Interrupts() as interrupts, count_progress("router weights", "prompts", enabled=not quiet) as router:
         with _merge_progress(quiet) as progress:
 
             def start(plan: Any) -> None:
@@ -726,6 +618,7 @@ def moe_cmd(
                 on_warning=warn,
                 stop=interrupts.stop,
             )
+    _print_merge_warnings(result)
     plan = result.plan
     if result.already_complete:
         click.echo(f"{out_dir}: already complete (same config and inputs); nothing to do")
@@ -786,6 +679,7 @@ def moe_cmd(
 @mergekit_flags.add_flags("extract-lora")
 def extract_lora_cmd(model: str, base: str, out: Path, max_rank: int, sv_epsilon: float, **kw: Any) -> None:
     """Write a PEFT LoRA adapter approximating MODEL - BASE (truncated SVD per linear weight)."""
+    from .display.terminal import count_progress
     from .io.lora_cache import lora_merge_settings
     from .lora.extract import extract_lora
     from .runtime.devices import resolve_device
@@ -798,23 +692,25 @@ def extract_lora_cmd(model: str, base: str, out: Path, max_rank: int, sv_epsilon
 
         torch.set_num_threads(kw["threads"])
 
-    result = extract_lora(
-        model,
-        base,
-        out,
-        max_rank,
-        sv_epsilon=sv_epsilon,
-        embed_lora=kw["embed_lora"],
-        device=device,
-        overwrite=kw["overwrite"],
-        include=kw["include_regex"],
-        exclude=kw["exclude_regex"],
-        save_modules=kw["save_module"],
-        skip_undecomposable=kw["skip_undecomposable"],
-        distribute_scale=kw["distribute_scale"],
-        lora_merge=lora_merge_settings(taken.get("lora_merge_cache"), taken.get("lora_merge_dtype")),
-        on_module=(lambda m: click.echo(f"  {m}", err=True)) if kw["verbose"] else None,
-    )
+    with count_progress("extracting", "modules", enabled=not taken.get("quiet")) as progress:  # -v: lines above it
+        result = extract_lora(
+            model,
+            base,
+            out,
+            max_rank,
+            sv_epsilon=sv_epsilon,
+            embed_lora=kw["embed_lora"],
+            device=device,
+            overwrite=kw["overwrite"],
+            include=kw["include_regex"],
+            exclude=kw["exclude_regex"],
+            save_modules=kw["save_module"],
+            skip_undecomposable=kw["skip_undecomposable"],
+            distribute_scale=kw["distribute_scale"],
+            lora_merge=lora_merge_settings(taken.get("lora_merge_cache"), taken.get("lora_merge_dtype")),
+            on_module=(lambda m: click.echo(f"  {m}", err=True)) if kw["verbose"] else None,
+            on_progress=progress.update,
+        )
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     top = max(result.ranks.values(), default=0)
@@ -881,6 +777,7 @@ def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overw
     result, counts = _run_shown(
         run_tokensurgeon, quiet, base, donor, out_dir, surgery, options, overwrite=overwrite, force=force
     )
+    _print_merge_warnings(result)
     if result.already_complete:
         click.echo(f"{out_dir}: already complete (same inputs and options); nothing to do")
         return
@@ -921,7 +818,8 @@ def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overw
 @click.option("--overwrite", is_flag=True, help="Start over when the storage path holds a different search.")
 @click.option("--trust-remote-code/--no-trust-remote-code", default=False, help="Allow model code from checkpoints.")
 @click.option("--allow-crimes/--no-allow-crimes", default=False, help="Merge models of different architectures.")
-@click.option("--quiet/--no-quiet", "-q", "quiet", default=False, help="Only the summary.")
+@click.option("--quiet/--no-quiet", "-q", "quiet", default=False,
+              help="No progress (table or lines per candidate); warnings still print.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details.")
 @mergekit_flags.add_flags("evolve")
 def evolve_cmd(genome_file: Path, storage_path: Path, **kw: Any) -> None:

@@ -223,9 +223,8 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--quiet/--no-quiet", "-q", "quiet"),
-        "Accepted for mergekit compatibility: extract-lora draws no progress display.",
+        "No progress display (notes and errors still print).",
         ("extract-lora",),
-        hidden=True,
         attrs={"default": False},
     ),
     # ----- merge options that do nothing in merge-raw and tokensurgeon -------------------------------------------

@@ -210,12 +210,18 @@ def _maybe_moe(config: Any, allow_all_same: bool = False) -> Any:
     return parse_moe_config(data, source, allow_all_same=allow_all_same) if looks_like_moe(data) else None
 
 
+def _warn(warning: str, shown: bool) -> None:
+    """A warning goes to the `mergesmith` logger, and is printed too where the caller asked to be shown
+    what happens (progress=True; `quiet` hides the progress display only)."""
+    log.warning("%s", warning)
+    if shown:
+        print(f"warning: {warning}")
+
+
 def _show_warnings(display: Any, shown: bool) -> Callable[[Any], None]:
     def on_plan(the_plan: Any) -> None:
         for warning in the_plan.warnings:
-            log.warning("%s", warning)
-            if shown:
-                print(f"warning: {warning}")
+            _warn(warning, shown)
         display.start(the_plan)
 
     return on_plan
@@ -273,10 +279,10 @@ def _displayed(
     run: Callable[[Any, bool], MergeResult],
 ) -> MergeResult:
     """Run `run(display, shown)` under the display `progress` asks for (none when `quiet`); with progress=True
-    the last line says where the model is, as the command's does."""
+    the warnings print and the last line says where the model is, as the command's do (with `quiet` too)."""
     from .display.notebook import choose_display
 
-    shown = progress is True and not kw["quiet"]
+    shown = progress is True
     display = choose_display(progress if not kw["quiet"] else None)
     with display:
         result = run(display, shown)
@@ -285,10 +291,13 @@ def _displayed(
 
 
 def _report(out_dir: Path, result: MergeResult, shown: bool, prefix: str = "") -> None:
-    """The end of a run: a resume goes to the `mergesmith` logger (INFO) always, and with progress=True the
-    command's closing lines are printed (`resumed: 8 of 75 tensors already written`, where the model is)."""
+    """The end of a run: warnings found while merging (NaN/inf in inputs or outputs) and a resume go to the
+    `mergesmith` logger always, and with progress=True (`quiet` too: it hides the bar only) the warnings and
+    the command's closing lines are printed (`resumed: 8 of 75 tensors already written`, where the model is)."""
     from .display.notebook import result_lines
 
+    for warning in result.warnings:
+        _warn(warning, shown)
     resumed = result.resume_line()
     if resumed is not None:
         log.info("%s%s", prefix, resumed)
@@ -372,7 +381,7 @@ def moe(
             allow_all_same=kw["allow_all_same"],
             on_plan=display.start,
             on_progress=display.update,
-            on_warning=lambda message: log.warning("%s", message),
+            on_warning=lambda message: _warn(message, shown),
             stop=stop,
         ),
     )
@@ -389,12 +398,13 @@ def multi(
     """`mergesmith multi` as a function: run a multi-stage file (a path, or its YAML text) with each named
     stage written to `out_dir/<name>`; returns one StageResult per stage (`name`, `out_dir`, `result`)."""
     from .display.notebook import choose_display
+    from .display.terminal import StageProgress
     from .multi.stages import run_multi
 
     kw = _resolve("multi", "multi", options, exclude=("out_dir",))
     merge_options = _merge_options(kw, "multi")
-    shown = progress is True and not kw["quiet"]
-    display = choose_display(progress if not kw["quiet"] else None)
+    shown = progress is True
+    display = StageProgress(lambda: choose_display(progress if not kw["quiet"] else None))  # a display per stage
     with display, tempfile.TemporaryDirectory(prefix="mergesmith-multi-") as scratch:
         path = Path(config) if isinstance(config, Path) or "\n" not in str(config) else None
         if path is None:
@@ -409,7 +419,7 @@ def multi(
             overwrite=kw["overwrite"],
             force=kw["force"],
             verify=kw["verify"],
-            on_plan=display.start,
+            on_plan=_show_warnings(display, shown),
             on_progress=display.update,
             stop=stop,
         )

@@ -4,9 +4,10 @@ The library shows nothing unless asked (`progress=True`). Asked, it picks what t
 - under a Jupyter kernel (Colab, Kaggle, JupyterLab), a tqdm.auto bar (a widget where ipywidgets is
   installed, a redrawn text line otherwise) with tensors done, bytes, resident memory against what
   this process may use, and ETA; rich's live display would need a terminal there;
-- on a terminal, the command line's rich bar (progress.MergeProgress);
+- on a terminal, the command line's rich bar (terminal.MergeProgress);
 - anywhere else (a log file, a pipe, a batch job), the command line's periodic `progress:` lines.
-Either way the last line says where the model is.
+Either way the last line says where the model is. A failure inside our display is a warning, never the
+end of the merge (guard.py); the caller's own callable is the caller's, and what it raises propagates.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..sizes import human_size
+from .guard import Guarded
 
 NOTEBOOK_REFRESH_S = 0.25
 
@@ -130,10 +132,10 @@ def choose_display(progress: bool | Callable[[Any], None] | None) -> Any:
     if callable(progress):
         return CallbackProgress(progress)
     if in_notebook():
-        return NotebookProgress()
-    from ..cli import _merge_progress
+        return Guarded(NotebookProgress())
+    from .terminal import merge_progress
 
-    return _merge_progress(quiet=False)  # rich on a terminal, periodic `progress:` lines elsewhere
+    return merge_progress(quiet=False)  # rich on a terminal, periodic `progress:` lines elsewhere (guarded)
 
 
 def final_line(out_dir: Path, result: Any) -> str:

@@ -73,5 +73,14 @@ def run_evolve_command(genome_file: Path, storage_path: Path, kw: dict[str, Any]
         from ..engine.run import run_merge
 
         cfg = parse_config(best["config"], str(result.storage / "best_config.yml"))
-        merged = run_merge(cfg, merge_best, MergeOptions(random_seed=options.random_seed), overwrite=kw["overwrite"])
+
+        def warn(plan: Any) -> None:
+            for warning in plan.warnings:
+                click.echo(f"warning: {warning}", err=True)
+
+        merged = run_merge(
+            cfg, merge_best, MergeOptions(random_seed=options.random_seed), overwrite=kw["overwrite"], on_plan=warn
+        )
+        for warning in merged.warnings:  # found while merging: NaN/inf
+            click.echo(f"warning: {warning}", err=True)
         click.echo(f"wrote the best merge to {merged.out_dir}")

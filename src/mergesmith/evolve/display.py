@@ -1,14 +1,33 @@
-"""What a user sees during a search: a live rich table on a terminal, one line per candidate otherwise."""
+"""What a user sees during a search: a live rich table on a terminal, one line per candidate otherwise.
+
+The table is decoration around a search that may run for hours: if drawing it fails, one `warning:` line
+says so and the search goes on with the plain lines (as display/guard.py does for the merge bars; the
+test suite's MERGESMITH_DISPLAY_ERRORS=raise makes such a failure the error it is there).
+"""
 
 from __future__ import annotations
 
-import sys
+import os
 import time
 from typing import Any
 
 import click
 
 from ..sizes import human_size
+
+DISPLAY_ERRORS_ENV = "MERGESMITH_DISPLAY_ERRORS"  # the name display/guard.py reads (a layer above this one)
+
+
+def _interactive_stdout() -> bool:
+    """Whether stdout is a terminal that can redraw (not a pipe, a file or TERM=dumb), as rich decides."""
+    from rich.console import Console
+
+    console = Console()
+    return console.is_terminal and not console.is_dumb_terminal
+
+
+def _h(n: float) -> str:
+    return human_size(n, digits=1)
 
 
 def estimate_lines(est: dict[str, Any]) -> list[str]:
@@ -27,7 +46,7 @@ class SearchDisplay:
 
     def __init__(self, quiet: bool = False, live: bool | None = None) -> None:
         self.quiet = quiet
-        self.live_enabled = (sys.stdout.isatty() if live is None else live) and not quiet
+        self.live_enabled = (_interactive_stdout() if live is None else live) and not quiet
         self.live: Any = None
         self.recent: list[dict[str, Any]] = []
         self.best: dict[str, Any] | None = None
@@ -50,26 +69,44 @@ class SearchDisplay:
                 what = f"resuming after {data['done']} candidates" if data["resumed"] else "starting"
                 click.echo(f"{what}: population {data['popsize']}, up to {data['max_fevals']} evaluations")
             if self.live_enabled:
-                from rich.live import Live
-
-                self.live = Live(self._table(), refresh_per_second=2, transient=False)
-                self.live.start()
+                self._draw(start=True)
         elif kind == "candidate":
             row = data["row"]
             self.done, self.best = data["done"], data["best"]
             self.recent = (self.recent + [row])[-6:]
             if self.live is not None:
-                self.live.update(self._table())
-            elif not self.quiet:
+                self._draw()
+            if self.live is None and not self.quiet:
                 click.echo(
                     f"[{row['evaluation']:>4}] gen {row['generation']:>3} fitness {row['fitness']:.4f} "
                     f"({row['seconds']:.1f} s)  best {self.best['fitness']:.4f} (#{self.best['evaluation']})"
                 )
 
+    def _draw(self, start: bool = False) -> None:
+        """Start or redraw the live table; on a failure, one warning and the plain lines from here on."""
+        try:
+            if start:
+                from rich.live import Live
+
+                self.live = Live(self._table(), refresh_per_second=2, transient=False)
+                self.live.start()
+            elif self.live is not None:
+                self.live.update(self._table())
+        except Exception as exc:  # noqa: BLE001 - see the module docstring
+            if os.environ.get(DISPLAY_ERRORS_ENV, "").lower() == "raise":
+                raise
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001, S110 - it has failed once already; the warning says so
+                self.live = None
+            self.live_enabled = False
+            click.echo(f"warning: the progress display failed ({exc.__class__.__name__}: {exc}); going on without it",
+                       err=True)
+
     def close(self) -> None:
-        if self.live is not None:
-            self.live.stop()
-            self.live = None
+        live, self.live = self.live, None
+        if live is not None:
+            live.stop()
 
     def _eta(self) -> str:
         fresh = self.done - self.first_done

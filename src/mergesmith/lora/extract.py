@@ -128,6 +128,7 @@ def extract_lora(
     distribute_scale: bool = True,
     lora_merge: LoraMerge | None = None,
     on_module: Callable[[str], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> ExtractResult:
     """Write a PEFT LoRA adapter for `model` relative to `base` into `out_dir`.
 
@@ -135,7 +136,9 @@ def extract_lora(
     whole; otherwise a module is extracted only when it matches an `include` pattern (when any are given)
     and no `exclude` pattern (re.search on the module name), except that the embedding and lm_head without
     `embed_lora` are saved whole unless excluded; a changed module that is not low-rank material is saved
-    whole, or left out with `skip_undecomposable`. `lora_merge`: how `model+lora` inputs are read."""
+    whole, or left out with `skip_undecomposable`. `lora_merge`: how `model+lora` inputs are read.
+    `on_module` gets each changed module's name before its SVD; `on_progress` gets (modules looked at,
+    modules in all) as it goes (the SVDs of a large model take minutes)."""
     started = time.monotonic()
     device = resolve_device(device)  # before anything is opened or written
     if max_rank < 1:
@@ -174,7 +177,9 @@ def extract_lora(
     dropped: list[str] = []
     top_sv = 0.0
 
-    for module, params in modules.items():
+    for done, (module, params) in enumerate(modules.items()):
+        if on_progress is not None:
+            on_progress(done, len(modules))
         changed = {p for p, name in params.items() if _differs(ft, bs, name)}
         if not changed:
             continue
@@ -223,6 +228,8 @@ def extract_lora(
         if "bias" in changed:
             changed_bias.append(module)
 
+    if on_progress is not None:
+        on_progress(len(modules), len(modules))
     if not factors:
         raise CheckpointError(_nothing_to_factor(model, base, to_save, dropped, vocab_modules, sv_epsilon, top_sv))
     # lora_bias applies to every target; PEFT can merge it only into layers that have a bias.
