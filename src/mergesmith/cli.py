@@ -151,6 +151,40 @@ def _merge_options(f: Any, hide: tuple[str, ...] = ()) -> Any:
     return f
 
 
+def _set_cache(_ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path | None:
+    from .io import hub
+
+    hub.configure(cache_dir=value)
+    return value
+
+
+def _set_offline(_ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    from .io import hub
+
+    hub.configure(offline=value)
+    return value
+
+
+def _hub_options(f: Any) -> Any:
+    """Where hub models are cached and whether they may be downloaded: options of every command that reads
+    models. They set io.hub's process-wide settings as they are parsed, so no command passes them on."""
+    f = click.option(
+        "--offline",
+        is_flag=True,
+        expose_value=False,
+        callback=_set_offline,
+        help="Never download: a hub id must already be in the cache (as HF_HUB_OFFLINE=1).",
+    )(f)
+    return click.option(
+        "--transformers-cache",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        expose_value=False,
+        callback=_set_cache,
+        help="Where hub models are looked up and downloaded (default: the Hugging Face cache, HF_HUB_CACHE).",
+    )(f)
+
+
 def _raw_merge_options(f: Any) -> Any:
     """merge-raw writes no tokenizer, model card or config.json, so those options are hidden there."""
     return _merge_options(f, hide=_NO_EFFECT_ON_RAW)
@@ -360,6 +394,7 @@ def _run_shown(run: Callable[..., Any], quiet: bool, *args: Any, **kwargs: Any) 
 @cli.command(short_help="Merge a mergekit config into OUT_DIR (resumable).")
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
+@_hub_options
 @_merge_options
 @_output_options()
 def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, verify: bool, **kw: Any) -> None:
@@ -385,6 +420,7 @@ def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet:
 @cli.command("plan", short_help="Show what a merge will do and cost, from headers.")
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path), required=False)
+@_hub_options
 @_merge_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--tensors/--no-tensors", default=False, help="List every output tensor.")
@@ -401,6 +437,8 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
     if out_dir is not None:
         check_plan_out_dir(out_dir)
     options = _options(kw)
+    if _show_pending_downloads(config_file, out_dir, options, as_json):
+        return
     if is_moe_config_file(config_file):
         from .moe import build_moe_plan
 
@@ -434,9 +472,32 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
             )
 
 
+def _show_pending_downloads(config_file: Path, out_dir: Path | None, options: Any, as_json: bool) -> bool:
+    """When the config names hub models not yet in the cache, print what must be downloaded (per model, in
+    total, and the free space where it and the output go) and return True: the tensor plan needs their headers."""
+    from .engine.downloads import downloads_report, pending_downloads, render_downloads
+    from .moe.config import is_moe_config_file
+
+    if is_moe_config_file(config_file):
+        from .moe.config import load_moe_config
+
+        refs = load_moe_config(config_file, strict=options.strict).referenced_models()
+    else:
+        from .config import load_config
+
+        refs = load_config(config_file, strict=options.strict).referenced_models()
+    downloads = pending_downloads(refs)
+    if not downloads:
+        return False
+    report = downloads_report(downloads, out_dir)
+    click.echo(json.dumps(report, indent=2) if as_json else render_downloads(report))
+    return True
+
+
 @cli.command("merge-raw", short_help="Merge bare state dicts (no config.json) into OUT_DIR.")
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
+@_hub_options
 @_raw_merge_options
 @click.option(
     "--tensor-union", "-u", is_flag=True, help="Merge a tensor some models lack from the models that have it."
@@ -551,6 +612,7 @@ class _StageProgress:
 @click.option(
     "--out-path", type=click.Path(path_type=Path), default=None, help="Output of the unnamed final merge, if any."
 )
+@_hub_options
 @_merge_options
 @click.option(
     "--lazy/--no-lazy",
@@ -611,6 +673,7 @@ def multi_cmd(
 @cli.command("moe", short_help="Build a mixture of experts from dense models.")
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
+@_hub_options
 @_merge_options
 @click.option(
     "--i-understand-this-is-not-useful-without-training",
@@ -701,6 +764,7 @@ def moe_cmd(
 )
 @click.option("--overwrite", is_flag=True, help="Replace an adapter already in --out.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details.")
+@_hub_options
 def extract_lora_cmd(
     model: str,
     base: str,
@@ -769,6 +833,7 @@ _MATCH = click.Choice(["no", "yes", "embed", "lm_head"])
 @click.option("--new-vocab-noise", "-nvn", type=float, default=None, help="Gaussian noise added to new rows.")
 @click.option("--new-vocab-scale", "-nvs", type=float, default=None, help="Scale applied to new rows.")
 @click.option("--magikarp/--no-magikarp", default=False, hidden=True)
+@_hub_options
 @_merge_options
 @_output_options("Replace a different model already in OUT_DIR.", verify=False)
 def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overwrite: bool, force: bool,
@@ -831,11 +896,25 @@ def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overw
 @click.option("--allow-crimes", is_flag=True, help="Merge models of different architectures.")
 @click.option("--quiet", "-q", is_flag=True, help="Only the summary.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details.")
+@_hub_options
 def evolve_cmd(genome_file: Path, storage_path: Path, **kw: Any) -> None:
     """Find merge parameters for GENOME_FILE (mergekit-evolve's format) by CMA-ES; resumable: rerun to continue."""
     from .evolve.command import run_evolve_command
 
     run_evolve_command(genome_file, storage_path, kw)
+
+
+def _show_downloads(quiet: bool) -> None:
+    """Downloads of hub models: huggingface_hub's bars on a terminal, one line per file elsewhere, and a line
+    naming the model either way; nothing with -q."""
+    from .io import hub
+
+    hub.configure(
+        cache_dir=None,
+        offline=False,
+        progress_bars=not quiet and hub.stderr_is_terminal(),
+        report=None if quiet else (lambda line: click.echo(line, err=True)),
+    )
 
 
 _NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", None)  # click >= 8.2
@@ -846,6 +925,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     prefer_huge_pages()  # before any command imports torch
     verbose = "-v" in args or "--verbose" in args
+    _show_downloads(quiet="-q" in args or "--quiet" in args)
     try:
         try:
             cli.main(args=args, prog_name="mergesmith", standalone_mode=False)

@@ -46,6 +46,7 @@ from ..io.journal import STATE_DIR, Journal, ensure_writable_dir, partial_path, 
 from ..io.references import open_checkpoint
 from ..io.safetensors_writer import file_checksum, write_file_atomic
 from ..methods import require_method
+from .downloads import check_download_space, pending_downloads
 from .executor import ExecutionSettings, Executor, LocalExecutor, ProgressEvent
 from .plan import Plan
 from .planner import Planner
@@ -398,7 +399,9 @@ def run_merge(
 
     def plan_into(options: MergeOptions, out: Path) -> tuple[Plan, dict[str, Checkpoint]]:
         refuse_non_directory(out)
-        plan, checkpoints = build_plan(config, options, out)
+        cfg, source = as_config(config, options.strict)
+        check_download_space(pending_downloads(cfg.referenced_models()), out, force)
+        plan, checkpoints = build_plan(cfg, options, out, source)
         over_budget = over_budget_warning(plan, options.max_memory)  # as `plan` says it, at the merge's start
         if over_budget is not None and over_budget not in plan.warnings:
             plan.warnings.append(over_budget)

@@ -1,5 +1,5 @@
 """Lazy, validated reading of checkpoints: a model directory, a single file, a sharded index, or a
-hub id already in the local Hugging Face cache.
+hub id (from the local Hugging Face cache, downloaded there when missing: io/hub.py).
 
 Why hand-parse safetensors headers: we must know every tensor's dtype and shape before computing
 (the plan fixes the output layout up front), and a malformed file must fail with one line naming the
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from . import hub
 from .dtypes import SAFETENSORS_TO_TORCH, dtype_size, from_torch
 from .map_guard import GUARD
 from .readahead import advise_in_pieces, piece_size
@@ -156,32 +157,53 @@ def _inside(root: Path, relative: str, index_path: Path) -> Path:
 
 
 def resolve_model_path(ref: str) -> Path:
-    """A local path, or the snapshot of a hub id in the local Hugging Face cache (never downloads).
+    """A local path, or the snapshot of a hub id in the Hugging Face cache, downloaded when missing (io.hub:
+    only the files a merge needs; refused in one line with `--offline` or HF_HUB_OFFLINE).
 
     `org/name@revision` (mergekit's spelling, also what a `revision:` key beside a model becomes) is that
-    branch, tag or commit of the hub model in the cache; a revision on a local path that exists is ignored,
-    as transformers ignores it there."""
+    branch, tag or commit of the hub model; a revision on a local path that exists is ignored, as
+    transformers ignores it there."""
     path = Path(ref).expanduser()
     if path.exists():
         return path
+    name, revision = split_revision(ref)
+    if revision and Path(name).expanduser().exists():
+        return Path(name).expanduser()
+    if hub.looks_like_hub_id(name):
+        return hub.fetch_snapshot(ref, name, revision)
+    raise CheckpointError(f"model {ref!r}: no such file or directory")
+
+
+def split_revision(ref: str) -> tuple[str, str | None]:
+    """(model, revision or None) of `org/name@revision`; one line for a malformed revision."""
     name, at, revision = ref.partition("@")
     if at and (not name or not revision or "@" in revision):
         raise CheckpointError(f"model {ref!r}: write one revision as `org/name@revision`")
-    if at and Path(name).expanduser().exists():
-        return Path(name).expanduser()
-    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
-    if looks_like_hub_id:
-        from huggingface_hub import snapshot_download
+    return name, revision or None
 
-        try:
-            return Path(snapshot_download(name, revision=revision or None, local_files_only=True))
-        except Exception:
-            which = f" at revision {revision!r}" if revision else ""
-            raise CheckpointError(
-                f"model {ref!r}: not a local path and not in the local Hugging Face cache{which} "
-                f"(download it first, e.g. `hf download {name}{f' --revision {revision}' if revision else ''}`)"
-            ) from None
-    raise CheckpointError(f"model {ref!r}: no such file or directory")
+
+def hub_download(ref: str) -> hub.Download | None:
+    """What a model reference still needs from the Hub before it can be read (None: nothing, or not a hub
+    id); `model+lora` counts both parts. For `plan` and the disk check before a merge downloads."""
+    parts = [ref]
+    if "+" in ref and not Path(ref).expanduser().exists():
+        parts = [p for p in ref.split("+") if p]
+    total: hub.Download | None = None
+    for part in parts:
+        if Path(part).expanduser().exists():
+            continue
+        name, revision = split_revision(part)
+        if not hub.looks_like_hub_id(name) or (revision and Path(name).expanduser().exists()):
+            continue
+        found = hub.pending_download(part, name, revision)
+        if found is None:
+            continue
+        if total is None:
+            total = found
+        else:
+            total.files += found.files
+            total.weight_bytes += found.weight_bytes
+    return total
 
 
 class Checkpoint:

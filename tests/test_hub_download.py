@@ -1,0 +1,236 @@
+"""Hub ids are downloaded when not in the cache (issue 29, item 3).
+
+No network here: tests/hub_server.py stands in for the Hugging Face Hub on 127.0.0.1, and HF_ENDPOINT points
+the client at it. The client under test is the real `huggingface_hub`, in a subprocess whose environment
+drops the suite's HF_HUB_OFFLINE=1 (huggingface_hub reads its settings when it is imported) and whose cache
+(HF_HOME, HF_HUB_CACHE) is in tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import read_state_dict, write_config
+from tests.hub_server import HubServer, Repo, files_of
+
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
+
+
+def _env(server: HubServer, home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")}
+    for name in PROXY_VARIABLES:
+        env.pop(name, None)
+    env.update(
+        HF_ENDPOINT=server.endpoint,
+        HF_HOME=str(home),
+        HF_HUB_CACHE=str(home / "hub"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_DISABLE_XET="1",
+        NO_PROXY="127.0.0.1,localhost",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def _mergesmith(env: dict[str, str], *args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mergesmith.cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def _one_error_line(run: subprocess.CompletedProcess[str], *names: str) -> str:
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2, run.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr
+    for name in names:
+        assert name in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models) -> dict[str, Path]:
+    """Three tiny llamas: `a` (one safetensors file), `b` (sharded, with an index) and `c` (what `b`'s main
+    branch holds, while the config asks for `b`'s revision v1)."""
+    a = tiny_models("llama", seed=11)
+    return {
+        "a": a,
+        "b": tiny_models.derive(a, seed=12, scale=0.05, fmt="sharded"),
+        "c": tiny_models.derive(a, seed=13, scale=0.05),
+    }
+
+
+@pytest.fixture
+def hub(models: dict[str, Path]):
+    with HubServer() as server:
+        a = Repo()
+        # a .bin beside the safetensors, and an export in a subfolder: neither is needed by a merge
+        a.add_commit(
+            files_of(models["a"], **{"pytorch_model.bin": b"\x80unused", "onnx__model.onnx": b"x" * 64}), "main"
+        )
+        b = Repo()
+        b.add_commit(files_of(models["c"]), "main")
+        b.add_commit(files_of(models["b"]), "v1")
+        server.repos.update({"org/tiny-a": a, "org/tiny-b": b, "org/gated": Repo(gated=True)})
+        yield server
+
+
+def _config(tmp_path: Path, first: str, second: dict) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return write_config(
+        tmp_path / "linear.yml",
+        {
+            "merge_method": "linear",
+            "models": [{"model": first, "parameters": {"weight": 0.6}}, {**second, "parameters": {"weight": 0.4}}],
+            "dtype": "float32",
+        },
+    )
+
+
+def test_hub_models_are_downloaded_and_merged(tmp_path: Path, hub: HubServer, models: dict[str, Path]) -> None:
+    env = _env(hub, tmp_path / "hf")
+    config = _config(tmp_path, "org/tiny-a", {"model": "org/tiny-b", "revision": "v1"})
+
+    plan = _mergesmith(env, "plan", config, tmp_path / "out", "--json")
+    assert plan.returncode == 0, plan.stderr
+    report = json.loads(plan.stdout)
+    per_model = {d["model"]: d for d in report["downloads"]}
+    assert set(per_model) == {"org/tiny-a", "org/tiny-b@v1"}
+    a_weights = (models["a"] / "model.safetensors").stat().st_size
+    assert {f["name"]: f["bytes"] for f in per_model["org/tiny-a"]["files"]}["model.safetensors"] == a_weights
+    assert report["download_bytes"] == sum(d["bytes"] for d in report["downloads"]) > a_weights
+    assert report["disk"] and all(d["enough"] for d in report["disk"])
+    text = _mergesmith(env, "plan", config)
+    assert text.returncode == 0 and "to download from the Hugging Face Hub" in text.stdout, text.stderr
+    assert not hub.requested("GET") or all("model.safetensors" not in p or "index" in p for p in hub.requested("GET"))
+
+    merged = _mergesmith(env, "merge", config, tmp_path / "out")
+    assert merged.returncode == 0, merged.stderr
+    assert "downloading org/tiny-a from the Hugging Face Hub" in merged.stderr
+    fetched = hub.requested("GET")
+    assert not [p for p in fetched if p.endswith((".bin", ".onnx"))], fetched  # one weight format, top level only
+    assert any(p.endswith("/resolve/v1/model.safetensors.index.json") for p in fetched), fetched
+    assert not any("/tiny-b/resolve/main/" in p for p in fetched), fetched  # the revision asked for, not main
+
+    # the same merge from the local directories gives the same bytes: `revision: v1` was honoured
+    local = _config(tmp_path / "local", str(models["a"]), {"model": str(models["b"])})
+    ref = _mergesmith(env, "merge", local, tmp_path / "local-out", "--offline")
+    assert ref.returncode == 0, ref.stderr
+    out, expected = read_state_dict(tmp_path / "out"), read_state_dict(tmp_path / "local-out")
+    assert out.keys() == expected.keys() and all(torch.equal(out[n], expected[n]) for n in out)
+
+    # a rerun (another output) asks the Hub nothing: both models are complete in the cache
+    before = len(hub.log)
+    again = _mergesmith(env, "merge", config, tmp_path / "out2")
+    assert again.returncode == 0, again.stderr
+    assert len(hub.log) == before and "downloading" not in again.stderr
+    replan = _mergesmith(env, "plan", config, "--json")
+    assert replan.returncode == 0 and "downloads" not in json.loads(replan.stdout), replan.stdout
+
+
+def test_transformers_cache_is_where_models_go(tmp_path: Path, hub: HubServer) -> None:
+    env = _env(hub, tmp_path / "hf")
+    config = _config(tmp_path, "org/tiny-a", {"model": "org/tiny-b", "revision": "v1"})
+    cache = tmp_path / "elsewhere"
+    run = _mergesmith(env, "merge", config, tmp_path / "out", "--transformers-cache", cache, "-q")
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""  # -q: no download lines either
+    assert (cache / "models--org--tiny-a").is_dir() and not (tmp_path / "hf" / "hub" / "models--org--tiny-a").exists()
+    # found there again without the Hub, offline
+    offline = _mergesmith(env, "merge", config, tmp_path / "out2", "--transformers-cache", cache, "--offline", "-q")
+    assert offline.returncode == 0, offline.stderr
+
+
+def test_offline_refuses_a_missing_model_in_one_line(tmp_path: Path, hub: HubServer) -> None:
+    config = _config(tmp_path, "org/tiny-a", {"model": "org/tiny-b", "revision": "v1"})
+    for extra, env in (
+        (("--offline",), _env(hub, tmp_path / "hf")),
+        ((), _env(hub, tmp_path / "hf", HF_HUB_OFFLINE="1")),
+    ):
+        for command in ("merge", "plan"):
+            run = _mergesmith(env, command, config, tmp_path / "out", *extra)
+            line = _one_error_line(run, "'org/tiny-a'", "not in the local Hugging Face cache", "hf download org/tiny-a")
+            assert ("--offline" in line) == bool(extra)
+    assert hub.log == [] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("model", "words"),
+    [
+        ("org/no-such-model", "not a model on the Hugging Face Hub"),
+        ("org/gated", "gated"),
+        ("org/tiny-a@no-such-branch", "no revision 'no-such-branch'"),
+    ],
+)
+def test_a_model_the_hub_does_not_give_is_one_line(tmp_path: Path, hub: HubServer, model: str, words: str) -> None:
+    env = _env(hub, tmp_path / "hf")
+    config = _config(tmp_path, model, {"model": "org/tiny-a"})
+    for command in ("merge", "plan"):
+        _one_error_line(_mergesmith(env, command, config, tmp_path / "out"), repr(model), words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreachable_hub_is_one_line(tmp_path: Path, hub: HubServer) -> None:
+    env = _env(hub, tmp_path / "hf", HF_ENDPOINT="http://127.0.0.1:9")  # the discard port: nothing listens
+    config = _config(tmp_path, "org/tiny-a", {"model": "org/tiny-b"})
+    for command in ("plan", "merge"):
+        _one_error_line(_mergesmith(env, command, config, tmp_path / "out"), "'org/tiny-a'", "cannot be reached")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dropped_download_resumes(tmp_path: Path, hub: HubServer, tiny_models) -> None:
+    """The connection drops near the end of the weights: huggingface_hub asks for the rest (a Range request from
+    the last whole 10 MB chunk it wrote, hence a model a little over 10 MB) and the merge reads the whole file."""
+    big = tiny_models("llama", seed=21, layers=2, hidden_size=384, intermediate_size=768)
+    weights = (big / "model.safetensors").read_bytes()
+    assert len(weights) > (10 << 20) + 4096
+    repo = Repo()
+    repo.add_commit(files_of(big), "main")
+    hub.repos["org/big"] = repo
+    hub.cut_once["org/big/model.safetensors"] = len(weights) - 4096
+    env = _env(hub, tmp_path / "hf")
+    config = write_config(tmp_path / "one.yml", {"merge_method": "passthrough", "models": [{"model": "org/big"}]})
+    run = _mergesmith(env, "merge", config, tmp_path / "out", "-q")
+    assert run.returncode == 0, run.stderr
+    gets = [r for m, p, r in hub.log if m == "GET" and p == "/org/big/resolve/main/model.safetensors"]
+    assert gets == [None, f"bytes={10 << 20}-"], gets  # the first whole chunk was kept, the rest asked for
+    snapshot = next((tmp_path / "hf" / "hub" / "models--org--big" / "snapshots").iterdir())
+    assert (snapshot / "model.safetensors").read_bytes() == weights
+
+
+def test_not_enough_space_for_the_downloads(tmp_path: Path, hub: HubServer, monkeypatch) -> None:
+    """The cache's filesystem is checked before any weight is fetched (here: told it has 1 KB free)."""
+    from mergesmith.engine.downloads import check_download_space
+    from mergesmith.errors import OutputError
+    from mergesmith.io import hub as hub_io
+
+    download = hub_io.Download("org/x", None, [("model.safetensors", 10_000_000)], 10_000_000)
+    monkeypatch.setattr(hub_io, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(hub_io.shutil, "disk_usage", lambda _p: type("U", (), {"free": 1000})())
+    with pytest.raises(OutputError, match="downloads 10.0 MB \\+ output about 10.0 MB need 20.0 MB"):
+        check_download_space([download], tmp_path / "out", force=False)
+    check_download_space([download], tmp_path / "out", force=True)
+
+
+def test_choose_files_prefers_one_safetensors_format() -> None:
+    from mergesmith.io.hub import choose_files
+
+    shards = {"model.safetensors.index.json": ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]}
+    repo = {
+        "config.json": 1, "generation_config.json": 1, "tokenizer.json": 1, "README.md": 1,
+        "model.safetensors.index.json": 1, "model-00001-of-00002.safetensors": 1, "model-00002-of-00002.safetensors": 1,
+        "consolidated.safetensors": 1, "pytorch_model.bin": 1, "onnx/model.onnx": 1,
+    }  # fmt: skip
+    small, weights = choose_files(repo, shards.__getitem__)
+    assert small == ["config.json", "generation_config.json", "tokenizer.json", "model.safetensors.index.json"]
+    assert weights == shards["model.safetensors.index.json"]
+    assert choose_files({"config.json": 1, "pytorch_model.bin": 1}, shards.__getitem__)[1] == ["pytorch_model.bin"]
+    both = {"model.safetensors": 1, "pytorch_model.bin": 1}
+    assert choose_files(both, shards.__getitem__)[1] == ["model.safetensors"]
