@@ -749,7 +749,7 @@ def moe_cmd(
 
 
 @cli.command("extract-lora", short_help="Extract a LoRA adapter approximating MODEL - BASE.")
-@click.option("--model", required=True, help="The fine-tuned model (path, cached hub id, or model+lora).")
+@click.option("--model", required=True, help="The fine-tuned model (path, hub id, or model+lora).")
 @click.option("--base", "--base-model", "base", required=True, help="The model it was fine-tuned from.")
 @click.option("--out", "--out-path", "out", required=True, type=click.Path(path_type=Path), help="Adapter directory.")
 @click.option("--max-rank", type=click.IntRange(min=1), default=128, show_default=True, help="Largest LoRA rank.")

@@ -15,6 +15,7 @@ The library prints nothing unless asked: `progress=True` shows a display fit for
 from __future__ import annotations
 
 import logging
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -273,11 +274,18 @@ def _displayed(
     """Run `run(display, shown)` under the display `progress` asks for (none when `quiet`); with progress=True
     the last line says where the model is, as the command's does."""
     from .display.notebook import choose_display, final_line
+    from .io import hub
 
     shown = progress is True and not kw["quiet"]
     display = choose_display(progress if not kw["quiet"] else None)
-    with display:
-        result = run(display, shown)
+    before = (hub.SETTINGS.progress_bars, hub.SETTINGS.report)
+    if shown:  # hub models downloaded first: a line per model (and file, off a terminal), as the command shows
+        hub.configure(progress_bars=hub.stderr_is_terminal(), report=lambda line: print(line, file=sys.stderr))
+    try:
+        with display:
+            result = run(display, shown)
+    finally:
+        hub.configure(progress_bars=before[0], report=before[1])
     if shown:
         print(final_line(Path(out_dir), result))
     return result
