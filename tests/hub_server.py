@@ -157,7 +157,13 @@ class HubServer:
         if data is None:
             self._error(h, 404, "EntryNotFound", head, {"X-Repo-Commit": sha})
             return
-        headers = {"X-Repo-Commit": sha, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        base = filename.rsplit("/", 1)[-1]
+        headers = {
+            "X-Repo-Commit": sha,
+            "Accept-Ranges": "bytes",
+            "Content-Type": "application/octet-stream",
+            "Content-Disposition": f"inline; filename*=UTF-8''{base}; filename=\"{base}\";",
+        }
         if filename.endswith(LFS_SUFFIXES):
             headers["X-Linked-Etag"] = f'"{hashlib.sha256(data).hexdigest()}"'
             headers["X-Linked-Size"] = str(len(data))

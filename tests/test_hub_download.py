@@ -234,3 +234,46 @@ def test_choose_files_prefers_one_safetensors_format() -> None:
     assert choose_files({"config.json": 1, "pytorch_model.bin": 1}, shards.__getitem__)[1] == ["pytorch_model.bin"]
     both = {"model.safetensors": 1, "pytorch_model.bin": 1}
     assert choose_files(both, shards.__getitem__)[1] == ["model.safetensors"]
+
+
+def test_download_bars_at_a_terminal(tmp_path: Path, hub: HubServer) -> None:
+    """At a terminal (a pseudo-terminal here) the downloads show huggingface_hub's own bars, one per file
+    (extract-lora: a command that reads hub models and draws no bar of its own)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    env = _env(hub, tmp_path / "hf", COLUMNS="100", TERM="xterm")
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))  # 40 rows, 100 columns
+    screen = bytearray()
+
+    def read() -> None:
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            screen.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mergesmith.cli", "extract-lora", "--model", "org/tiny-b@v1", "--base", "org/tiny-a",
+         "--out", str(tmp_path / "lora"), "--max-rank", "4"],
+        stdin=secondary, stdout=secondary, stderr=secondary, env=env, close_fds=True,
+    )  # fmt: skip
+    os.close(secondary)
+    code = proc.wait(timeout=300)
+    reader.join(timeout=30)
+    os.close(primary)
+    text = screen.decode(errors="replace")
+    assert code == 0, text
+    assert "downloading org/tiny-a from the Hugging Face Hub" in text
+    assert "model.safetensors: 100%" in text, text  # tqdm's bar for the file, finished
+    assert "  org/tiny-a: model.safetensors (" not in text  # the per-file lines are for logs, not terminals
+    assert "wrote " in text

@@ -298,7 +298,7 @@ def fetch_snapshot(ref: str, repo: str, revision: str | None) -> Path:
     folder: Path | None = None
     for name, size in download.files:
         if say is not None and not SETTINGS.progress_bars:
-            say(f"  {repo}: {name} ({human(size)})")
+            say(f"  {ref}: {name} ({human(size)})")
         try:
             path = _fetch(repo, name, revision)
         except Exception as exc:  # noqa: BLE001 - as above
