@@ -277,3 +277,40 @@ def test_download_bars_at_a_terminal(tmp_path: Path, hub: HubServer) -> None:
     assert "model.safetensors: 100%" in text, text  # tqdm's bar for the file, finished
     assert "  org/tiny-a: model.safetensors (" not in text  # the per-file lines are for logs, not terminals
     assert "wrote " in text
+
+
+def test_every_model_reading_command_downloads(tmp_path: Path, hub: HubServer) -> None:
+    """moe, tokensurgeon, multi and merge-raw reach the same resolver: each, with its own empty cache, downloads
+    the hub models it names (merge: above; extract-lora: the terminal test)."""
+    import yaml
+
+    two = [
+        {"model": "org/tiny-a", "parameters": {"weight": 1}},
+        {"model": "org/tiny-b@v1", "parameters": {"weight": 1}},
+    ]
+    (tmp_path / "moe.yml").write_text(
+        yaml.safe_dump(
+            {
+                "base_model": "org/tiny-a",
+                "gate_mode": "random",
+                "dtype": "float32",
+                "experts": [{"source_model": "org/tiny-a"}, {"source_model": "org/tiny-b@v1"}],
+            }
+        )
+    )
+    final = {"merge_method": "linear", "models": [{"model": "mid", "parameters": {"weight": 1}}, two[0]]}
+    multi = yaml.safe_dump({"name": "mid", "merge_method": "linear", "models": two}) + "---\n" + yaml.safe_dump(final)
+    (tmp_path / "multi.yml").write_text(multi)
+    (tmp_path / "raw.yml").write_text(yaml.safe_dump({"merge_method": "linear", "models": two}))
+    commands = {
+        "moe": ("moe", tmp_path / "moe.yml", tmp_path / "moe-out"),
+        "tokensurgeon": ("tokensurgeon", "org/tiny-a", "org/tiny-b@v1", tmp_path / "ts-out"),
+        "multi": ("multi", tmp_path / "multi.yml", "--out-dir", tmp_path / "stages", "--out-path", tmp_path / "final"),
+        "merge-raw": ("merge-raw", tmp_path / "raw.yml", tmp_path / "raw-out"),
+    }
+    for name, args in commands.items():
+        home = tmp_path / f"hf-{name}"
+        run = _mergesmith(_env(hub, home), *args, "-q")
+        assert run.returncode == 0, f"{name}: {run.stderr}"
+        for repo in ("models--org--tiny-a", "models--org--tiny-b"):
+            assert (home / "hub" / repo / "snapshots").is_dir(), f"{name} did not download {repo}"
