@@ -39,7 +39,7 @@ from typing import Any
 
 from ..config import MergeConfiguration, load_config
 from ..errors import MergeInterrupted, MergesmithError, OutputError
-from ..io import safe_fs
+from ..io import hub, safe_fs
 from ..io._test_hooks import kill_point
 from ..io.checkpoint import Checkpoint
 from ..io.journal import STATE_DIR, Journal, ensure_writable_dir, partial_path, refuse_non_directory
@@ -366,7 +366,8 @@ def run_planned(
     started = time.monotonic()
     out = Path(out_dir)
     options = options or MergeOptions()
-    plan, inputs = plan_into(options, out)
+    with hub.forcing(controls.force):  # hub models downloaded while planning: --force covers their disk check
+        plan, inputs = plan_into(options, out)
     return execute_plan(
         plan,
         inputs,

@@ -19,7 +19,8 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ class HubSettings:
     offline: bool = False  # --offline; HF_HUB_OFFLINE is read from huggingface_hub's constants
     progress_bars: bool = False  # huggingface_hub's tqdm bars (a terminal)
     report: Callable[[str], None] | None = None  # one line per event otherwise (None: silent)
+    force: bool = False  # --force of the command under way: download even when the cache's disk looks too small
 
 
 SETTINGS = HubSettings()
@@ -66,6 +68,17 @@ def configure(**changes: Any) -> None:
         if not hasattr(SETTINGS, key):
             raise TypeError(f"unknown hub setting {key!r}")
         setattr(SETTINGS, key, value)
+
+
+@contextmanager
+def forcing(force: bool) -> Iterator[None]:
+    """Within the block, downloads skip the free-space check when `force` (a command's --force)."""
+    before = SETTINGS.force
+    SETTINGS.force = force
+    try:
+        yield
+    finally:
+        SETTINGS.force = before
 
 
 def offline() -> bool:
@@ -291,7 +304,7 @@ def fetch_snapshot(ref: str, repo: str, revision: str | None) -> Path:
     download = pending_download(ref, repo, revision)
     if download is None:  # completed meanwhile
         return cached_snapshot(repo, revision) or Path()
-    check_space([download], force=False)
+    check_space([download], force=SETTINGS.force)
     say = SETTINGS.report
     if say is not None:
         say(f"downloading {ref} from the Hugging Face Hub: {len(download.files)} file(s), {human(download.bytes)}")
