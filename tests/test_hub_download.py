@@ -314,3 +314,33 @@ def test_every_model_reading_command_downloads(tmp_path: Path, hub: HubServer) -
         assert run.returncode == 0, f"{name}: {run.stderr}"
         for repo in ("models--org--tiny-a", "models--org--tiny-b"):
             assert (home / "hub" / repo / "snapshots").is_dir(), f"{name} did not download {repo}"
+
+
+API_SCRIPT = """
+import sys, mergesmith
+config, out, cache = sys.argv[1:]
+report = mergesmith.plan(config, transformers_cache=cache)
+assert report.plan is None and report.report["download_bytes"] > 0, report.report
+assert "to download from the Hugging Face Hub" in report.text
+mergesmith.merge(config, out, transformers_cache=cache, progress=True)
+assert mergesmith.plan(config, transformers_cache=cache).plan is not None
+try:
+    mergesmith.plan(config, offline=True)  # the default cache is empty
+except mergesmith.CheckpointError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_python_api_downloads(tmp_path: Path, hub: HubServer) -> None:
+    """The API takes the same `transformers_cache` and `offline`; `plan` lists the downloads (its `plan` is None
+    until they are done) and `merge(progress=True)` says what it downloads."""
+    config = _config(tmp_path, "org/tiny-a", {"model": "org/tiny-b", "revision": "v1"})
+    cache = tmp_path / "api-cache"
+    run = subprocess.run(
+        [sys.executable, "-c", API_SCRIPT, str(config), str(tmp_path / "out"), str(cache)],
+        capture_output=True, text=True, env=_env(hub, tmp_path / "hf"), timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "downloading org/tiny-a from the Hugging Face Hub" in run.stderr
+    assert "refused: model 'org/tiny-a': not a local path and not in the local Hugging Face cache" in run.stdout
+    assert (cache / "models--org--tiny-b").is_dir()

@@ -75,6 +75,11 @@ def _resolve(function: str, command: str, given: dict[str, Any], exclude: tuple[
             except click.BadParameter as exc:
                 raise ConfigError(f"`{key}`: {exc.message}") from None
         resolved[key] = value
+    if "transformers_cache" in resolved:  # the command line sets these as it parses them (cli._hub_options)
+        from .io import hub
+
+        cache = resolved["transformers_cache"]
+        hub.configure(cache_dir=Path(cache) if cache is not None else None, offline=bool(resolved.get("offline")))
     return resolved
 
 
@@ -145,6 +150,10 @@ class PlanReport:
 
     @property
     def text(self) -> str:
+        if self.plan is None:  # hub models to download first: the report lists them (engine.downloads)
+            from .engine.downloads import render_downloads
+
+            return render_downloads(self.report)
         from .engine.report import render_plan_text
 
         return render_plan_text(self.report)
@@ -168,8 +177,10 @@ def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> Plan
     """Plan a merge (or an MoE assembly) from headers alone: what it writes, its memory and disk needs.
 
     `options`: those of `mergesmith plan` (`threads`, `max_memory`, `out_shard_size`, ...). With
-    `out_dir`, the disk there is checked and probed as the command does. Nothing is written.
+    `out_dir`, the disk there is checked and probed as the command does. Nothing is written. When hub models
+    must be downloaded first, the report lists them (per model, in total, the free space) and `plan` is None.
     """
+    from .engine.downloads import downloads_report, pending_downloads
     from .engine.report import check_plan_out_dir, plan_report
 
     kw = _resolve("plan", "plan", options, exclude=("as_json", "tensors"))
@@ -178,6 +189,10 @@ def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> Plan
         check_plan_out_dir(out)
     merge_options = _merge_options(kw)
     moe_config = _maybe_moe(config)
+    cfg, source = (moe_config, "config") if moe_config is not None else as_merge_config(config, what="plan")
+    downloads = pending_downloads(cfg.referenced_models())
+    if downloads:  # no headers to plan from yet: what must be downloaded, and where it fits (`plan` is None)
+        return PlanReport(None, downloads_report(downloads, out))
     if moe_config is not None:
         from .moe import build_moe_plan
 
@@ -185,7 +200,6 @@ def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> Plan
     else:
         from .engine.run import build_plan
 
-        cfg, source = as_merge_config(config, what="plan")
         the_plan, checkpoints = build_plan(cfg, merge_options, out, source=source)
     report = plan_report(the_plan, checkpoints, out, merge_options)
     moe = the_plan.options.get("moe")
