@@ -170,14 +170,14 @@ class HubServer:
             headers["ETag"] = f'"{_git_blob_id(data)}"'
         else:
             headers["ETag"] = f'"{_git_blob_id(data)}"'
-        start = 0
+        start, end = 0, len(data)
         wanted = h.headers.get("Range")
         if wanted and wanted.startswith("bytes=") and not head:
-            first = wanted[len("bytes=") :].split("-")[0]
-            start = int(first or 0)
-            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-        status = 206 if start else 200
-        body = data[start:]
+            first, _, last = wanted[len("bytes=") :].partition("-")
+            start, end = int(first or 0), min(int(last) + 1, len(data)) if last else len(data)
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
+        status = 206 if wanted and not head else 200
+        body = data[start:end]
         if not head and not start and f"{repo_id}/{filename}" in self.cut_once:
             sent = self.cut_once.pop(f"{repo_id}/{filename}")
             headers["Content-Length"] = str(len(body))

@@ -101,22 +101,33 @@ def test_hub_models_are_downloaded_and_merged(tmp_path: Path, hub: HubServer, mo
     plan = _mergesmith(env, "plan", config, tmp_path / "out", "--json")
     assert plan.returncode == 0, plan.stderr
     report = json.loads(plan.stdout)
-    per_model = {d["model"]: d for d in report["downloads"]}
+    assert len(report["tensors"]) == len(read_state_dict(models["a"]))  # the whole plan, before any weight is fetched
+    downloads = report["downloads"]
+    per_model = {d["model"]: d for d in downloads["models"]}
     assert set(per_model) == {"org/tiny-a", "org/tiny-b@v1"}
     a_weights = (models["a"] / "model.safetensors").stat().st_size
-    assert {f["name"]: f["bytes"] for f in per_model["org/tiny-a"]["files"]}["model.safetensors"] == a_weights
-    assert report["download_bytes"] == sum(d["bytes"] for d in report["downloads"]) > a_weights
-    assert report["disk"] and all(d["enough"] for d in report["disk"])
+    assert per_model["org/tiny-a"]["files"] == [{"name": "model.safetensors", "bytes": a_weights}]
+    assert len(per_model["org/tiny-b@v1"]["files"]) == len(list(models["b"].glob("*.safetensors"))) > 1
+    assert downloads["download_bytes"] == sum(d["bytes"] for d in downloads["models"]) > a_weights
+    assert downloads["output_bytes"] == report["bytes_written"] and downloads["output_planned"]
+    cache_disk = downloads["disk"][0]  # the cache and OUT_DIR share tmp_path's filesystem: counted together
+    assert cache_disk["needed_bytes"] == downloads["download_bytes"] + report["bytes_written"] and cache_disk["enough"]
+    weights_fetched = [p for m, p, r in hub.log if m == "GET" and p.endswith(".safetensors") and r is None]
+    assert weights_fetched == [], weights_fetched  # headers came from Range requests, no weight file was fetched
+    ranged = [(p, r) for m, p, r in hub.log if m == "GET" and r]
+    assert ranged and all(r.startswith("bytes=0-") for _, r in ranged), ranged
     text = _mergesmith(env, "plan", config)
-    assert text.returncode == 0 and "to download from the Hugging Face Hub" in text.stdout, text.stderr
-    assert not hub.requested("GET") or all("model.safetensors" not in p or "index" in p for p in hub.requested("GET"))
+    assert text.returncode == 0, text.stderr
+    shards = len(list(models["b"].glob("*.safetensors")))
+    assert "to download from the Hugging Face Hub" in text.stdout and f"org/tiny-b@v1: {shards} file(s)" in text.stdout
+    hub.log.clear()
 
     merged = _mergesmith(env, "merge", config, tmp_path / "out")
     assert merged.returncode == 0, merged.stderr
     assert "downloading org/tiny-a from the Hugging Face Hub" in merged.stderr
     fetched = hub.requested("GET")
     assert not [p for p in fetched if p.endswith((".bin", ".onnx"))], fetched  # one weight format, top level only
-    assert any(p.endswith("/resolve/v1/model.safetensors.index.json") for p in fetched), fetched
+    assert any("/tiny-b/resolve/v1/" in p and p.endswith(".safetensors") for p in fetched), fetched
     assert not any("/tiny-b/resolve/main/" in p for p in fetched), fetched  # the revision asked for, not main
 
     # the same merge from the local directories gives the same bytes: `revision: v1` was honoured
@@ -133,6 +144,7 @@ def test_hub_models_are_downloaded_and_merged(tmp_path: Path, hub: HubServer, mo
     assert len(hub.log) == before and "downloading" not in again.stderr
     replan = _mergesmith(env, "plan", config, "--json")
     assert replan.returncode == 0 and "downloads" not in json.loads(replan.stdout), replan.stdout
+    assert len(hub.log) == before  # nor does plan
 
 
 def test_transformers_cache_is_where_models_go(tmp_path: Path, hub: HubServer) -> None:
@@ -320,10 +332,10 @@ API_SCRIPT = """
 import sys, mergesmith
 config, out, cache = sys.argv[1:]
 report = mergesmith.plan(config, transformers_cache=cache)
-assert report.plan is None and report.report["download_bytes"] > 0, report.report
+assert report.plan is not None and report.report["downloads"]["download_bytes"] > 0, report.report
 assert "to download from the Hugging Face Hub" in report.text
 mergesmith.merge(config, out, transformers_cache=cache, progress=True)
-assert mergesmith.plan(config, transformers_cache=cache).plan is not None
+assert "downloads" not in mergesmith.plan(config, transformers_cache=cache).report
 try:
     mergesmith.plan(config, offline=True)  # the default cache is empty
 except mergesmith.CheckpointError as exc:
@@ -332,8 +344,8 @@ except mergesmith.CheckpointError as exc:
 
 
 def test_python_api_downloads(tmp_path: Path, hub: HubServer) -> None:
-    """The API takes the same `transformers_cache` and `offline`; `plan` lists the downloads (its `plan` is None
-    until they are done) and `merge(progress=True)` says what it downloads."""
+    """The API takes the same `transformers_cache` and `offline`; `plan` lists the downloads beside the plan, and
+    `merge(progress=True)` says what it downloads."""
     config = _config(tmp_path, "org/tiny-a", {"model": "org/tiny-b", "revision": "v1"})
     cache = tmp_path / "api-cache"
     run = subprocess.run(

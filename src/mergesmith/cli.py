@@ -430,6 +430,7 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
     A mergekit-moe config (one with `experts` and no `merge_method`) is planned as an MoE assembly;
     its router weights are not computed here.
     """
+    from .engine.downloads import plan_before_download, render_downloads
     from .engine.report import check_plan_out_dir, plan_report, render_plan_text
     from .engine.run import build_plan
     from .moe.config import is_moe_config_file
@@ -437,15 +438,23 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
     if out_dir is not None:
         check_plan_out_dir(out_dir)
     options = _options(kw)
-    if _show_pending_downloads(config_file, out_dir, options, as_json):
-        return
-    if is_moe_config_file(config_file):
-        from .moe import build_moe_plan
+    moe_file = is_moe_config_file(config_file)
 
-        plan, checkpoints, _gates = build_moe_plan(config_file, options, out_dir)
-    else:
-        plan, checkpoints = build_plan(config_file, options, out_dir)
+    def build() -> Any:
+        if moe_file:
+            from .moe import build_moe_plan
+
+            plan, checkpoints, _gates = build_moe_plan(config_file, options, out_dir)
+            return plan, checkpoints
+        return build_plan(config_file, options, out_dir)
+
+    plan, checkpoints, downloads = plan_before_download(_config_refs(config_file, options), build, out_dir)
+    if plan is None:  # a model's tensors cannot be listed before it is downloaded: the downloads alone
+        click.echo(json.dumps({"downloads": downloads}, indent=2) if as_json else render_downloads(downloads))
+        return
     report = plan_report(plan, checkpoints, out_dir, options)
+    if downloads:
+        report["downloads"] = downloads
     moe = plan.options.get("moe")
     if moe:
         report["method"] = "moe"
@@ -470,28 +479,21 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
                 f"{moe['shared_experts']} shared; gate_mode {moe['gate_mode']} (router weights are computed by "
                 "`mergesmith moe`)"
             )
+        if downloads:
+            click.echo(render_downloads(downloads))
 
 
-def _show_pending_downloads(config_file: Path, out_dir: Path | None, options: Any, as_json: bool) -> bool:
-    """When the config names hub models not yet in the cache, print what must be downloaded (per model, in
-    total, and the free space where it and the output go) and return True: the tensor plan needs their headers."""
-    from .engine.downloads import downloads_report, pending_downloads, render_downloads
+def _config_refs(config_file: Path, options: Any) -> list[str]:
+    """The models a merge or mergekit-moe config names (for the hub models `plan` must look up first)."""
     from .moe.config import is_moe_config_file
 
     if is_moe_config_file(config_file):
         from .moe.config import load_moe_config
 
-        refs = load_moe_config(config_file, strict=options.strict).referenced_models()
-    else:
-        from .config import load_config
+        return load_moe_config(config_file, strict=options.strict).referenced_models()
+    from .config import load_config
 
-        refs = load_config(config_file, strict=options.strict).referenced_models()
-    downloads = pending_downloads(refs)
-    if not downloads:
-        return False
-    report = downloads_report(downloads, out_dir)
-    click.echo(json.dumps(report, indent=2) if as_json else render_downloads(report))
-    return True
+    return load_config(config_file, strict=options.strict).referenced_models()
 
 
 @cli.command("merge-raw", short_help="Merge bare state dicts (no config.json) into OUT_DIR.")

@@ -150,13 +150,13 @@ class PlanReport:
 
     @property
     def text(self) -> str:
-        if self.plan is None:  # hub models to download first: the report lists them (engine.downloads)
-            from .engine.downloads import render_downloads
-
-            return render_downloads(self.report)
+        from .engine.downloads import render_downloads
         from .engine.report import render_plan_text
 
-        return render_plan_text(self.report)
+        if self.plan is None:  # hub models to download before their tensors can be listed
+            return render_downloads(self.report["downloads"])
+        text = render_plan_text(self.report)
+        return text + "\n" + render_downloads(self.report["downloads"]) if self.report.get("downloads") else text
 
     @property
     def warnings(self) -> list[str]:
@@ -177,10 +177,12 @@ def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> Plan
     """Plan a merge (or an MoE assembly) from headers alone: what it writes, its memory and disk needs.
 
     `options`: those of `mergesmith plan` (`threads`, `max_memory`, `out_shard_size`, ...). With
-    `out_dir`, the disk there is checked and probed as the command does. Nothing is written. When hub models
-    must be downloaded first, the report lists them (per model, in total, the free space) and `plan` is None.
+    `out_dir`, the disk there is checked and probed as the command does. Nothing is written. Hub models not in
+    the cache are planned from the Hub's metadata (config, tokenizer, safetensors headers) and `report["downloads"]`
+    lists the bytes to fetch (per model, in total) and the free space they need; `plan` is None only when a
+    model's tensors cannot be listed before it is downloaded (`.bin` weights).
     """
-    from .engine.downloads import downloads_report, pending_downloads
+    from .engine.downloads import plan_before_download
     from .engine.report import check_plan_out_dir, plan_report
 
     kw = _resolve("plan", "plan", options, exclude=("as_json", "tensors"))
@@ -190,18 +192,23 @@ def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> Plan
     merge_options = _merge_options(kw)
     moe_config = _maybe_moe(config)
     cfg, source = (moe_config, "config") if moe_config is not None else as_merge_config(config, what="plan")
-    downloads = pending_downloads(cfg.referenced_models())
-    if downloads:  # no headers to plan from yet: what must be downloaded, and where it fits (`plan` is None)
-        return PlanReport(None, downloads_report(downloads, out))
-    if moe_config is not None:
-        from .moe import build_moe_plan
 
-        the_plan, checkpoints, _gates = build_moe_plan(moe_config, merge_options, out)
-    else:
+    def build() -> Any:
+        if moe_config is not None:
+            from .moe import build_moe_plan
+
+            built, checkpoints, _gates = build_moe_plan(moe_config, merge_options, out)
+            return built, checkpoints
         from .engine.run import build_plan
 
-        the_plan, checkpoints = build_plan(cfg, merge_options, out, source=source)
+        return build_plan(cfg, merge_options, out, source=source)
+
+    the_plan, checkpoints, downloads = plan_before_download(cfg.referenced_models(), build, out)
+    if the_plan is None:  # a model's tensors cannot be listed before it is downloaded: the downloads alone
+        return PlanReport(None, {"downloads": downloads})
     report = plan_report(the_plan, checkpoints, out, merge_options)
+    if downloads:
+        report["downloads"] = downloads
     moe = the_plan.options.get("moe")
     if moe:
         report["method"] = "moe"

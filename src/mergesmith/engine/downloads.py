@@ -1,19 +1,22 @@
 """Hub models a merge must download first: what `plan` lists, and the disk check before a merge fetches them.
 
-Why before planning: a plan is built from the inputs' headers, which a model not yet downloaded does not
-have on disk. So `plan` lists the downloads (from the Hub's file metadata: no weights are fetched) and
-stops there, and a merge checks the free space of the cache (and of OUT_DIR, for about the largest
-model's size) before fetching gigabytes it could not then write out.
+`plan` builds the whole plan before anything large is fetched: a model not in the cache is read from the
+Hub's metadata (its file sizes, its config and tokenizer, its safetensors headers over Range requests;
+io.hub.headers_only), and the bytes still to download are listed per model and in total beside the plan,
+with the free space of the cache and of OUT_DIR (one filesystem or two) counted for them and the output.
+A merge checks the same before fetching gigabytes it could not then write out (the output estimated as
+the largest model's weights, since the plan comes after the download there).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from ..io import hub
-from ..io.checkpoint import hub_download
+from ..io.checkpoint import Checkpoint, hub_download
+from .plan import Plan
 
 
 def pending_downloads(refs: Iterable[str]) -> list[hub.Download]:
@@ -34,11 +37,33 @@ def check_download_space(downloads: list[hub.Download], out_dir: Path | None, fo
         hub.check_space(downloads, force, out_dir, output)
 
 
-def downloads_report(downloads: list[hub.Download], out_dir: Path | None) -> dict[str, Any]:
+def plan_before_download(
+    refs: Iterable[str], build: Callable[[], tuple[Plan, dict[str, Checkpoint]]], out_dir: Path | None
+) -> tuple[Plan | None, dict[str, Checkpoint], dict[str, Any] | None]:
+    """(plan, the inputs on disk, downloads report or None) for `plan`: `build` runs with hub models read from
+    their headers on the Hub. The plan is None when a model's tensors cannot be listed without downloading it
+    (`.bin` weights); the report then estimates the output as the largest model's weights."""
+    refs = list(refs)
+    try:
+        with hub.headers_only():
+            plan, checkpoints = build()
+    except hub.HeadersUnavailable:
+        return None, {}, downloads_report(pending_downloads(refs), out_dir)
+    downloads = pending_downloads(refs)  # after the build: what it fetched (config, tokenizer) is not counted
+    assert plan.estimate is not None
+    report = downloads_report(downloads, out_dir, plan.estimate.bytes_written) if downloads else None
+    on_disk = {ref: ck for ref, ck in checkpoints.items() if all(f.is_file() for f in ck.files)}
+    return plan, on_disk, report
+
+
+def downloads_report(
+    downloads: list[hub.Download], out_dir: Path | None, output_bytes: int | None = None
+) -> dict[str, Any]:
     """What `plan` shows for models still to download: per model and in total, and the free space where
-    they and the output go."""
+    they and the output (`output_bytes`, else estimated as the largest model's weights) go."""
     total = sum(d.bytes for d in downloads)
-    output = max((d.weight_bytes for d in downloads), default=0)
+    planned = output_bytes is not None
+    output = output_bytes if output_bytes is not None else max((d.weight_bytes for d in downloads), default=0)
     cache = hub.cache_dir()
     disk = []
     cache_free = hub.free_space(cache)
@@ -49,29 +74,31 @@ def downloads_report(downloads: list[hub.Download], out_dir: Path | None) -> dic
     for entry in disk:
         entry["enough"] = entry["free_bytes"] is None or entry["free_bytes"] >= entry["needed_bytes"]
     return {
-        "downloads": [
+        "models": [
             {"model": d.ref, "files": [{"name": n, "bytes": b} for n, b in d.files], "bytes": d.bytes}
             for d in downloads
         ],
         "download_bytes": total,
-        "output_bytes_estimate": output,
+        "output_bytes": output,
+        "output_planned": planned,
         "disk": disk,
     }
 
 
 def render_downloads(report: dict[str, Any]) -> str:
     lines = ["to download from the Hugging Face Hub (not in the local cache):"]
-    for d in report["downloads"]:
+    for d in report["models"]:
         lines.append(f"  {d['model']}: {len(d['files'])} file(s), {hub.human(d['bytes'])}")
     lines.append(f"  total: {hub.human(report['download_bytes'])}")
     for entry in report["disk"]:
         free = "free space unknown" if entry["free_bytes"] is None else f"{hub.human(entry['free_bytes'])} free"
         verdict = "enough" if entry["enough"] else "NOT enough"
         lines.append(f"disk at {entry['path']}: {free}, {hub.human(entry['needed_bytes'])} needed ({verdict})")
-    lines.append(
-        "the tensor plan is read from the models' headers: run `mergesmith merge` (it downloads them first), "
-        "then `plan` again for the rest"
-    )
+    if not report["output_planned"]:
+        lines.append(
+            "output estimated as the largest model's weights: its `.bin` files must be downloaded before they can be "
+            "planned (`mergesmith merge` downloads them first)"
+        )
     return "\n".join(lines)
 
 

@@ -246,6 +246,9 @@ class Checkpoint:
         """Open `ref` (directory, file or cached hub id), validating every header up front.
 
         A `model+lora` reference is opened by `io.references.open_checkpoint`, which knows every form."""
+        remote = _remote_weights(ref)
+        if remote is not None:
+            return HubHeaders.of(ref, remote)
         path = resolve_model_path(ref)
         root = path if path.is_dir() else path.parent
         config = _read_config(root / "config.json") if (root / "config.json").is_file() else None
@@ -407,6 +410,75 @@ class Checkpoint:
             for opened in self._opened.values():
                 opened.close()
             self._opened.clear()
+
+
+class HubHeaders(Checkpoint):
+    """A hub model `plan` knows from the Hub before downloading it (io.hub.headers_only): its config and
+    tokenizer are in the cache, its weight files may not be, their headers were read over HTTP. Tensors are
+    listed (dtype, shape) but cannot be read: only a plan is built from it."""
+
+    def __init__(self, *args: Any, remote_sizes: dict[Path, int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._remote_sizes = remote_sizes
+
+    @classmethod
+    def of(cls, ref: str, remote: hub.RemoteWeights) -> HubHeaders:
+        root = remote.root
+        config = _read_config(root / "config.json") if (root / "config.json").is_file() else None
+        if (root / SAFETENSORS_INDEX).is_file():
+            names = hub.index_shards(root / SAFETENSORS_INDEX) or []
+        else:
+            names = sorted({*remote.files, *(p.name for p in root.glob("*.safetensors"))})
+        files = [root / name for name in names]
+        tensors: dict[str, TensorInfo] = {}
+        hashes: dict[Path, str] = {}
+        sizes: dict[Path, int] = {}
+        for name, file in zip(names, files):
+            if name in remote.files:
+                sizes[file], listed = remote.files[name]
+                found: dict[str, TensorInfo] = {}
+                for tensor, (dtype, shape, (begin, _end)) in listed.items():
+                    if dtype not in SAFETENSORS_TO_TORCH:
+                        raise CheckpointError(
+                            f"model {ref!r}: {name}: tensor {tensor!r} has unsupported dtype {dtype!r}"
+                        )
+                    found[tensor] = TensorInfo(tensor, dtype, tuple(shape), file, begin)
+                hashes[file] = hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest()
+            else:
+                found, _meta, raw = read_safetensors_header(file)
+                hashes[file] = hashlib.sha256(raw).hexdigest()
+            for tensor, info in found.items():
+                if tensor in tensors:
+                    raise CheckpointError(f"{file}: tensor {tensor!r} also appears in {tensors[tensor].file.name}")
+                tensors[tensor] = info
+        if not tensors:
+            raise CheckpointError(f"model {ref!r}: no tensors found in its weight files")
+        return cls(ref, root, files, tensors, config, hashes, None, remote_sizes=sizes)
+
+    def identity(self) -> list[tuple[str, int, int, str]]:
+        """As a checkpoint's, with a file not downloaded yet at its size on the Hub and no mtime."""
+        out = []
+        for f in self.files:
+            if f in self._remote_sizes:
+                out.append((f.name, self._remote_sizes[f], 0, self._header_hashes.get(f, "")))
+            else:
+                st = f.stat()
+                out.append((f.name, st.st_size, st.st_mtime_ns, self._header_hashes.get(f, "")))
+        return out
+
+    @property
+    def not_downloaded(self) -> list[Path]:
+        return list(self._remote_sizes)
+
+
+def _remote_weights(ref: str) -> hub.RemoteWeights | None:
+    """A hub id not in the cache, while `plan` reads headers only (io.hub.headers_only); else None."""
+    if not hub.SETTINGS.headers_only or Path(ref).expanduser().exists():
+        return None
+    name, revision = split_revision(ref)
+    if not hub.looks_like_hub_id(name) or (revision and Path(name).expanduser().exists()):
+        return None
+    return hub.remote_weights(ref, name, revision)
 
 
 def _size_of(path: Path) -> int:

@@ -57,6 +57,7 @@ class HubSettings:
     progress_bars: bool = False  # huggingface_hub's tqdm bars (a terminal)
     report: Callable[[str], None] | None = None  # one line per event otherwise (None: silent)
     force: bool = False  # --force of the command under way: download even when the cache's disk looks too small
+    headers_only: bool = False  # `plan`: fetch the small files and read the weights' headers over HTTP, no weights
 
 
 SETTINGS = HubSettings()
@@ -79,6 +80,19 @@ def forcing(force: bool) -> Iterator[None]:
         yield
     finally:
         SETTINGS.force = before
+
+
+@contextmanager
+def headers_only() -> Iterator[None]:
+    """Within the block (`plan`), a hub model not in the cache is read from the Hub without its weights: its
+    config and tokenizer are fetched (a few KB) and each weight file's safetensors header is read with a Range
+    request (`HfApi.parse_safetensors_file_metadata`), so the whole plan is shown before gigabytes are fetched."""
+    before = SETTINGS.headers_only
+    SETTINGS.headers_only = True
+    try:
+        yield
+    finally:
+        SETTINGS.headers_only = before
 
 
 def offline() -> bool:
@@ -133,14 +147,15 @@ def is_complete(root: Path) -> bool:
     for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
         index = root / index_name
         if index.is_file():
-            shards = _index_shards(index)
+            shards = index_shards(index)
             return shards is not None and all((root / s).is_file() for s in shards)
     if (root / "adapter_config.json").is_file():
         return any((root / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin"))
     return any((root / f).is_file() for f in (SAFETENSORS_SINGLE, BIN_SINGLE)) or any(root.glob("*.safetensors"))
 
 
-def _index_shards(index: Path) -> list[str] | None:
+def index_shards(index: Path) -> list[str] | None:
+    """The shard files an index lists, in order of first mention (None: not a readable index)."""
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         return list(dict.fromkeys(str(v) for v in weight_map.values()))
@@ -244,7 +259,7 @@ def _fetch(repo: str, filename: str, revision: str | None) -> Path:
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     was_disabled = are_progress_bars_disabled()
-    if not SETTINGS.progress_bars:
+    if not SETTINGS.progress_bars or SETTINGS.headers_only:
         disable_progress_bars()
     try:
         return Path(hf_hub_download(repo, filename, revision=revision, cache_dir=cache_dir()))
@@ -256,7 +271,7 @@ def _fetch(repo: str, filename: str, revision: str | None) -> Path:
 def _shards_from_hub(repo: str, revision: str | None) -> Callable[[str], list[str]]:
     def shards_of(index_name: str) -> list[str]:
         index = _fetch(repo, index_name, revision)  # a few KB: the list of shards is in it
-        shards = _index_shards(index)
+        shards = index_shards(index)
         if shards is None:
             raise CheckpointError(f"{index}: not a valid index (needs a `weight_map` object)")
         return shards
@@ -271,15 +286,8 @@ def _in_cache(repo: str, filename: str, revision: str | None) -> bool:
     return isinstance(found, str)
 
 
-def pending_download(ref: str, repo: str, revision: str | None) -> Download | None:
-    """What `repo` still needs from the Hub (None when complete in the cache); asks the Hub for its files'
-    sizes, and fetches the small safetensors index to know the shards. Raises one line when offline or when
-    the Hub does not answer with the model."""
-    root = cached_snapshot(repo, revision)
-    if root is not None and is_complete(root):
-        return None
-    if offline():
-        raise _offline_failure(ref, repo, revision)
+def _remote_files(ref: str, repo: str, revision: str | None) -> tuple[dict[str, int], list[str], list[str]]:
+    """(sizes, small files, weight files) of the repository as the Hub lists it; one line when it cannot."""
     try:
         sizes = _repo_sizes(repo, revision)
         small, weights = choose_files(sizes, _shards_from_hub(repo, revision))
@@ -292,8 +300,67 @@ def pending_download(ref: str, repo: str, revision: str | None) -> Download | No
             f"model {ref!r}: the Hugging Face Hub repository has no model weights ({SAFETENSORS_SINGLE}, "
             f"{SAFETENSORS_INDEX}, {BIN_SINGLE} or {BIN_INDEX})"
         )
+    return sizes, small, weights
+
+
+def pending_download(ref: str, repo: str, revision: str | None) -> Download | None:
+    """What `repo` still needs from the Hub (None when complete in the cache); asks the Hub for its files'
+    sizes, and fetches the small safetensors index to know the shards. Raises one line when offline or when
+    the Hub does not answer with the model."""
+    root = cached_snapshot(repo, revision)
+    if root is not None and is_complete(root):
+        return None
+    if offline():
+        raise _offline_failure(ref, repo, revision)
+    sizes, small, weights = _remote_files(ref, repo, revision)
     missing = [(f, sizes.get(f, 0)) for f in [*small, *weights] if not _in_cache(repo, f, revision)]
     return Download(repo, revision, missing, sum(sizes.get(f, 0) for f in weights))
+
+
+class HeadersUnavailable(CheckpointError):
+    """A model's tensors cannot be listed without downloading it (`.bin` weights have no header to read)."""
+
+
+@dataclass
+class RemoteWeights:
+    """A hub model as `plan` sees it before downloading: the snapshot folder (config and tokenizer fetched) and,
+    per weight file not yet in the cache, its size and its tensors (name -> dtype, shape, [begin, end))."""
+
+    root: Path
+    files: dict[str, tuple[int, dict[str, tuple[str, list[int], tuple[int, int]]]]]
+
+
+def remote_weights(ref: str, repo: str, revision: str | None) -> RemoteWeights | None:
+    """In `headers_only` mode, a hub model not complete in the cache as RemoteWeights (None otherwise: read it
+    from the cache, or download it, as usual)."""
+    if not SETTINGS.headers_only:
+        return None
+    root = cached_snapshot(repo, revision)
+    if root is not None and is_complete(root):
+        return None
+    if offline():
+        raise _offline_failure(ref, repo, revision)
+    sizes, small, weights = _remote_files(ref, repo, revision)
+    if not all(w.endswith(".safetensors") for w in weights):
+        raise HeadersUnavailable(f"model {ref!r}: its `.bin` weights must be downloaded before they can be planned")
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    files = {}
+    try:
+        for name in small:
+            root = _fetch(repo, name, revision).parent  # config, tokenizer, index: a few KB
+        for name in weights:
+            if _in_cache(repo, name, revision):
+                continue
+            meta = api.parse_safetensors_file_metadata(repo, name, revision=revision)
+            tensors = {t: (i.dtype, list(i.shape), tuple(i.data_offsets)) for t, i in meta.tensors.items()}
+            files[name] = (sizes.get(name, 0), tensors)
+    except Exception as exc:  # noqa: BLE001 - as above
+        raise _hub_failure(ref, repo, revision, exc) from None
+    if root is None:
+        raise HeadersUnavailable(f"model {ref!r}: nothing of it could be fetched")
+    return RemoteWeights(root, files)
 
 
 def fetch_snapshot(ref: str, repo: str, revision: str | None) -> Path:
