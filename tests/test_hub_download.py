@@ -147,6 +147,27 @@ def test_hub_models_are_downloaded_and_merged(tmp_path: Path, hub: HubServer, mo
     assert len(hub.log) == before  # nor does plan
 
 
+def test_plan_of_bin_weights_lists_the_downloads(tmp_path: Path, hub: HubServer, tiny_models) -> None:
+    """`.bin` weights have no header to read over HTTP: plan lists the downloads and the disk they need, with
+    the output estimated, and says so; the merge then downloads the `.bin` and merges it."""
+    as_bin = tiny_models("llama", seed=11, fmt="bin")
+    repo = Repo()
+    repo.add_commit(files_of(as_bin), "main")
+    hub.repos["org/tiny-bin"] = repo
+    env = _env(hub, tmp_path / "hf")
+    config = _config(tmp_path, "org/tiny-bin", {"model": "org/tiny-a"})
+    plan = _mergesmith(env, "plan", config, tmp_path / "out", "--json")
+    assert plan.returncode == 0, plan.stderr
+    downloads = json.loads(plan.stdout)["downloads"]
+    assert {d["model"] for d in downloads["models"]} == {"org/tiny-bin", "org/tiny-a"}
+    assert not downloads["output_planned"] and downloads["output_bytes"] > 0
+    text = _mergesmith(env, "plan", config, tmp_path / "out")
+    assert "output estimated as the largest model's weights" in text.stdout, text.stdout
+    merged = _mergesmith(env, "merge", config, tmp_path / "out", "-q")
+    assert merged.returncode == 0, merged.stderr
+    assert any(p.endswith("/tiny-bin/resolve/main/pytorch_model.bin") for p in hub.requested("GET"))
+
+
 def test_transformers_cache_is_where_models_go(tmp_path: Path, hub: HubServer) -> None:
     env = _env(hub, tmp_path / "hf")
     config = _config(tmp_path, "org/tiny-a", {"model": "org/tiny-b", "revision": "v1"})
