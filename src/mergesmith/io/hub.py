@@ -149,7 +149,7 @@ def is_complete(root: Path) -> bool:
         if index.is_file():
             shards = index_shards(index)
             return shards is not None and all((root / s).is_file() for s in shards)
-    if (root / "adapter_config.json").is_file():
+    if (root / "adapter_config.json").is_file() and not (root / "config.json").is_file():  # a PEFT adapter
         return any((root / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin"))
     return any((root / f).is_file() for f in (SAFETENSORS_SINGLE, BIN_SINGLE)) or any(root.glob("*.safetensors"))
 
@@ -369,25 +369,29 @@ def fetch_snapshot(ref: str, repo: str, revision: str | None) -> Path:
     if root is not None and (is_complete(root) or offline()):
         return root  # offline, an incomplete snapshot is reported by the reader, naming the missing file
     download = pending_download(ref, repo, revision)
-    if download is None:  # completed meanwhile
-        return cached_snapshot(repo, revision) or Path()
+    if download is not None:
+        _download(ref, repo, revision, download)
+    root = cached_snapshot(repo, revision)
+    if root is None or not is_complete(root):
+        raise CheckpointError(
+            f"model {ref!r}: the download did not complete (rerun to fetch the rest: finished files are kept)"
+        )
+    return root
+
+
+def _download(ref: str, repo: str, revision: str | None, download: Download) -> None:
+    """Fetch the files `download` lists, after checking the cache's filesystem can take them (unless --force)."""
     check_space([download], force=SETTINGS.force)
     say = SETTINGS.report
     if say is not None:
         say(f"downloading {ref} from the Hugging Face Hub: {len(download.files)} file(s), {human(download.bytes)}")
-    folder: Path | None = None
     for name, size in download.files:
         if say is not None and not SETTINGS.progress_bars:
             say(f"  {ref}: {name} ({human(size)})")
         try:
-            path = _fetch(repo, name, revision)
-        except Exception as exc:  # noqa: BLE001 - as above
+            _fetch(repo, name, revision)
+        except Exception as exc:  # noqa: BLE001 - the client raises its own errors and httpx's
             raise _hub_failure(ref, repo, revision, exc) from None
-        folder = folder or Path(path).parent.joinpath(*[".."] * name.count("/"))
-    root = cached_snapshot(repo, revision) or folder
-    if root is None or not is_complete(root):
-        raise CheckpointError(f"model {ref!r}: the download did not complete (rerun to resume it)")
-    return root
 
 
 # ----- free space ------------------------------------------------------------------------------------------
