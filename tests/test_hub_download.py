@@ -267,6 +267,8 @@ def test_choose_files_prefers_one_safetensors_format() -> None:
     assert choose_files({"config.json": 1, "pytorch_model.bin": 1}, shards.__getitem__)[1] == ["pytorch_model.bin"]
     both = {"model.safetensors": 1, "pytorch_model.bin": 1}
     assert choose_files(both, shards.__getitem__)[1] == ["model.safetensors"]
+    adapter = {"adapter_config.json": 1, "adapter_model.safetensors": 1, "adapter_model.bin": 1, "README.md": 1}
+    assert choose_files(adapter, shards.__getitem__) == (["adapter_config.json"], ["adapter_model.safetensors"])
 
 
 def test_download_bars_at_a_terminal(tmp_path: Path, hub: HubServer) -> None:
@@ -377,5 +379,3 @@ def test_python_api_downloads(tmp_path: Path, hub: HubServer) -> None:
     assert "downloading org/tiny-a from the Hugging Face Hub" in run.stderr
     assert "refused: model 'org/tiny-a': not a local path and not in the local Hugging Face cache" in run.stdout
     assert (cache / "models--org--tiny-b").is_dir()
-    adapter = {"adapter_config.json": 1, "adapter_model.safetensors": 1, "adapter_model.bin": 1, "README.md": 1}
-    assert choose_files(adapter, shards.__getitem__) == (["adapter_config.json"], ["adapter_model.safetensors"])
