@@ -243,7 +243,7 @@ class Checkpoint:
     # ----- opening -------------------------------------------------------------------------
     @classmethod
     def open(cls, ref: str) -> Checkpoint:
-        """Open `ref` (directory, file or cached hub id), validating every header up front.
+        """Open `ref` (directory, file or hub id), validating every header up front.
 
         A `model+lora` reference is opened by `io.references.open_checkpoint`, which knows every form."""
         remote = _remote_weights(ref)
