@@ -228,10 +228,11 @@ def _hub_failure(ref: str, repo: str, revision: str | None, exc: BaseException) 
 
 def _offline_failure(ref: str, repo: str, revision: str | None) -> CheckpointError:
     which = f" at revision {revision!r}" if revision else ""
-    how = "--offline" if SETTINGS.offline else "HF_HUB_OFFLINE is set"
+    how, undo = ("--offline", "drop --offline") if SETTINGS.offline else ("HF_HUB_OFFLINE is set", "unset it")
     return CheckpointError(
         f"model {ref!r}: not a local path and not in the local Hugging Face cache{which}, and downloads are off "
-        f"({how}): download it first, e.g. `hf download {repo}{f' --revision {revision}' if revision else ''}`"
+        f"({how}): {undo} to download it, or download it first, e.g. "
+        f"`hf download {repo}{f' --revision {revision}' if revision else ''}`"
     )
 
 
