@@ -379,3 +379,27 @@ def test_python_api_downloads(tmp_path: Path, hub: HubServer) -> None:
     assert "downloading org/tiny-a from the Hugging Face Hub" in run.stderr
     assert "refused: model 'org/tiny-a': not a local path and not in the local Hugging Face cache" in run.stdout
     assert (cache / "models--org--tiny-b").is_dir()
+
+
+def test_model_plus_lora_from_the_hub(tmp_path: Path, hub: HubServer, models: dict[str, Path]) -> None:
+    """`org/model+org/adapter`: both parts are downloaded (the adapter's config and weights) and the merge equals
+    the same reference made of the local directories."""
+    adapter = tmp_path / "adapter"
+    made = _mergesmith(
+        _env(hub, tmp_path / "hf"), "extract-lora", "--model", models["c"], "--base", models["a"], "--out", adapter,
+        "--max-rank", "4", "--offline",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    repo = Repo()
+    repo.add_commit(files_of(adapter), "main")
+    hub.repos["org/tiny-lora"] = repo
+    env = _env(hub, tmp_path / "hf")
+    for name, ref in (("hub", "org/tiny-a+org/tiny-lora"), ("local", f"{models['a']}+{adapter}")):
+        config = write_config(tmp_path / f"{name}.yml", {"merge_method": "passthrough", "models": [{"model": ref}]})
+        plan = _mergesmith(env, "plan", config, "--json")  # before the download, from headers
+        assert plan.returncode == 0 and json.loads(plan.stdout)["tensors"], f"{name}: {plan.stderr}"
+        run = _mergesmith(env, "merge", config, tmp_path / f"{name}-out", "-q")
+        assert run.returncode == 0, f"{name}: {run.stderr}"
+    out, expected = read_state_dict(tmp_path / "hub-out"), read_state_dict(tmp_path / "local-out")
+    assert out.keys() == expected.keys() and all(torch.equal(out[n], expected[n]) for n in out)
+    assert any(p.endswith("/tiny-lora/resolve/main/adapter_config.json") for p in hub.requested("GET"))

@@ -229,6 +229,8 @@ class Checkpoint:
         self._maps: dict[Path, mmap.mmap] = {}
         self._opened: dict[Path, Any] = {}  # the mapped files, open: their size is checked on the inode mapped
         self._lock = threading.Lock()
+        # weight files not downloaded yet (a hub model `plan` reads from its headers: HubHeaders): their size
+        self.remote_sizes: dict[Path, int] = {}
         # the bytes each file must have: the end of the tensor data its header lists (a `.bin`: its size when read)
         self._sizes: dict[Path, int] = {f: 0 for f in files}
         for info in tensors.values():
@@ -393,9 +395,13 @@ class Checkpoint:
             pass
 
     def identity(self) -> list[tuple[str, int, int, str]]:
-        """(file name, size, mtime in ns, header hash) per weight file: what the resume fingerprint trusts."""
+        """(file name, size, mtime in ns, header hash) per weight file: what the resume fingerprint trusts (a file
+        not downloaded yet: its size on the Hub, no mtime)."""
         out = []
         for f in self.files:
+            if f in self.remote_sizes:
+                out.append((f.name, self.remote_sizes[f], 0, self._header_hashes.get(f, "")))
+                continue
             st = f.stat()
             out.append((f.name, st.st_size, st.st_mtime_ns, self._header_hashes.get(f, "")))
         return out
@@ -416,10 +422,6 @@ class HubHeaders(Checkpoint):
     """A hub model `plan` knows from the Hub before downloading it (io.hub.headers_only): its config and
     tokenizer are in the cache, its weight files may not be, their headers were read over HTTP. Tensors are
     listed (dtype, shape) but cannot be read: only a plan is built from it."""
-
-    def __init__(self, *args: Any, remote_sizes: dict[Path, int], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._remote_sizes = remote_sizes
 
     @classmethod
     def of(cls, ref: str, remote: hub.RemoteWeights) -> HubHeaders:
@@ -453,22 +455,9 @@ class HubHeaders(Checkpoint):
                 tensors[tensor] = info
         if not tensors:
             raise CheckpointError(f"model {ref!r}: no tensors found in its weight files")
-        return cls(ref, root, files, tensors, config, hashes, None, remote_sizes=sizes)
-
-    def identity(self) -> list[tuple[str, int, int, str]]:
-        """As a checkpoint's, with a file not downloaded yet at its size on the Hub and no mtime."""
-        out = []
-        for f in self.files:
-            if f in self._remote_sizes:
-                out.append((f.name, self._remote_sizes[f], 0, self._header_hashes.get(f, "")))
-            else:
-                st = f.stat()
-                out.append((f.name, st.st_size, st.st_mtime_ns, self._header_hashes.get(f, "")))
-        return out
-
-    @property
-    def not_downloaded(self) -> list[Path]:
-        return list(self._remote_sizes)
+        checkpoint = cls(ref, root, files, tensors, config, hashes, None)
+        checkpoint.remote_sizes = sizes
+        return checkpoint
 
 
 def _remote_weights(ref: str) -> hub.RemoteWeights | None:
