@@ -94,6 +94,11 @@ def render_downloads(report: dict[str, Any]) -> str:
         free = "free space unknown" if entry["free_bytes"] is None else f"{hub.human(entry['free_bytes'])} free"
         verdict = "enough" if entry["enough"] else "NOT enough"
         lines.append(f"disk at {entry['path']}: {free}, {hub.human(entry['needed_bytes'])} needed ({verdict})")
+    if report["output_planned"]:
+        lines.append(
+            "(the time estimated above is the merge's, without the download; read speed is measured on the "
+            "inputs already on disk)"
+        )
     if not report["output_planned"]:
         lines.append(
             "output estimated as the largest model's weights: its `.bin` files must be downloaded before they can be "
