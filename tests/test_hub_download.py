@@ -403,3 +403,27 @@ def test_model_plus_lora_from_the_hub(tmp_path: Path, hub: HubServer, models: di
     out, expected = read_state_dict(tmp_path / "hub-out"), read_state_dict(tmp_path / "local-out")
     assert out.keys() == expected.keys() and all(torch.equal(out[n], expected[n]) for n in out)
     assert any(p.endswith("/tiny-lora/resolve/main/adapter_config.json") for p in hub.requested("GET"))
+
+
+def test_a_tokenizer_source_is_fetched_without_its_weights(tmp_path: Path, hub: HubServer, models: dict) -> None:
+    """`tokenizer_source: org/model` needs that model's tokenizer, not its weights."""
+    repo = Repo()
+    repo.add_commit(files_of(models["c"]), "main")
+    hub.repos["org/tiny-c"] = repo
+    config = write_config(
+        tmp_path / "tok.yml",
+        {
+            "merge_method": "linear",
+            "models": [
+                {"model": "org/tiny-a", "parameters": {"weight": 1}},
+                {"model": "org/tiny-b@v1", "parameters": {"weight": 1}},
+            ],
+            "tokenizer_source": "org/tiny-c",
+        },
+    )
+    run = _mergesmith(_env(hub, tmp_path / "hf"), "merge", config, tmp_path / "out", "-q")
+    assert run.returncode == 0, run.stderr
+    from_c = [p for p in hub.requested("GET") if "/tiny-c/resolve/" in p]
+    assert any(p.endswith("/tokenizer.json") for p in from_c), from_c
+    assert not any(p.endswith(".safetensors") for p in from_c), from_c
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (models["c"] / "tokenizer.json").read_bytes()

@@ -156,13 +156,14 @@ def _inside(root: Path, relative: str, index_path: Path) -> Path:
     return candidate
 
 
-def resolve_model_path(ref: str) -> Path:
+def resolve_model_path(ref: str, weights: bool = True) -> Path:
     """A local path, or the snapshot of a hub id in the Hugging Face cache, downloaded when missing (io.hub:
     only the files a merge needs; refused in one line with `--offline` or HF_HUB_OFFLINE).
 
     `org/name@revision` (mergekit's spelling, also what a `revision:` key beside a model becomes) is that
     branch, tag or commit of the hub model; a revision on a local path that exists is ignored, as
-    transformers ignores it there."""
+    transformers ignores it there. Without `weights` (a tokenizer source), a hub model's config and tokenizer
+    are enough: its weights are not downloaded for it."""
     path = Path(ref).expanduser()
     if path.exists():
         return path
@@ -170,7 +171,7 @@ def resolve_model_path(ref: str) -> Path:
     if revision and Path(name).expanduser().exists():
         return Path(name).expanduser()
     if hub.looks_like_hub_id(name):
-        return hub.fetch_snapshot(ref, name, revision)
+        return hub.fetch_snapshot(ref, name, revision) if weights else hub.fetch_small_files(ref, name, revision)
     raise CheckpointError(f"model {ref!r}: no such file or directory")
 
 

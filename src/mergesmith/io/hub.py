@@ -287,15 +287,20 @@ def _in_cache(repo: str, filename: str, revision: str | None) -> bool:
     return isinstance(found, str)
 
 
-def _remote_files(ref: str, repo: str, revision: str | None) -> tuple[dict[str, int], list[str], list[str]]:
-    """(sizes, small files, weight files) of the repository as the Hub lists it; one line when it cannot."""
+def _remote_files(
+    ref: str, repo: str, revision: str | None, weights_too: bool = True
+) -> tuple[dict[str, int], list[str], list[str]]:
+    """(sizes, small files, weight files) of the repository as the Hub lists it; one line when it cannot.
+    Without `weights_too` (a tokenizer source), no weight file is listed and none need be there."""
     try:
         sizes = _repo_sizes(repo, revision)
-        small, weights = choose_files(sizes, _shards_from_hub(repo, revision))
+        small, weights = choose_files(sizes, _shards_from_hub(repo, revision) if weights_too else lambda _index: [])
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - the client raises its own errors and httpx's
         raise _hub_failure(ref, repo, revision, exc) from None
+    if not weights_too:
+        return sizes, [f for f in small if not f.endswith(".index.json")], []
     if not weights:
         raise CheckpointError(
             f"model {ref!r}: the Hugging Face Hub repository has no model weights ({SAFETENSORS_SINGLE}, "
@@ -377,6 +382,26 @@ def fetch_snapshot(ref: str, repo: str, revision: str | None) -> Path:
         raise CheckpointError(
             f"model {ref!r}: the download did not complete (rerun to fetch the rest: finished files are kept)"
         )
+    return root
+
+
+def fetch_small_files(ref: str, repo: str, revision: str | None) -> Path:
+    """The snapshot folder of `repo` with its config and tokenizer files, its weights not fetched: what a
+    tokenizer source needs (a model already in the cache is used as it is)."""
+    root = cached_snapshot(repo, revision)
+    if root is not None and (is_complete(root) or any((root / f).is_file() for f in TOKENIZER_FILES)):
+        return root
+    if offline():
+        if root is not None:
+            return root  # the reader names what is missing
+        raise _offline_failure(ref, repo, revision)
+    sizes, small, _none = _remote_files(ref, repo, revision, weights_too=False)
+    missing = [(f, sizes.get(f, 0)) for f in small if not _in_cache(repo, f, revision)]
+    if missing:
+        _download(ref, repo, revision, Download(repo, revision, missing))
+    root = cached_snapshot(repo, revision)
+    if root is None:
+        raise CheckpointError(f"model {ref!r}: the Hugging Face Hub repository has no config or tokenizer files")
     return root
 
 

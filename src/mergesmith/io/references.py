@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, resolve_model_path
 from .lora_adapter import LoraCheckpoint, split_lora_ref
 
 
@@ -19,3 +19,12 @@ def open_checkpoint(ref: str) -> Checkpoint:
         model_ref, adapter_dir = split_lora_ref(ref)
         return LoraCheckpoint.over(ref, open_checkpoint(model_ref), adapter_dir)
     return Checkpoint.open(ref)
+
+
+def tokenizer_root(ref: str) -> Path:
+    """The directory holding the tokenizer of the model `ref` names (of `model+lora`: the model's); a hub model
+    not in the cache is fetched without its weights, which a tokenizer source does not need."""
+    if "+" in ref and not Path(ref).expanduser().exists():
+        ref = split_lora_ref(ref)[0]
+    path = resolve_model_path(ref, weights=False)
+    return path if path.is_dir() else path.parent
