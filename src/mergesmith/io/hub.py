@@ -5,10 +5,12 @@ Why only some files: a model repository often holds the same weights twice (safe
 GGUF exports. A merge reads one weight format, the config and the tokenizer, so only those are fetched:
 the safetensors index and the shards it lists (or the single file), `.bin` only where there is no
 safetensors. The download itself is `hf_hub_download`'s, per file, so the cache layout, resuming a
-partial file, the `refs/` of a branch and the progress bars are the client's own.
+transfer the connection dropped (a Range request), the `refs/` of a branch and the progress bars are the
+client's own; an interrupted run keeps the files it finished, and a rerun fetches the rest.
 
 A model already complete in the cache is used without asking the Hub anything (as with `HF_HUB_OFFLINE`),
-so a rerun makes no request. Settings (`--transformers-cache`, `--offline`, how progress is shown) are
+so a rerun makes no request. `plan` reads a model it does not have from the Hub's metadata instead
+(`headers_only`: config and tokenizer fetched, safetensors headers read by Range requests). Settings (`--transformers-cache`, `--offline`, how progress is shown) are
 process-wide, set once by the command line through `configure`, because every command reaches this
 module through the same resolver (`checkpoint.resolve_model_path`) from many places.
 """
@@ -64,7 +66,7 @@ SETTINGS = HubSettings()
 
 
 def configure(**changes: Any) -> None:
-    """Change the process-wide settings (`cache_dir`, `offline`, `progress_bars`, `report`)."""
+    """Change the process-wide settings (`cache_dir`, `offline`, `progress_bars`, `report`, ...)."""
     for key, value in changes.items():
         if not hasattr(SETTINGS, key):
             raise TypeError(f"unknown hub setting {key!r}")
