@@ -10,7 +10,9 @@ client's own; an interrupted run keeps the files it finished, and a rerun fetche
 
 A model already complete in the cache is used without asking the Hub anything (as with `HF_HUB_OFFLINE`),
 so a rerun makes no request. `plan` reads a model it does not have from the Hub's metadata instead
-(`headers_only`: config and tokenizer fetched, safetensors headers read by Range requests). Settings (`--transformers-cache`, `--offline`, how progress is shown) are
+(`headers_only`: config and tokenizer fetched, safetensors headers read by Range requests).
+
+Settings (`--transformers-cache`, `--offline`, how progress is shown) are
 process-wide, set once by the command line through `configure`, because every command reaches this
 module through the same resolver (`checkpoint.resolve_model_path`) from many places.
 """
