@@ -191,6 +191,40 @@ def _epilog(command: str) -> str | None:
     return mergekit_flags.epilog(command, _MERGEKIT_NAMES[command]) or None
 
 
+def _set_cache(_ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path | None:
+    from .io import hub
+
+    hub.configure(cache_dir=value)
+    return value
+
+
+def _set_offline(_ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    from .io import hub
+
+    hub.configure(offline=value)
+    return value
+
+
+def _hub_options(f: Any) -> Any:
+    """Where hub models are cached and whether they may be downloaded: options of every command that reads
+    models. They set io.hub's process-wide settings as they are parsed, so no command passes them on."""
+    f = click.option(
+        "--offline",
+        is_flag=True,
+        expose_value=False,
+        callback=_set_offline,
+        help="Never download: a hub id must already be in the cache (as HF_HUB_OFFLINE=1).",
+    )(f)
+    return click.option(
+        "--transformers-cache",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        expose_value=False,
+        callback=_set_cache,
+        help="Where hub models are looked up and downloaded (default: the Hugging Face cache, HF_HUB_CACHE).",
+    )(f)
+
+
 def _options(kw: dict[str, Any], command: str = "merge", echo: Callable[[str], None] | None = None):
     """MergeOptions from a merging command's (or the API's) keyword values, mergekit's flags mapped first; the
     notes about flags without effect go to `echo` (default: stderr) once the options are checked."""
@@ -327,6 +361,7 @@ def _run_shown(run: Callable[..., Any], quiet: bool, *args: Any, **kwargs: Any) 
 @cli.command(short_help="Merge a mergekit config into OUT_DIR (resumable).", epilog=_epilog("merge"))
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
+@_hub_options
 @_merge_options("merge")
 @_output_options()
 def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, verify: bool, **kw: Any) -> None:
@@ -352,6 +387,7 @@ def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet:
 @cli.command("plan", short_help="Show what a merge will do and cost, from headers.", epilog=_epilog("plan"))
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path), required=False)
+@_hub_options
 @_merge_options("plan")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--tensors/--no-tensors", default=False, help="List every output tensor.")
@@ -361,6 +397,7 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
     A mergekit-moe config (one with `experts` and no `merge_method`) is planned as an MoE assembly;
     its router weights are not computed here.
     """
+    from .engine.downloads import plan_before_download, render_downloads
     from .engine.report import check_plan_out_dir, plan_report, render_plan_text
     from .engine.run import build_plan
     from .moe.config import is_moe_config_file
@@ -368,13 +405,23 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
     if out_dir is not None:
         check_plan_out_dir(out_dir)
     options = _options(kw, "plan")
-    if is_moe_config_file(config_file):
-        from .moe import build_moe_plan
+    moe_file = is_moe_config_file(config_file)
 
-        plan, checkpoints, _gates = build_moe_plan(config_file, options, out_dir)
-    else:
-        plan, checkpoints = build_plan(config_file, options, out_dir)
+    def build() -> Any:
+        if moe_file:
+            from .moe import build_moe_plan
+
+            plan, checkpoints, _gates = build_moe_plan(config_file, options, out_dir)
+            return plan, checkpoints
+        return build_plan(config_file, options, out_dir)
+
+    plan, checkpoints, downloads = plan_before_download(_config_refs(config_file, options), build, out_dir)
+    if plan is None:  # a model's tensors cannot be listed before it is downloaded: the downloads alone
+        click.echo(json.dumps({"downloads": downloads}, indent=2) if as_json else render_downloads(downloads))
+        return
     report = plan_report(plan, checkpoints, out_dir, options)
+    if downloads:
+        report["downloads"] = downloads
     moe = plan.options.get("moe")
     if moe:
         report["method"] = "moe"
@@ -399,6 +446,21 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
                 f"{moe['shared_experts']} shared; gate_mode {moe['gate_mode']} (router weights are computed by "
                 "`mergesmith moe`)"
             )
+        if downloads:
+            click.echo(render_downloads(downloads))
+
+
+def _config_refs(config_file: Path, options: Any) -> list[str]:
+    """The models a merge or mergekit-moe config names (for the hub models `plan` must look up first)."""
+    from .moe.config import is_moe_config_file
+
+    if is_moe_config_file(config_file):
+        from .moe.config import load_moe_config
+
+        return load_moe_config(config_file, strict=options.strict).referenced_models()
+    from .config import load_config
+
+    return load_config(config_file, strict=options.strict).referenced_models()
 
 
 @cli.command(
@@ -406,6 +468,7 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
 )
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
+@_hub_options
 @_merge_options("merge-raw")
 @click.option(
     "--tensor-union", "-u", is_flag=True, help="Merge a tensor some models lack from the models that have it."
@@ -506,6 +569,7 @@ def _report_result(out_dir: Path, result: Any, prefix: str = "") -> None:
 @click.option(
     "--out-path", type=click.Path(path_type=Path), default=None, help="Output of the unnamed final merge, if any."
 )
+@_hub_options
 @_merge_options("multi")
 @click.option(
     "--lazy/--no-lazy",
@@ -567,6 +631,7 @@ def multi_cmd(
 @cli.command("moe", short_help="Build a mixture of experts from dense models.", epilog=_epilog("moe"))
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
+@_hub_options
 @_merge_options("moe")
 @click.option(
     "--i-understand-this-is-not-useful-without-training",
@@ -636,7 +701,7 @@ def moe_cmd(
 @cli.command(
     "extract-lora", short_help="Extract a LoRA adapter approximating MODEL - BASE.", epilog=_epilog("extract-lora")
 )
-@click.option("--model", required=True, help="The fine-tuned model (path, cached hub id, or model+lora).")
+@click.option("--model", required=True, help="The fine-tuned model (path, hub id, or model+lora).")
 @click.option("--base", "--base-model", "base", required=True, help="The model it was fine-tuned from.")
 @click.option("--out", "--out-path", "out", required=True, type=click.Path(path_type=Path), help="Adapter directory.")
 @click.option("--max-rank", type=click.IntRange(min=1), default=128, show_default=True, help="Largest LoRA rank.")
@@ -676,6 +741,7 @@ def moe_cmd(
 )
 @click.option("--overwrite", is_flag=True, help="Replace an adapter already in --out.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details.")
+@_hub_options
 @mergekit_flags.add_flags("extract-lora")
 def extract_lora_cmd(model: str, base: str, out: Path, max_rank: int, sv_epsilon: float, **kw: Any) -> None:
     """Write a PEFT LoRA adapter approximating MODEL - BASE (truncated SVD per linear weight)."""
@@ -755,6 +821,7 @@ _MATCH = click.Choice(["no", "yes", "embed", "lm_head"])
 @click.option("--new-vocab-noise", "-nvn", type=float, default=None, help="Gaussian noise added to new rows.")
 @click.option("--new-vocab-scale", "-nvs", type=float, default=None, help="Scale applied to new rows.")
 @click.option("--magikarp/--no-magikarp", default=False, hidden=True)
+@_hub_options
 @_merge_options("tokensurgeon")
 @_output_options("Replace a different model already in OUT_DIR.", verify=False)
 def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overwrite: bool, force: bool,
@@ -821,6 +888,7 @@ def tokensurgeon_cmd(base: str, donor: str, out_dir: Path, magikarp: bool, overw
 @click.option("--quiet/--no-quiet", "-q", "quiet", default=False,
               help="No progress (table or lines per candidate); warnings still print.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and details.")
+@_hub_options
 @mergekit_flags.add_flags("evolve")
 def evolve_cmd(genome_file: Path, storage_path: Path, **kw: Any) -> None:
     """Find merge parameters for GENOME_FILE (mergekit-evolve's format) by CMA-ES; resumable: rerun to continue."""
@@ -835,6 +903,19 @@ def evolve_cmd(genome_file: Path, storage_path: Path, **kw: Any) -> None:
     run_evolve_command(genome_file, storage_path, kw)
 
 
+def _show_downloads(quiet: bool) -> None:
+    """Downloads of hub models: huggingface_hub's bars on a terminal, one line per file elsewhere, and a line
+    naming the model either way; nothing with -q."""
+    from .io import hub
+
+    hub.configure(
+        cache_dir=None,
+        offline=False,
+        progress_bars=not quiet and hub.stderr_is_terminal(),
+        report=None if quiet else (lambda line: click.echo(line, err=True)),
+    )
+
+
 _NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", None)  # click >= 8.2
 
 
@@ -843,6 +924,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     prefer_huge_pages()  # before any command imports torch
     verbose = "-v" in args or "--verbose" in args
+    _show_downloads(quiet="-q" in args or "--quiet" in args)
     try:
         try:
             cli.main(args=args, prog_name="mergesmith", standalone_mode=False)

@@ -15,6 +15,7 @@ The library prints nothing unless asked: `progress=True` shows a display fit for
 from __future__ import annotations
 
 import logging
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -74,6 +75,11 @@ def _resolve(function: str, command: str, given: dict[str, Any], exclude: tuple[
             except click.BadParameter as exc:
                 raise ConfigError(f"`{key}`: {exc.message}") from None
         resolved[key] = value
+    if "transformers_cache" in resolved:  # the command line sets these as it parses them (cli._hub_options)
+        from .io import hub
+
+        cache = resolved["transformers_cache"]
+        hub.configure(cache_dir=Path(cache) if cache is not None else None, offline=bool(resolved.get("offline")))
     return resolved
 
 
@@ -145,9 +151,13 @@ class PlanReport:
 
     @property
     def text(self) -> str:
+        from .engine.downloads import render_downloads
         from .engine.report import render_plan_text
 
-        return render_plan_text(self.report)
+        if self.plan is None:  # hub models to download before their tensors can be listed
+            return render_downloads(self.report["downloads"])
+        text = render_plan_text(self.report)
+        return text + "\n" + render_downloads(self.report["downloads"]) if self.report.get("downloads") else text
 
     @property
     def warnings(self) -> list[str]:
@@ -168,8 +178,12 @@ def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> Plan
     """Plan a merge (or an MoE assembly) from headers alone: what it writes, its memory and disk needs.
 
     `options`: those of `mergesmith plan` (`threads`, `max_memory`, `out_shard_size`, ...). With
-    `out_dir`, the disk there is checked and probed as the command does. Nothing is written.
+    `out_dir`, the disk there is checked and probed as the command does. Nothing is written. Hub models not in
+    the cache are planned from the Hub's metadata (config, tokenizer, safetensors headers) and `report["downloads"]`
+    lists the bytes to fetch (per model, in total) and the free space they need; `plan` is None only when a
+    model's tensors cannot be listed before it is downloaded (`.bin` weights).
     """
+    from .engine.downloads import plan_before_download
     from .engine.report import check_plan_out_dir, plan_report
 
     kw = _resolve("plan", "plan", options, exclude=("as_json", "tensors"))
@@ -178,16 +192,24 @@ def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> Plan
         check_plan_out_dir(out)
     merge_options = _merge_options(kw, "plan")
     moe_config = _maybe_moe(config)
-    if moe_config is not None:
-        from .moe import build_moe_plan
+    cfg, source = (moe_config, "config") if moe_config is not None else as_merge_config(config, what="plan")
 
-        the_plan, checkpoints, _gates = build_moe_plan(moe_config, merge_options, out)
-    else:
+    def build() -> Any:
+        if moe_config is not None:
+            from .moe import build_moe_plan
+
+            built, checkpoints, _gates = build_moe_plan(moe_config, merge_options, out)
+            return built, checkpoints
         from .engine.run import build_plan
 
-        cfg, source = as_merge_config(config, what="plan")
-        the_plan, checkpoints = build_plan(cfg, merge_options, out, source=source)
+        return build_plan(cfg, merge_options, out, source=source)
+
+    the_plan, checkpoints, downloads = plan_before_download(cfg.referenced_models(), build, out)
+    if the_plan is None:  # a model's tensors cannot be listed before it is downloaded: the downloads alone
+        return PlanReport(None, {"downloads": downloads})
     report = plan_report(the_plan, checkpoints, out, merge_options)
+    if downloads:
+        report["downloads"] = downloads
     moe = the_plan.options.get("moe")
     if moe:
         report["method"] = "moe"
@@ -281,11 +303,18 @@ def _displayed(
     """Run `run(display, shown)` under the display `progress` asks for (none when `quiet`); with progress=True
     the warnings print and the last line says where the model is, as the command's do (with `quiet` too)."""
     from .display.notebook import choose_display
+    from .io import hub
 
     shown = progress is True
     display = choose_display(progress if not kw["quiet"] else None)
-    with display:
-        result = run(display, shown)
+    before = (hub.SETTINGS.progress_bars, hub.SETTINGS.report)
+    if shown:  # hub models downloaded first: a line per model (and file, off a terminal), as the command shows
+        hub.configure(progress_bars=hub.stderr_is_terminal(), report=lambda line: print(line, file=sys.stderr))
+    try:
+        with display:
+            result = run(display, shown)
+    finally:
+        hub.configure(progress_bars=before[0], report=before[1])
     _report(Path(out_dir), result, shown)
     return result
 

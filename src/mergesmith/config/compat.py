@@ -98,7 +98,7 @@ def numbers_in_parameters(params: Any) -> Any:
 # ----- `revision:` beside a model ------------------------------------------------------------------
 def fold_revision(entry: Any, key: str, where: str, findings: Findings) -> Any:
     """`{model: org/x, revision: r}` -> `{model: org/x@r}` (what `org/x@r` means: that revision of a hub
-    model in the local cache). A reference that already names a revision keeps it, with a warning."""
+    model, from the cache or downloaded). A reference that already names a revision keeps it, with a warning."""
     if not isinstance(entry, dict) or "revision" not in entry:
         return entry
     entry = dict(entry)

@@ -15,7 +15,7 @@ from ..config import MergeConfiguration, Parameters, dump_config
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import is_float, parse_config_dtype
-from ..io.references import open_checkpoint
+from ..io.references import tokenizer_root
 from ..methods import MethodSpec, require_method
 from ..methods.keyed_random import STREAM_NAME as KEYED_STREAM
 from .architecture import (
@@ -479,7 +479,7 @@ class Planner(ModelPlanner):
             files.extend(tokenizer_files)
         elif self.options.copy_tokenizer:
             tok_ref = self._tokenizer_source()
-            tok_root = self.ckpts[tok_ref].root if tok_ref in self.ckpts else open_checkpoint(tok_ref).root
+            tok_root = self.ckpts[tok_ref].root if tok_ref in self.ckpts else tokenizer_root(tok_ref)
             for name in TOKENIZER_FILES:
                 if (tok_root / name).is_file():
                     files.append((str(tok_root / name), name))

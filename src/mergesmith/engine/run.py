@@ -41,7 +41,7 @@ from typing import Any
 
 from ..config import MergeConfiguration, load_config
 from ..errors import MergeInterrupted, MergesmithError, OutputError
-from ..io import safe_fs
+from ..io import hub, safe_fs
 from ..io._test_hooks import kill_point
 from ..io.checkpoint import Checkpoint
 from ..io.journal import (
@@ -59,6 +59,7 @@ from ..io.references import open_checkpoint
 from ..io.safetensors_writer import file_checksum, write_file_atomic
 from ..methods import require_method
 from ..sizes import human_size
+from .downloads import check_download_space, pending_downloads
 from .executor import ExecutionSettings, Executor, LocalExecutor, ProgressEvent
 from .plan import CONFIG_NAME, MOE_CONFIG_NAME, OWN_CONFIG_NAME, Plan
 from .planner import Planner
@@ -401,7 +402,8 @@ def run_planned(
     started = time.monotonic()
     out = Path(out_dir)
     options = options or MergeOptions()
-    plan, inputs = plan_into(options, out)
+    with hub.forcing(controls.force):  # hub models downloaded while planning: --force covers their disk check
+        plan, inputs = plan_into(options, out)
     return execute_plan(
         plan,
         inputs,
@@ -434,7 +436,9 @@ def run_merge(
 
     def plan_into(options: MergeOptions, out: Path) -> tuple[Plan, dict[str, Checkpoint]]:
         refuse_non_directory(out)
-        plan, checkpoints = build_plan(config, options, out)
+        cfg, source = as_config(config, options.strict)
+        check_download_space(pending_downloads(cfg.referenced_models()), out, force)
+        plan, checkpoints = build_plan(cfg, options, out, source)
         over_budget = over_budget_warning(plan, options.max_memory)  # as `plan` says it, at the merge's start
         if over_budget is not None and over_budget not in plan.warnings:
             plan.warnings.append(over_budget)

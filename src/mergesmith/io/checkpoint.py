@@ -1,5 +1,5 @@
 """Lazy, validated reading of checkpoints: a model directory, a single file, a sharded index, or a
-hub id already in the local Hugging Face cache.
+hub id (from the local Hugging Face cache, downloaded there when missing: io/hub.py).
 
 Why hand-parse safetensors headers: we must know every tensor's dtype and shape before computing
 (the plan fixes the output layout up front), and a malformed file must fail with one line naming the
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from . import hub
 from .dtypes import SAFETENSORS_TO_TORCH, dtype_size, from_torch
 from .map_guard import GUARD
 from .readahead import advise_in_pieces, piece_size
@@ -155,33 +156,55 @@ def _inside(root: Path, relative: str, index_path: Path) -> Path:
     return candidate
 
 
-def resolve_model_path(ref: str) -> Path:
-    """A local path, or the snapshot of a hub id in the local Hugging Face cache (never downloads).
+def resolve_model_path(ref: str, weights: bool = True) -> Path:
+    """A local path, or the snapshot of a hub id in the Hugging Face cache, downloaded when missing (io.hub:
+    only the files a merge needs; refused in one line with `--offline` or HF_HUB_OFFLINE).
 
     `org/name@revision` (mergekit's spelling, also what a `revision:` key beside a model becomes) is that
-    branch, tag or commit of the hub model in the cache; a revision on a local path that exists is ignored,
-    as transformers ignores it there."""
+    branch, tag or commit of the hub model; a revision on a local path that exists is ignored, as
+    transformers ignores it there. Without `weights` (a tokenizer source), a hub model's config and tokenizer
+    are enough: its weights are not downloaded for it."""
     path = Path(ref).expanduser()
     if path.exists():
         return path
+    name, revision = split_revision(ref)
+    if revision and Path(name).expanduser().exists():
+        return Path(name).expanduser()
+    if hub.looks_like_hub_id(name):
+        return hub.fetch_snapshot(ref, name, revision) if weights else hub.fetch_small_files(ref, name, revision)
+    raise CheckpointError(f"model {ref!r}: no such file or directory")
+
+
+def split_revision(ref: str) -> tuple[str, str | None]:
+    """(model, revision or None) of `org/name@revision`; one line for a malformed revision."""
     name, at, revision = ref.partition("@")
     if at and (not name or not revision or "@" in revision):
         raise CheckpointError(f"model {ref!r}: write one revision as `org/name@revision`")
-    if at and Path(name).expanduser().exists():
-        return Path(name).expanduser()
-    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
-    if looks_like_hub_id:
-        from huggingface_hub import snapshot_download
+    return name, revision or None
 
-        try:
-            return Path(snapshot_download(name, revision=revision or None, local_files_only=True))
-        except Exception:
-            which = f" at revision {revision!r}" if revision else ""
-            raise CheckpointError(
-                f"model {ref!r}: not a local path and not in the local Hugging Face cache{which} "
-                f"(download it first, e.g. `hf download {name}{f' --revision {revision}' if revision else ''}`)"
-            ) from None
-    raise CheckpointError(f"model {ref!r}: no such file or directory")
+
+def hub_download(ref: str) -> hub.Download | None:
+    """What a model reference still needs from the Hub before it can be read (None: nothing, or not a hub
+    id); `model+lora` counts both parts. For `plan` and the disk check before a merge downloads."""
+    parts = [ref]
+    if "+" in ref and not Path(ref).expanduser().exists():
+        parts = [p for p in ref.split("+") if p]
+    total: hub.Download | None = None
+    for part in parts:
+        if Path(part).expanduser().exists():
+            continue
+        name, revision = split_revision(part)
+        if not hub.looks_like_hub_id(name) or (revision and Path(name).expanduser().exists()):
+            continue
+        found = hub.pending_download(part, name, revision)
+        if found is None:
+            continue
+        if total is None:
+            total = found
+        else:
+            total.files += found.files
+            total.weight_bytes += found.weight_bytes
+    return total
 
 
 class Checkpoint:
@@ -207,6 +230,8 @@ class Checkpoint:
         self._maps: dict[Path, mmap.mmap] = {}
         self._opened: dict[Path, Any] = {}  # the mapped files, open: their size is checked on the inode mapped
         self._lock = threading.Lock()
+        # weight files not downloaded yet (a hub model `plan` reads from its headers: HubHeaders): their size
+        self.remote_sizes: dict[Path, int] = {}
         # the bytes each file must have: the end of the tensor data its header lists (a `.bin`: its size when read)
         self._sizes: dict[Path, int] = {f: 0 for f in files}
         for info in tensors.values():
@@ -221,9 +246,12 @@ class Checkpoint:
     # ----- opening -------------------------------------------------------------------------
     @classmethod
     def open(cls, ref: str) -> Checkpoint:
-        """Open `ref` (directory, file or cached hub id), validating every header up front.
+        """Open `ref` (directory, file or hub id), validating every header up front.
 
         A `model+lora` reference is opened by `io.references.open_checkpoint`, which knows every form."""
+        remote = _remote_weights(ref)
+        if remote is not None:
+            return HubHeaders.of(ref, remote)
         path = resolve_model_path(ref)
         root = path if path.is_dir() else path.parent
         config = _read_config(root / "config.json") if (root / "config.json").is_file() else None
@@ -368,9 +396,13 @@ class Checkpoint:
             pass
 
     def identity(self) -> list[tuple[str, int, int, str]]:
-        """(file name, size, mtime in ns, header hash) per weight file: what the resume fingerprint trusts."""
+        """(file name, size, mtime in ns, header hash) per weight file: what the resume fingerprint trusts (a file
+        not downloaded yet: its size on the Hub, no mtime)."""
         out = []
         for f in self.files:
+            if f in self.remote_sizes:
+                out.append((f.name, self.remote_sizes[f], 0, self._header_hashes.get(f, "")))
+                continue
             st = f.stat()
             out.append((f.name, st.st_size, st.st_mtime_ns, self._header_hashes.get(f, "")))
         return out
@@ -385,6 +417,58 @@ class Checkpoint:
             for opened in self._opened.values():
                 opened.close()
             self._opened.clear()
+
+
+class HubHeaders(Checkpoint):
+    """A hub model `plan` knows from the Hub before downloading it (io.hub.headers_only): its config and
+    tokenizer are in the cache, its weight files may not be, their headers were read over HTTP. Tensors are
+    listed (dtype, shape) but cannot be read: only a plan is built from it."""
+
+    @classmethod
+    def of(cls, ref: str, remote: hub.RemoteWeights) -> HubHeaders:
+        root = remote.root
+        config = _read_config(root / "config.json") if (root / "config.json").is_file() else None
+        if (root / SAFETENSORS_INDEX).is_file():
+            names = hub.index_shards(root / SAFETENSORS_INDEX) or []
+        else:
+            names = sorted({*remote.files, *(p.name for p in root.glob("*.safetensors"))})
+        files = [root / name for name in names]
+        tensors: dict[str, TensorInfo] = {}
+        hashes: dict[Path, str] = {}
+        sizes: dict[Path, int] = {}
+        for name, file in zip(names, files):
+            if name in remote.files:
+                sizes[file], listed = remote.files[name]
+                found: dict[str, TensorInfo] = {}
+                for tensor, (dtype, shape, (begin, _end)) in listed.items():
+                    if dtype not in SAFETENSORS_TO_TORCH:
+                        raise CheckpointError(
+                            f"model {ref!r}: {name}: tensor {tensor!r} has unsupported dtype {dtype!r}"
+                        )
+                    found[tensor] = TensorInfo(tensor, dtype, tuple(shape), file, begin)
+                hashes[file] = hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest()
+            else:
+                found, _meta, raw = read_safetensors_header(file)
+                hashes[file] = hashlib.sha256(raw).hexdigest()
+            for tensor, info in found.items():
+                if tensor in tensors:
+                    raise CheckpointError(f"{file}: tensor {tensor!r} also appears in {tensors[tensor].file.name}")
+                tensors[tensor] = info
+        if not tensors:
+            raise CheckpointError(f"model {ref!r}: no tensors found in its weight files")
+        checkpoint = cls(ref, root, files, tensors, config, hashes, None)
+        checkpoint.remote_sizes = sizes
+        return checkpoint
+
+
+def _remote_weights(ref: str) -> hub.RemoteWeights | None:
+    """A hub id not in the cache, while `plan` reads headers only (io.hub.headers_only); else None."""
+    if not hub.SETTINGS.headers_only or Path(ref).expanduser().exists():
+        return None
+    name, revision = split_revision(ref)
+    if not hub.looks_like_hub_id(name) or (revision and Path(name).expanduser().exists()):
+        return None
+    return hub.remote_weights(ref, name, revision)
 
 
 def _size_of(path: Path) -> int:

@@ -107,6 +107,7 @@ class LoraCheckpoint(Checkpoint):
             {**base._header_hashes, **adapter._header_hashes},
             {**base._bin_state, **adapter._bin_state},
         )
+        self.remote_sizes = dict(base.remote_sizes)  # a hub model `plan` reads from its headers
 
     @classmethod
     def over(cls, ref: str, base: Checkpoint, adapter_dir: Path) -> LoraCheckpoint:

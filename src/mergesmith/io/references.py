@@ -1,4 +1,4 @@
-"""Opening a model by the reference a config gives: a directory, a file, a cached hub id, or `model+lora`.
+"""Opening a model by the reference a config gives: a directory, a file, a hub id (downloaded when not cached), or `model+lora`.
 
 Why a module of its own: the plain reader (checkpoint.py) and the LoRA view over it (lora_adapter.py)
 sit one above the other; the choice between them, by the form of the reference, sits above both.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, resolve_model_path
 from .lora_adapter import LoraCheckpoint, split_lora_ref
 from .lora_cache import LoraMerge, merged_dir
 
@@ -33,3 +33,12 @@ def open_checkpoint(ref: str, lora: LoraMerge | None = None, cache_root: Path | 
         merged.ref = ref  # messages name the input as the config does
         return merged
     return Checkpoint.open(ref)
+
+
+def tokenizer_root(ref: str) -> Path:
+    """The directory holding the tokenizer of the model `ref` names (of `model+lora`: the model's); a hub model
+    not in the cache is fetched without its weights, which a tokenizer source does not need."""
+    if "+" in ref and not Path(ref).expanduser().exists():
+        ref = split_lora_ref(ref)[0]
+    path = resolve_model_path(ref, weights=False)
+    return path if path.is_dir() else path.parent

@@ -113,7 +113,7 @@ def _slot_ref(key: str, value: str) -> tuple[str, str]:
 
 
 def _resolvable(ref: str) -> bool:
-    """A local path or cached hub id, or `model+lora` whose two parts are."""
+    """A local path or hub id (downloaded here when not cached), or `model+lora` whose two parts are."""
     try:
         resolve_model_path(ref)
         return True

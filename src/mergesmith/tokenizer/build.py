@@ -160,7 +160,7 @@ def build_vocabulary(
             from ..io.checkpoint import resolve_model_path
 
             try:
-                path = resolve_model_path(ref)
+                path = resolve_model_path(ref, weights=False)  # a hub model's tokenizer, not its weights
                 out = load_tokenizer(path if path.is_dir() else path.parent, trust_remote_code)
             except CheckpointError as exc:
                 raise ConfigError(
