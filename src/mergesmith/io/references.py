@@ -1,4 +1,5 @@
-"""Opening a model by the reference a config gives: a directory, a file, a hub id (downloaded when not cached), or `model+lora`.
+"""Opening a model by the reference a config gives: a directory, a file, a hub id (downloaded when not
+cached), or `model+lora`.
 
 Why a module of its own: the plain reader (checkpoint.py) and the LoRA view over it (lora_adapter.py)
 sit one above the other; the choice between them, by the form of the reference, sits above both.
