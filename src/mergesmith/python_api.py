@@ -48,10 +48,19 @@ def command_options(name: str, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     command = _command(name)
     ctx = click.Context(command)
     return {
-        p.name: p.get_default(ctx)
+        p.name: _default(p, ctx)
         for p in command.params
         if isinstance(p, click.Option) and p.name and p.name not in exclude
     }
+
+
+def _default(param: Any, ctx: Any) -> Any:
+    """What the command receives for `param` when the command line does not give it: click 8.2+ reports an
+    option without a default as its UNSET marker, and passes `()` for a repeatable one, None otherwise."""
+    value = param.get_default(ctx)
+    if param.value_is_missing(value):
+        return () if param.multiple else None
+    return value
 
 
 def _resolve(function: str, command: str, given: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
