@@ -27,6 +27,7 @@ from ..io.dtypes import to_torch
 from ..io.journal import Journal, partial_path
 from ..io.safetensors_writer import ShardWriter
 from ..methods import MergeInputs, bf16_mix, get_method, introsort_replay, keyed_kernels, require_method
+from ..methods.compiled import KernelGroup, waits
 from ..methods.keyed_random import MaskStream
 from ..methods.registry import MERGE_WHOLE
 from ..methods.task_arithmetic import FAMILY
@@ -53,11 +54,6 @@ it, the waiting one is admitted next, as soon as it fits."""
 
 TASK_VECTOR_METHODS = frozenset(member.name for member in FAMILY)
 """The methods whose merges use bf16_mix's loops (and, the ranking ones, introsort_replay's)."""
-
-
-def _run_all(functions: list[Callable[[], None]]) -> None:
-    for function in functions:
-        function()
 
 
 @dataclass
@@ -418,7 +414,7 @@ class LocalExecutor(Executor):
         self._bytes = 0
         self._error: BaseException | None = None
         self._feed: InputFeed | None = None
-        self._warm_thread: threading.Thread | None = None
+        self._kernel_groups: list[KernelGroup] = []
         self._uncache_inputs = False  # set by run(): see inputs_exceed_room
         self.monitor = NonFiniteMonitor(self.settings.strict)  # NaN/inf in inputs and outputs; `warnings()` after run
 
@@ -434,19 +430,21 @@ class LocalExecutor(Executor):
         return writer
 
     def _warm_kernels(self, recipes: list[TensorRecipe]) -> None:
-        """Load the compiled loops the recipes will use on a thread of their own while the feed probes the disk
-        and reads ahead, not in the first worker to need them (~0.3-0.4 s each, holding both workers up): DARE's
-        and DELLA's (keyed_kernels), and the task-vector family's bf16 steps and TIES' replay."""
+        """Start compiling (or loading) the compiled loops the recipes will use, in the background, while the feed
+        probes the disk and reads ahead, not in the first worker to need them (~0.3-0.4 s each from numba's cache,
+        2-20 s to compile on a fresh install): DARE's and DELLA's (keyed_kernels), and the task-vector family's
+        bf16 steps and TIES' replay. No worker waits for them: until a group is ready, the methods take their
+        uncompiled path (the same bytes; compiled.KernelGroup)."""
         if self.device.type != "cpu" or not keyed_kernels.AVAILABLE:
             return
         merges = [r for r in recipes if r.op == "merge"]
         keyed = any(getattr(get_method(r.method or ""), "keyed_random", False) for r in merges if r.seed is not None)
-        warms = [keyed_kernels.warm] if keyed else []
+        groups = [keyed_kernels.KERNELS] if keyed else []
         if any(r.method in TASK_VECTOR_METHODS for r in merges):
-            warms += [bf16_mix.warm, introsort_replay.warm]
-        if warms:
-            self._warm_thread = threading.Thread(target=_run_all, args=(warms,), name="warm-kernels", daemon=True)
-            self._warm_thread.start()
+            groups += [bf16_mix.KERNELS, introsort_replay.KERNELS]
+        for group in groups:
+            group.start()
+        self._kernel_groups = groups
 
     def run(self) -> None:
         pending = [s for s in self.plan.shards if s.filename not in self.journal.finished]
@@ -498,11 +496,13 @@ class LocalExecutor(Executor):
                 # that holds this executor (a notebook keeps the last one) is finally dropped
                 for writer in list(self._writers.values()):
                     writer.close()
-                # the warm-up does not outlive the merge: a first compile (seconds, on a fresh install) still
-                # running in a library caller's process was seen to send that process's later output astray
-                # (pytest's capsys lost the next merges' error and warning lines)
-                if self._warm_thread is not None:
-                    self._warm_thread.join()
+                # A compile still running goes on after the merge (never waited for: a daemon thread, its work
+                # cached function by function). Only under MERGESMITH_KERNELS=wait (the test suite) does the merge
+                # wait for it, so that no compile outlives a test: one still running in a caller's process sent
+                # that process's later output astray (pytest's capsys lost the next merges' lines).
+                if waits():
+                    for group in self._kernel_groups:
+                        group.wait()
         if self._error is not None:
             raise self._error
         if self.stop.is_set():

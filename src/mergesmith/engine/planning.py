@@ -49,6 +49,9 @@ class MergeOptions:
     executor: str = "local"  # "local" (thread pool) or "ray" (one task per shard); never changes output bytes
     ray_address: str | None = None
     strict: bool = False  # --strict: every warning (config keys and parameters, plan, non-finite inputs) is an error
+    # set when planning drew `random_seed` itself (none given, none to resume): that seed is this plan's only, so
+    # `plan` must not print it as the one a later `merge` will use (that merge draws its own)
+    seed_drawn: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
