@@ -15,8 +15,12 @@ Per method and round it prints the wall time of:
           (MERGESMITH_KERNELS=wait), for comparison.
 and first - second, first - warm: the issue asks for at most 2 s.
 
-    python bench/first_run.py                      # ties and dare_ties, 3 rounds
+    python bench/first_run.py                      # ties and dare_ties on the tiny models, 3 rounds
     python bench/first_run.py --rounds 1 --old     # also the old, waiting behaviour
+    python bench/first_run.py --size 0.25b --rounds 1   # a merge large enough to start the compile (bench models)
+
+The tiny models' tensors are too small to start a compile at all (compiled.START_ENTRIES); the 0.25b set's start
+it, run uncompiled until the loops are ready, then compiled (`warm` is the all-compiled time).
 """
 
 from __future__ import annotations
@@ -64,11 +68,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default="ties,dare_ties")
     parser.add_argument("--rounds", type=int, default=3, help="each round starts from a fresh, empty cache")
-    parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "mergesmith-first-run-models")
+    parser.add_argument("--size", default="tiny",
+                        help="tiny (examples/make_tiny_models.py) or a bench/make_models.py size")
+    parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "mergesmith-first-run-models",
+                        help="where the tiny models are built")
+    parser.add_argument("--models-root", type=Path, default=None, help="bench models' root (make_models.py --root)")
     parser.add_argument("--old", action="store_true", help="also time a merge that waits for the compile")
     args = parser.parse_args()
 
-    models = _tiny_models(args.models)
+    if args.size == "tiny":
+        models = _tiny_models(args.models)
+    else:
+        from make_models import DEFAULT_ROOT, ensure_models
+
+        models = ensure_models(args.size, args.models_root or DEFAULT_ROOT)
     rows = []
     with tempfile.TemporaryDirectory(prefix="mergesmith-first-run-") as tmp:
         work = Path(tmp)

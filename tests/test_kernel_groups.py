@@ -23,9 +23,9 @@ class _Counted(compiled.KernelGroup):
 
     asked = 0
 
-    def ready(self) -> bool:
+    def ready(self, entries: int) -> bool:
         self.asked += 1
-        return super().ready()
+        return super().ready(entries)
 
 
 def _held(name: str) -> tuple[_Counted, threading.Event]:
@@ -37,12 +37,14 @@ def _held(name: str) -> tuple[_Counted, threading.Event]:
 def test_ready_answers_at_once_and_starts_the_compile(monkeypatch):
     monkeypatch.delenv(compiled.WAIT_ENV, raising=False)
     group, release = _held("held")
-    assert group.ready() is False  # a wait here would last 30 s: the test's duration says it did not
+    assert group.ready(compiled.START_ENTRIES - 1) is False  # too small a tensor to start the compile
+    assert group._thread is None
+    assert group.ready(compiled.START_ENTRIES) is False  # a wait here would last 30 s: the test's duration says not
     assert group._thread is not None and group._thread.is_alive()
-    assert group.ready() is False
+    assert group.ready(1) is False
     release.set()
     assert group.wait() is True
-    assert group.ready() is True
+    assert group.ready(1) is True
     assert group.error is None
 
 
@@ -53,9 +55,9 @@ def test_a_failed_compile_leaves_the_uncompiled_path_in_use(monkeypatch):
         raise RuntimeError("no compiler here")
 
     group = compiled.KernelGroup("broken", broken)
-    group.ready()
+    group.ready(compiled.START_ENTRIES)
     assert group.wait() is False
-    assert group.ready() is False
+    assert group.ready(compiled.START_ENTRIES) is False
     assert isinstance(group.error, RuntimeError)
 
 
@@ -63,7 +65,7 @@ def test_wait_mode_waits_for_the_compile(monkeypatch):
     monkeypatch.setenv(compiled.WAIT_ENV, "wait")
     done = []
     group = compiled.KernelGroup("slow", lambda: done.append(1))
-    assert group.ready() is True
+    assert group.ready(1) is True
     assert done == [1]
 
 
@@ -73,7 +75,10 @@ def test_a_merge_does_not_wait_for_compiles_and_writes_the_compiled_bytes(tiny_m
     from mergesmith.methods import sort_select
     from tests.helpers import read_state_dict
 
-    monkeypatch.setattr(sort_select, "REPLAY_MIN_ENTRIES", 256)  # these models' tensors are smaller than the bound
+    # these models' tensors are smaller than the bounds
+    monkeypatch.setattr(sort_select, "REPLAY_MIN_ENTRIES", 256)
+    monkeypatch.setattr(compiled, "START_ENTRIES", 256)
+    monkeypatch.setattr("mergesmith.engine.executor.START_ENTRIES", 256)
     base = tiny_models("llama", seed=1)
     config = {
         "merge_method": method,
@@ -99,7 +104,7 @@ def test_a_merge_does_not_wait_for_compiles_and_writes_the_compiled_bytes(tiny_m
         group, _ = held[module]
         assert group.asked > 0, module.__name__
         assert group._thread is not None and group._thread.is_alive()
-        assert not group.ready()
+        assert not group.ready(1)
     for group, release in held.values():
         release.set()
         group.wait()

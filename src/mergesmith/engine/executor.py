@@ -10,6 +10,7 @@ last tensor lands; progress inside a shard is journaled every second, so a kill 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,7 +28,7 @@ from ..io.dtypes import to_torch
 from ..io.journal import Journal, partial_path
 from ..io.safetensors_writer import ShardWriter
 from ..methods import MergeInputs, bf16_mix, get_method, introsort_replay, keyed_kernels, require_method
-from ..methods.compiled import KernelGroup, waits
+from ..methods.compiled import START_ENTRIES, KernelGroup, waits
 from ..methods.keyed_random import MaskStream
 from ..methods.registry import MERGE_WHOLE
 from ..methods.task_arithmetic import FAMILY
@@ -437,7 +438,8 @@ class LocalExecutor(Executor):
         uncompiled path (the same bytes; compiled.KernelGroup)."""
         if self.device.type != "cpu" or not keyed_kernels.AVAILABLE:
             return
-        merges = [r for r in recipes if r.op == "merge"]
+        # only merges with a tensor large enough for the compiled loops to pay (compiled.START_ENTRIES)
+        merges = [r for r in recipes if r.op == "merge" and math.prod(r.shape) >= START_ENTRIES]
         keyed = any(getattr(get_method(r.method or ""), "keyed_random", False) for r in merges if r.seed is not None)
         groups = [keyed_kernels.KERNELS] if keyed else []
         if any(r.method in TASK_VECTOR_METHODS for r in merges):

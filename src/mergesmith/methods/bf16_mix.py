@@ -154,7 +154,7 @@ def _elementwise(*tensors: torch.Tensor) -> bool:
     return (
         ELEMENTWISE
         and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
-        and KERNELS.ready()
+        and KERNELS.ready(tensors[0].numel())
     )
 
 

@@ -39,6 +39,14 @@ def waits() -> bool:
     return os.environ.get(WAIT_ENV, "") == "wait"
 
 
+START_ENTRIES = 1 << 20
+"""Tensors of fewer entries do not start a compile: the compiled loops save ~10-30 ns an entry (bench/README.md,
+profile_compiled.py), while loading a group from numba's cache costs ~0.3-0.4 s of a core and compiling it seconds,
+both competing with the merge for the GIL. A merge of only small tensors (the quick start's tiny models: 33 K entries
+at most) ran ~2 s slower with the groups loading beside it (`python bench/first_run.py`); a 0.25b model's matrices
+have 1-30 M entries each."""
+
+
 class KernelGroup:
     """A module's compiled loops, compiled together in the background and used only once ready.
 
@@ -77,11 +85,14 @@ class KernelGroup:
         finally:
             self._done.set()
 
-    def ready(self) -> bool:
-        """Whether the compiled loops may be called now. Never waits (unless MERGESMITH_KERNELS=wait): when they
-        are not ready, starts their compile and answers False."""
+    def ready(self, entries: int) -> bool:
+        """Whether the compiled loops may be called now for a tensor of `entries` entries. Never waits (unless
+        MERGESMITH_KERNELS=wait): when they are not ready, starts their compile (for a tensor of START_ENTRIES or
+        more) and answers False."""
         if self._ready:
             return True
+        if entries < START_ENTRIES and not waits():
+            return False
         self.start()
         if waits():
             self._done.wait()

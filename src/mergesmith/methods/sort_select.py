@@ -265,7 +265,7 @@ def _keys_only_window(
         filled += found.size
     if not consume:
         keys = keys.copy()  # the replay reorders them
-    compiled_now = COMPILED and introsort_replay.KERNELS.ready()  # once per selection: one path throughout
+    compiled_now = COMPILED and introsort_replay.KERNELS.ready(n)  # once per selection: one path throughout
     use_ids = compiled_now and follows_by_ids(n)
     if use_ids or (compiled_now and tracked_count <= n * introsort_replay.MAX_TRACKED_SHARE):
         low, high = keys.dtype.type(split_keys[0]), keys.dtype.type(split_keys[-1])
@@ -373,7 +373,7 @@ def _unpacked_values(packed: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def _replay_packed(packed: np.ndarray, lo: int, hi: int, descending: bool) -> bool:
     """_replay on packed entries (each carries its index: nothing to follow), compiled where numba is there."""
-    if COMPILED and introsort_replay.KERNELS.ready():
+    if COMPILED and introsort_replay.KERNELS.ready(packed.size):
         none = np.int64(-1)  # no packed entry is negative: none is followed
         nothing = np.empty(0, dtype=np.int64)
         unused = np.empty(0, dtype=np.bool_)

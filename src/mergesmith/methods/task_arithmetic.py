@@ -133,7 +133,7 @@ def _compiled_mix_applies(base: torch.Tensor, deltas: torch.Tensor, consensus: s
         and base.device.type == "cpu"
         and base.dtype == deltas.dtype == torch.bfloat16
         and consensus in CONSENSUS_CODES
-        and bf16_mix.KERNELS.ready()
+        and bf16_mix.KERNELS.ready(base.numel())
     )
 
 

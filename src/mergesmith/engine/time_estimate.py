@@ -1,0 +1,89 @@
+"""How long `plan` says a merge will take, from measured rates: start-up, then the larger of its I/O and its compute.
+
+Why a model of its own: the estimate used to be the inputs' and output's bytes over the probed disk rates alone,
+which said 0.5 s for a tiny merge that took 7 s of wall time (start-up is most of a small merge) and a fifth of a
+TIES merge's time (TIES is CPU-bound, not disk-bound). Now:
+
+    seconds = STARTUP_S + max(I/O, compute)
+
+- I/O: bytes read over the probed read rate plus bytes written over the probed write rate (report.py's probes);
+  the merge overlaps reading, computing and writing, so the larger of I/O and compute bounds it, not their sum.
+- compute: for each merged tensor, its entries times its inputs times the method's rate, measured as wall time per
+  input entry beyond start-up on the bench's 1b merges (3 inputs a tensor, bfloat16, 2 workers on the bench VM's
+  2 cores), scaled by the workers this merge will have.
+
+The constants come from bench/README.md's runs on the shared 2-core VM; another machine will differ, and
+`python bench/plan_accuracy.py` prints estimate against measured wall time to check them (issue 29 asks for 2x).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .plan import Plan
+
+STARTUP_S = 2.5
+"""Process start to the first tensor and last write to exit: python and torch imports, config, plan, card, fsync.
+The quick start's tiny merges (examples/linear.yml, frankenmerge.yml, ties and dare_ties configs) measured 1.9-3.1 s
+of wall time in all on the bench VM under other helpers' load (`python bench/plan_accuracy.py --demo`), all of it
+start-up and teardown; bench/README.md's 1b runs show ~3.5 s before the first read at full rate (`vmstat 1`)."""
+
+BENCH_WORKERS = 2
+"""Workers of the runs that gave the rates below (the default: one per core of the 2-core bench VM)."""
+
+BENCH_INPUTS = 3
+"""Inputs per merged tensor in those runs (benchlib.make_config: base + 2 models, or 3 models)."""
+
+BENCH_ENTRIES = 1_100_048_384
+"""Entries of the 1b bench model (bench/make_models.py --size 1b: TinyLlama-1.1B's shape)."""
+
+
+def _rate(wall_s: float) -> float:
+    """Seconds per input entry of a 1b bench merge that took `wall_s` (wall+sync) in all."""
+    return (wall_s - STARTUP_S) / (BENCH_ENTRIES * BENCH_INPUTS)
+
+
+SECONDS_PER_INPUT_ENTRY = {
+    # `python bench/compare_mergekit.py --with-mergekit --size 1b --methods linear,ties --runs 3 --mergekit-runs 1
+    # --floor-runs 2`, commit e47f56d, idle machine (bench/README.md, "Fifth round"): linear 9.0 s, ties 28.4 s
+    "linear": _rate(9.0),
+    "ties": _rate(28.4),
+    # the same command with `--methods dare_ties` on commit 4d2dc51 (bench/README.md, "Fifth round"): 15.3 s
+    "dare_ties": _rate(15.3),
+    # `python bench/compare_mergekit.py --with-mergekit --size 1b --methods ...,dare_linear,della --runs 3
+    # --mergekit-runs 1 --floor-runs 2` (bench/README.md, "Fourth round"): dare_linear 15.4 s, della 27.6 s
+    "dare_linear": _rate(15.4),
+    "della": _rate(27.6),
+}
+"""Wall seconds per input entry beyond start-up, by method, at BENCH_WORKERS workers."""
+
+LIKE = {
+    "breadcrumbs_ties": "ties",  # the same magnitude selection and sign consensus
+    "breadcrumbs": "ties",
+    "della_linear": "della",
+}
+"""Methods not benched, and the benched method whose work they share."""
+
+
+def seconds_per_input_entry(method: str | None) -> float:
+    """The rate of `method`: its own, a like method's, or linear's (the plain elementwise methods, I/O-bound)."""
+    name = LIKE.get(method or "", method or "")
+    return SECONDS_PER_INPUT_ENTRY.get(name, SECONDS_PER_INPUT_ENTRY["linear"])
+
+
+def compute_seconds(plan: Plan, threads: int) -> float:
+    """The merged tensors' work at the bench's rates, for `threads` workers (no more than this machine's cores)."""
+    work = sum(r.numel() * len(r.inputs) * seconds_per_input_entry(r.method) for r in plan.recipes if r.op == "merge")
+    workers = max(1, min(threads, os.cpu_count() or 1))
+    return work * BENCH_WORKERS / workers
+
+
+def estimate_seconds(plan: Plan, read_rate: float, write_rate: float, threads: int) -> dict[str, float]:
+    """The estimate and its parts (`startup`, `io`, `compute`, `total`), rates in bytes/s (0: unknown)."""
+    est = plan.estimate
+    assert est is not None
+    io = (est.bytes_read / read_rate if read_rate > 0 else 0.0) + (
+        est.bytes_written / write_rate if write_rate > 0 else 0.0
+    )
+    compute = compute_seconds(plan, threads)
+    return {"startup": STARTUP_S, "io": io, "compute": compute, "total": STARTUP_S + max(io, compute)}
