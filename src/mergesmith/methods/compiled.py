@@ -117,7 +117,12 @@ def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
     semantics (a division by zero gives inf or nan, not an exception); `function` itself where numba is missing."""
     if njit is None:
         return function
-    return njit(nogil=True, cache=True, error_model="numpy")(function)
+    try:
+        # numba's cache goes beside this file (`__pycache__`) where that is writable, else to the user's cache
+        # (NUMBA_CACHE_DIR, or ~/.cache/numba under XDG_CACHE_HOME's rule)
+        return njit(nogil=True, cache=True, error_model="numpy")(function)
+    except RuntimeError:  # no writable place at all (read-only install and home): compile in every process
+        return njit(nogil=True, error_model="numpy")(function)
 
 
 @compiled
