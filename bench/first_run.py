@@ -60,7 +60,7 @@ def _merge(config: Path, out: Path, env: dict[str, str]) -> float:
 
 def _tiny_models(root: Path) -> list[Path]:
     subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_models.py"), str(root)], check=True,
-                   stdout=subprocess.DEVNULL)
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return [root / f"tiny-llama-{i}" for i in range(3)]
 
 

@@ -40,7 +40,7 @@ def _demo_configs(models_root: Path, work: Path) -> list[tuple[str, Path]]:
     """The quick start's configs with their `examples/models` paths pointed at `models_root`, and ties and
     dare_ties configs on the same tiny models."""
     subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_models.py"), str(models_root)], check=True,
-                   stdout=subprocess.DEVNULL)
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cases = []
     for name in DEMO_CONFIGS:
         text = (ROOT / "examples" / name).read_text().replace("examples/models", str(models_root))

@@ -94,6 +94,16 @@ def test_slower_methods_are_estimated_slower():
     assert all(r > 0 for r in time_estimate.SECONDS_PER_INPUT_ENTRY.values())
 
 
+def test_ties_selection_by_table_on_large_tensors_is_estimated_slower():
+    """Over IDS_MAX_ENTRIES TIES' replay follows its cut keys through a table (slower by bench/README.md's runs)."""
+    from mergesmith.methods.introsort_replay import IDS_MAX_ENTRIES
+
+    small, large = IDS_MAX_ENTRIES, IDS_MAX_ENTRIES + 1
+    per_entry = time_estimate._recipe_seconds
+    assert per_entry("ties", large, 3) / large > per_entry("ties", small, 3) / small
+    assert per_entry("dare_ties", large, 3) / large == pytest.approx(per_entry("dare_ties", small, 3) / small)
+
+
 def _numel(shape):
     n = 1
     for s in shape:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 
+from ..methods.introsort_replay import IDS_MAX_ENTRIES
 from .plan import Plan
 
 STARTUP_S = 2.5
@@ -38,16 +39,27 @@ BENCH_ENTRIES = 1_100_048_384
 """Entries of the 1b bench model (bench/make_models.py --size 1b: TinyLlama-1.1B's shape)."""
 
 
-def _rate(wall_s: float) -> float:
-    """Seconds per input entry of a 1b bench merge that took `wall_s` (wall+sync) in all."""
-    return (wall_s - STARTUP_S) / (BENCH_ENTRIES * BENCH_INPUTS)
+BENCH_LARGE_ENTRIES = 2 * 32_000 * 2048
+"""Entries of the 1b model's tensors over IDS_MAX_ENTRIES: its embedding and its (untied) output matrix."""
+
+SELECTION_TABLE_EXTRA = (26.1 - 20.3) / (BENCH_LARGE_ENTRIES * BENCH_INPUTS)
+"""Seconds more per input entry of TIES' selection on tensors over introsort_replay.IDS_MAX_ENTRIES, which follow
+their cut keys through a table rather than by ids: single cold runs of `mergesmith merge 1b-ties.yml` took 20.3 s
+with ids for every tensor and 26.1 s with the cap (bench/README.md, "Fifth round"). A small model's embedding is
+a larger share of it (0.25b: a quarter of the entries, 1b: an eighth), so one rate per entry would not serve both."""
+
+
+def _rate(wall_s: float, large_extra: float = 0.0) -> float:
+    """Seconds per input entry of a 1b bench merge that took `wall_s` (wall+sync) in all, less the extra its large
+    tensors cost at `large_extra` an input entry."""
+    return (wall_s - STARTUP_S - large_extra * BENCH_LARGE_ENTRIES * BENCH_INPUTS) / (BENCH_ENTRIES * BENCH_INPUTS)
 
 
 SECONDS_PER_INPUT_ENTRY = {
     # `python bench/compare_mergekit.py --with-mergekit --size 1b --methods linear,ties --runs 3 --mergekit-runs 1
     # --floor-runs 2`, commit e47f56d, idle machine (bench/README.md, "Fifth round"): linear 9.0 s, ties 28.4 s
     "linear": _rate(9.0),
-    "ties": _rate(28.4),
+    "ties": _rate(28.4, SELECTION_TABLE_EXTRA),
     # the same command with `--methods dare_ties` on commit 4d2dc51 (bench/README.md, "Fifth round"): 15.3 s
     "dare_ties": _rate(15.3),
     # `python bench/compare_mergekit.py --with-mergekit --size 1b --methods ...,dare_linear,della --runs 3
@@ -71,9 +83,16 @@ def seconds_per_input_entry(method: str | None) -> float:
     return SECONDS_PER_INPUT_ENTRY.get(name, SECONDS_PER_INPUT_ENTRY["linear"])
 
 
+def _recipe_seconds(method: str | None, entries: int, inputs: int) -> float:
+    rate = seconds_per_input_entry(method)
+    if LIKE.get(method or "", method) == "ties" and entries > IDS_MAX_ENTRIES:
+        rate += SELECTION_TABLE_EXTRA
+    return entries * inputs * rate
+
+
 def compute_seconds(plan: Plan, threads: int) -> float:
     """The merged tensors' work at the bench's rates, for `threads` workers (no more than this machine's cores)."""
-    work = sum(r.numel() * len(r.inputs) * seconds_per_input_entry(r.method) for r in plan.recipes if r.op == "merge")
+    work = sum(_recipe_seconds(r.method, r.numel(), len(r.inputs)) for r in plan.recipes if r.op == "merge")
     workers = max(1, min(threads, os.cpu_count() or 1))
     return work * BENCH_WORKERS / workers
 
