@@ -77,7 +77,8 @@ def test_the_estimate_counts_start_up_and_the_method_s_compute(tmp_path, tiny_mo
     report = json.loads(text)
     parts = report["estimated_seconds_parts"]
     assert parts["startup"] == time_estimate.STARTUP_S > 0
-    assert report["estimated_seconds"] == pytest.approx(parts["startup"] + max(parts["io"], parts["compute"]))
+    expected = parts["startup"] + max(parts["io"], parts["compute"]) + parts["first_compile"]
+    assert report["estimated_seconds"] == pytest.approx(expected)
     # dare_ties' measured rate, three inputs a merged tensor, one worker against the bench's two
     merged = [t for t in report["tensors"] if t["op"] == "merge"]
     entries = sum(len(t["inputs"]) * _numel(t["shape"]) for t in merged)
@@ -109,3 +110,23 @@ def _numel(shape):
     for s in shape:
         n *= s
     return n
+
+
+def test_a_first_compile_is_estimated_only_where_the_merge_starts_one_and_numba_s_cache_lacks_it(
+    tmp_path, tiny_models, capsys, monkeypatch
+):
+    from mergesmith.methods import keyed_kernels
+
+    config = _dare_config(tmp_path, tiny_models)
+    monkeypatch.setattr(keyed_kernels.KERNELS, "cached", lambda: False)
+    report = json.loads(run_cli(capsys, "plan", config, "--json")[1])
+    assert report["estimated_seconds_parts"]["first_compile"] == 0  # tensors too small to start a compile
+    monkeypatch.setattr("mergesmith.engine.executor.START_ENTRIES", 256)
+    report = json.loads(run_cli(capsys, "plan", config, "--json")[1])
+    parts = report["estimated_seconds_parts"]
+    assert parts["first_compile"] == time_estimate.FIRST_COMPILE_S["keyed_kernels"]
+    assert report["estimated_seconds"] == pytest.approx(parts["startup"] + max(parts["io"], parts["compute"])
+                                                        + parts["first_compile"])
+    assert "first compile of its kernels" in run_cli(capsys, "plan", config)[1]
+    monkeypatch.setattr(keyed_kernels.KERNELS, "cached", lambda: True)
+    assert json.loads(run_cli(capsys, "plan", config, "--json")[1])["estimated_seconds_parts"]["first_compile"] == 0

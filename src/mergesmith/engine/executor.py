@@ -57,6 +57,20 @@ TASK_VECTOR_METHODS = frozenset(member.name for member in FAMILY)
 """The methods whose merges use bf16_mix's loops (and, the ranking ones, introsort_replay's)."""
 
 
+def kernel_groups(recipes: Sequence[TensorRecipe]) -> list[KernelGroup]:
+    """The compiled loops a CPU merge of `recipes` starts: DARE's and DELLA's (keyed_kernels), the task-vector
+    family's bf16 steps and TIES' replay; only for merges with a tensor large enough for them to pay
+    (compiled.START_ENTRIES). `plan`'s time estimate asks it too (a first compile costs the merge time)."""
+    if not keyed_kernels.AVAILABLE:
+        return []
+    merges = [r for r in recipes if r.op == "merge" and math.prod(r.shape) >= START_ENTRIES]
+    keyed = any(getattr(get_method(r.method or ""), "keyed_random", False) for r in merges if r.seed is not None)
+    groups = [keyed_kernels.KERNELS] if keyed else []
+    if any(r.method in TASK_VECTOR_METHODS for r in merges):
+        groups += [bf16_mix.KERNELS, introsort_replay.KERNELS]
+    return groups
+
+
 @dataclass
 class ProgressEvent:
     tensors_done: int
@@ -436,14 +450,9 @@ class LocalExecutor(Executor):
         2-20 s to compile on a fresh install): DARE's and DELLA's (keyed_kernels), and the task-vector family's
         bf16 steps and TIES' replay. No worker waits for them: until a group is ready, the methods take their
         uncompiled path (the same bytes; compiled.KernelGroup)."""
-        if self.device.type != "cpu" or not keyed_kernels.AVAILABLE:
+        if self.device.type != "cpu":
             return
-        # only merges with a tensor large enough for the compiled loops to pay (compiled.START_ENTRIES)
-        merges = [r for r in recipes if r.op == "merge" and math.prod(r.shape) >= START_ENTRIES]
-        keyed = any(getattr(get_method(r.method or ""), "keyed_random", False) for r in merges if r.seed is not None)
-        groups = [keyed_kernels.KERNELS] if keyed else []
-        if any(r.method in TASK_VECTOR_METHODS for r in merges):
-            groups += [bf16_mix.KERNELS, introsort_replay.KERNELS]
+        groups = kernel_groups(recipes)
         for group in groups:
             group.start()
         self._kernel_groups = groups

@@ -117,7 +117,7 @@ def plan_report(
         write_rate, write_note = probe_write_throughput(where)
     # an unmeasured write speed is estimated as the read speed (and said so), never reported as measured
     assumed_write_rate = write_rate if write_rate else read_rate
-    timing = estimate_seconds(plan, read_rate, assumed_write_rate, est.concurrency)
+    timing = estimate_seconds(plan, read_rate, assumed_write_rate, est.concurrency, options.device)
     disk: dict[str, Any] | None = None
     if where is not None:
         free = shutil.disk_usage(where).free
@@ -246,7 +246,9 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
     parts = report.get("estimated_seconds_parts")
     detail = (
         f" (start-up {parts['startup']:.1f} s, then {'compute' if parts['compute'] >= parts['io'] else 'I/O'} "
-        f"{max(parts['compute'], parts['io']):.1f} s)"
+        f"{max(parts['compute'], parts['io']):.1f} s"
+        + (f", first compile of its kernels {parts['first_compile']:.1f} s" if parts.get("first_compile") else "")
+        + ")"
         if parts
         else ""
     )

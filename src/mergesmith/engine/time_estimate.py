@@ -4,13 +4,16 @@ Why a model of its own: the estimate used to be the inputs' and output's bytes o
 which said 0.5 s for a tiny merge that took 7 s of wall time (start-up is most of a small merge) and a fifth of a
 TIES merge's time (TIES is CPU-bound, not disk-bound). Now:
 
-    seconds = STARTUP_S + max(I/O, compute)
+    seconds = STARTUP_S + max(I/O, compute) + first compile
 
 - I/O: bytes read over the probed read rate plus bytes written over the probed write rate (report.py's probes);
   the merge overlaps reading, computing and writing, so the larger of I/O and compute bounds it, not their sum.
 - compute: for each merged tensor, its entries times its inputs times the method's rate, measured as wall time per
   input entry beyond start-up on the bench's 1b merges (3 inputs a tensor, bfloat16, 2 workers on the bench VM's
   2 cores), scaled by the workers this merge will have.
+- first compile: where numba's cache lacks the compiled loops the merge will start (executor.kernel_groups), what
+  compiling them beside the merge cost the first bench merge (the merge does not wait for them, but shares the
+  cores with the compile and runs uncompiled meanwhile).
 
 The constants come from bench/README.md's runs on the shared 2-core VM; another machine will differ, and
 `python bench/plan_accuracy.py` prints estimate against measured wall time to check them (issue 29 asks for 2x).
@@ -25,9 +28,11 @@ from .plan import Plan
 
 STARTUP_S = 2.5
 """Process start to the first tensor and last write to exit: python and torch imports, config, plan, card, fsync.
-The quick start's tiny merges (examples/linear.yml, frankenmerge.yml, ties and dare_ties configs) measured 1.9-3.1 s
-of wall time in all on the bench VM under other helpers' load (`python bench/plan_accuracy.py --demo`), all of it
-start-up and teardown; bench/README.md's 1b runs show ~3.5 s before the first read at full rate (`vmstat 1`)."""
+The quick start's tiny merges (examples/linear.yml, frankenmerge.yml, ties and dare_ties configs), nearly all
+start-up, took 1.4-1.5 s of wall time on the 2-core bench VM at a load of ~3 and 1.4-3.4 s at a load of ~5 (other
+jobs), with and without numba's cache (`python bench/plan_accuracy.py --demo --runs 3 [--empty-cache]`); bench/
+README.md's 1b runs show ~3.5 s before the first read at full rate (`vmstat 1`), and a cold torch import alone
+takes 2.5-4 s. 2.5 s keeps all of these within 2x."""
 
 BENCH_WORKERS = 2
 """Workers of the runs that gave the rates below (the default: one per core of the 2-core bench VM)."""
@@ -69,6 +74,12 @@ SECONDS_PER_INPUT_ENTRY = {
 }
 """Wall seconds per input entry beyond start-up, by method, at BENCH_WORKERS workers."""
 
+FIRST_COMPILE_S = {"bf16_mix": 1.0, "introsort_replay": 9.9, "keyed_kernels": 5.2}
+"""What an empty numba cache added to a merge, by kernel group: `python bench/first_run.py --size 0.25b --rounds 1
+--old` measured the first merge with an empty cache against one with the cache filled: ties 20.7 against 9.8 s
+(+10.9 s: bf16_mix and introsort_replay, split by their compile times, 1.9 and 17.2 s timed ad hoc by their
+`warm()`), dare_ties 9.6 against 4.4 s (+5.2 s: keyed_kernels)."""
+
 LIKE = {
     "breadcrumbs_ties": "ties",  # the same magnitude selection and sign consensus
     "breadcrumbs": "ties",
@@ -97,12 +108,26 @@ def compute_seconds(plan: Plan, threads: int) -> float:
     return work * BENCH_WORKERS / workers
 
 
-def estimate_seconds(plan: Plan, read_rate: float, write_rate: float, threads: int) -> dict[str, float]:
-    """The estimate and its parts (`startup`, `io`, `compute`, `total`), rates in bytes/s (0: unknown)."""
+def first_compile_seconds(plan: Plan, device: str) -> float:
+    """The extra time of the kernel groups this merge would compile (on the CPU, with numba's cache lacking them)."""
+    if device != "cpu":
+        return 0.0
+    from .executor import kernel_groups
+
+    return sum(FIRST_COMPILE_S.get(g.name, 0.0) for g in kernel_groups(plan.recipes) if not g.cached())
+
+
+def estimate_seconds(
+    plan: Plan, read_rate: float, write_rate: float, threads: int, device: str = "cpu"
+) -> dict[str, float]:
+    """The estimate and its parts (`startup`, `io`, `compute`, `first_compile`, `total`), rates in bytes/s (0:
+    unknown)."""
     est = plan.estimate
     assert est is not None
     io = (est.bytes_read / read_rate if read_rate > 0 else 0.0) + (
         est.bytes_written / write_rate if write_rate > 0 else 0.0
     )
     compute = compute_seconds(plan, threads)
-    return {"startup": STARTUP_S, "io": io, "compute": compute, "total": STARTUP_S + max(io, compute)}
+    first = first_compile_seconds(plan, device)
+    total = STARTUP_S + max(io, compute) + first
+    return {"startup": STARTUP_S, "io": io, "compute": compute, "first_compile": first, "total": total}
