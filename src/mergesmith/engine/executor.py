@@ -31,7 +31,7 @@ from ..methods import MergeInputs, bf16_mix, get_method, introsort_replay, keyed
 from ..methods.compiled import START_ENTRIES, KernelGroup, waits
 from ..methods.keyed_random import MaskStream
 from ..methods.registry import MERGE_WHOLE
-from ..methods.task_arithmetic import FAMILY
+from ..methods.task_arithmetic import FAMILY, KEYED, RANKED
 from ..runtime import intra_op_threads
 from ..runtime.devices import resolve_device
 from ..runtime.memory_limits import MemoryWatch, human, memory_room
@@ -58,16 +58,20 @@ TASK_VECTOR_METHODS = frozenset(member.name for member in FAMILY)
 
 
 def kernel_groups(recipes: Sequence[TensorRecipe]) -> list[KernelGroup]:
-    """The compiled loops a CPU merge of `recipes` starts: DARE's and DELLA's (keyed_kernels), the task-vector
-    family's bf16 steps and TIES' replay; only for merges with a tensor large enough for them to pay
-    (compiled.START_ENTRIES). `plan`'s time estimate asks it too (a first compile costs the merge time)."""
+    """The compiled loops a CPU merge of `recipes` starts: DARE's and DELLA's (keyed_kernels), the other task-vector
+    methods' bf16 steps and, for those that rank magnitudes (TIES, breadcrumbs), the replay; only for merges with a
+    tensor large enough for them to pay (compiled.START_ENTRIES). Only those: a compile the merge will not use
+    only takes a core from it. `plan`'s time estimate asks it too (a first compile costs the merge time)."""
     if not keyed_kernels.AVAILABLE:
         return []
     merges = [r for r in recipes if r.op == "merge" and math.prod(r.shape) >= START_ENTRIES]
-    keyed = any(getattr(get_method(r.method or ""), "keyed_random", False) for r in merges if r.seed is not None)
+    keyed = [r for r in merges if r.seed is not None and getattr(get_method(r.method or ""), "keyed_random", False)]
+    mixed = [r for r in merges if r.method in TASK_VECTOR_METHODS and not (r.seed is not None and r.method in KEYED)]
     groups = [keyed_kernels.KERNELS] if keyed else []
-    if any(r.method in TASK_VECTOR_METHODS for r in merges):
-        groups += [bf16_mix.KERNELS, introsort_replay.KERNELS]
+    if mixed:
+        groups.append(bf16_mix.KERNELS)
+    if any(r.method in RANKED for r in mixed):
+        groups.append(introsort_replay.KERNELS)
     return groups
 
 
