@@ -115,13 +115,14 @@ def _numel(shape):
 def test_a_first_compile_is_estimated_only_where_the_merge_starts_one_and_numba_s_cache_lacks_it(
     tmp_path, tiny_models, capsys, monkeypatch
 ):
+    from mergesmith.engine import executor
     from mergesmith.methods import keyed_kernels
 
     config = _dare_config(tmp_path, tiny_models)
     monkeypatch.setattr(keyed_kernels.KERNELS, "cached", lambda: False)
     report = json.loads(run_cli(capsys, "plan", config, "--json")[1])
     assert report["estimated_seconds_parts"]["first_compile"] == 0  # tensors too small to start a compile
-    monkeypatch.setattr("mergesmith.engine.executor.START_ENTRIES", 256)
+    monkeypatch.setattr(executor, "START_ENTRIES", 256)
     report = json.loads(run_cli(capsys, "plan", config, "--json")[1])
     parts = report["estimated_seconds_parts"]
     assert parts["first_compile"] == time_estimate.FIRST_COMPILE_S["keyed_kernels"]
