@@ -52,10 +52,10 @@ class KernelGroup:
     """A module's compiled loops, compiled together in the background and used only once ready.
 
     Why: a merge must never sit waiting for a compile (13-34 s for TIES' loops on a fresh install, on a model
-    that merges in a second). `ready()` answers at once; the first question starts the compile (on a thread of
-    its own: numba's compiler lock serialises groups), so the caller takes its uncompiled path this time and the
-    compiled one once it is done. A compile that fails leaves the group unready for good: the uncompiled path is
-    always correct."""
+    that merges in a second). `ready()` answers at once; the first question about a large tensor (or the
+    executor, for a merge that has one) starts the compile on a thread of its own (numba's compiler lock serialises
+    groups), so the caller takes its uncompiled path meanwhile and the compiled one once it is done. A compile
+    that fails leaves the group unready for good: the uncompiled path is always correct."""
 
     def __init__(self, name: str, compile_all: Callable[[], None]) -> None:
         self.name = name
@@ -107,7 +107,7 @@ class KernelGroup:
         more) and answers False."""
         if self._ready:
             return True
-        if entries < START_ENTRIES and not waits():
+        if not AVAILABLE or (entries < START_ENTRIES and not waits()):
             return False
         self.start()
         if waits():
