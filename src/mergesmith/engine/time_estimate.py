@@ -26,13 +26,13 @@ import os
 from ..methods.introsort_replay import IDS_MAX_ENTRIES
 from .plan import Plan
 
-STARTUP_S = 2.5
+STARTUP_S = 2.2
 """Process start to the first tensor and last write to exit: python and torch imports, config, plan, card, fsync.
 The quick start's tiny merges (examples/linear.yml, frankenmerge.yml, ties and dare_ties configs), nearly all
-start-up, took 1.4-1.5 s of wall time on the 2-core bench VM at a load of ~3 and 1.4-3.4 s at a load of ~5 (other
-jobs), with and without numba's cache (`python bench/plan_accuracy.py --demo --runs 3 [--empty-cache]`); bench/
-README.md's 1b runs show ~3.5 s before the first read at full rate (`vmstat 1`), and a cold torch import alone
-takes 2.5-4 s. 2.5 s keeps all of these within 2x."""
+start-up, took 1.3-1.5 s of wall time on the 2-core bench VM at a load of 1-2 and up to 4.5 s at a load of 4-5
+(other jobs), with and without numba's cache (`python bench/plan_accuracy.py --demo --runs 3 [--empty-cache]`);
+bench/README.md's 1b runs show ~3.5 s before the first read at full rate (`vmstat 1`), and a cold torch import
+alone takes 2.5-4 s. 2.2 s keeps 1.1-4.4 s within 2x."""
 
 BENCH_WORKERS = 2
 """Workers of the runs that gave the rates below (the default: one per core of the 2-core bench VM)."""
