@@ -1,5 +1,8 @@
 """How long `plan` says a merge will take, from measured rates: start-up, then the larger of its I/O and its compute.
 
+Part of the report (the planners' layer, tests/test_layers.py): it asks the executor which compiled loops a merge
+would start.
+
 Why a model of its own: the estimate used to be the inputs' and output's bytes over the probed disk rates alone,
 which said 0.5 s for a tiny merge that took 7 s of wall time (start-up is most of a small merge) and a fifth of a
 TIES merge's time (TIES is CPU-bound, not disk-bound). Now:
@@ -24,6 +27,7 @@ from __future__ import annotations
 import os
 
 from ..methods.introsort_replay import IDS_MAX_ENTRIES
+from .executor import kernel_groups
 from .plan import Plan
 
 STARTUP_S = 2.2
@@ -113,8 +117,6 @@ def first_compile_seconds(plan: Plan, device: str) -> float:
     """The extra time of the kernel groups this merge would compile (on the CPU, with numba's cache lacking them)."""
     if device != "cpu":
         return 0.0
-    from .executor import kernel_groups
-
     return sum(FIRST_COMPILE_S.get(g.name, 0.0) for g in kernel_groups(plan.recipes) if not g.cached())
 
 
