@@ -16,8 +16,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 
-import torch
+os.environ.setdefault("MERGESMITH_KERNELS", "wait")  # the compiled column must time the compiled loops (compiled.py)
+
+import torch  # noqa: E402
 from profile_task_vectors import per_entry  # bench/ is on the path when a script here runs
 
 from mergesmith.methods import bf16_mix, keyed_merge, keyed_random, sort_select, task_arithmetic

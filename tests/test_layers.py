@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
         "one folder per feature: its config or arguments turned into plans, run through engine.run",
     ),
     ("run", ("engine.run",), "the output directory protocol: plan, execute, finish, resume"),
-    ("planners", ("engine.planner", "engine.module_planner", "engine.report"), "merge configs -> Plan; the report"),
+    ("planners", ("engine.planner", "engine.module_planner", "engine.report", "engine.time_estimate"),
+     "merge configs -> Plan; the report"),
     (
         "execution",
         ("engine.executor", "engine.ray_executor", "engine.input_feed", "engine.ops"),

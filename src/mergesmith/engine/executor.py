@@ -10,6 +10,7 @@ last tensor lands; progress inside a shard is journaled every second, so a kill 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,9 +28,10 @@ from ..io.dtypes import to_torch
 from ..io.journal import Journal, partial_path
 from ..io.safetensors_writer import ShardWriter
 from ..methods import MergeInputs, bf16_mix, get_method, introsort_replay, keyed_kernels, require_method
+from ..methods.compiled import START_ENTRIES, KernelGroup, waits
 from ..methods.keyed_random import MaskStream
 from ..methods.registry import MERGE_WHOLE
-from ..methods.task_arithmetic import FAMILY
+from ..methods.task_arithmetic import FAMILY, KEYED, RANKED
 from ..runtime import intra_op_threads
 from ..runtime.devices import resolve_device
 from ..runtime.memory_limits import MemoryWatch, memory_room
@@ -56,9 +58,22 @@ TASK_VECTOR_METHODS = frozenset(member.name for member in FAMILY)
 """The methods whose merges use bf16_mix's loops (and, the ranking ones, introsort_replay's)."""
 
 
-def _run_all(functions: list[Callable[[], None]]) -> None:
-    for function in functions:
-        function()
+def kernel_groups(recipes: Sequence[TensorRecipe]) -> list[KernelGroup]:
+    """The compiled loops a CPU merge of `recipes` starts: DARE's and DELLA's (keyed_kernels), the other task-vector
+    methods' bf16 steps and, for those that rank magnitudes (TIES, breadcrumbs), the replay; only for merges with a
+    tensor large enough for them to pay (compiled.START_ENTRIES). Only those: a compile the merge will not use
+    only takes a core from it. `plan`'s time estimate asks it too (a first compile costs the merge time)."""
+    if not keyed_kernels.AVAILABLE:
+        return []
+    merges = [r for r in recipes if r.op == "merge" and math.prod(r.shape) >= START_ENTRIES]
+    keyed = [r for r in merges if r.seed is not None and getattr(get_method(r.method or ""), "keyed_random", False)]
+    mixed = [r for r in merges if r.method in TASK_VECTOR_METHODS and not (r.seed is not None and r.method in KEYED)]
+    groups = [keyed_kernels.KERNELS] if keyed else []
+    if mixed:
+        groups.append(bf16_mix.KERNELS)
+    if any(r.method in RANKED for r in mixed):
+        groups.append(introsort_replay.KERNELS)
+    return groups
 
 
 @dataclass
@@ -420,7 +435,7 @@ class LocalExecutor(Executor):
         self._bytes = 0
         self._error: BaseException | None = None
         self._feed: InputFeed | None = None
-        self._warm_thread: threading.Thread | None = None
+        self._kernel_groups: list[KernelGroup] = []
         self._uncache_inputs = False  # set by run(): see inputs_exceed_room
         self.monitor = NonFiniteMonitor(self.settings.strict)  # NaN/inf in inputs and outputs; `warnings()` after run
 
@@ -436,19 +451,17 @@ class LocalExecutor(Executor):
         return writer
 
     def _warm_kernels(self, recipes: list[TensorRecipe]) -> None:
-        """Load the compiled loops the recipes will use on a thread of their own while the feed probes the disk
-        and reads ahead, not in the first worker to need them (~0.3-0.4 s each, holding both workers up): DARE's
-        and DELLA's (keyed_kernels), and the task-vector family's bf16 steps and TIES' replay."""
-        if self.device.type != "cpu" or not keyed_kernels.AVAILABLE:
+        """Start compiling (or loading) the compiled loops the recipes will use, in the background, while the feed
+        probes the disk and reads ahead, not in the first worker to need them (~0.3-0.4 s each from numba's cache,
+        2-20 s to compile on a fresh install): DARE's and DELLA's (keyed_kernels), and the task-vector family's
+        bf16 steps and TIES' replay. No worker waits for them: until a group is ready, the methods take their
+        uncompiled path (the same bytes; compiled.KernelGroup)."""
+        if self.device.type != "cpu":
             return
-        merges = [r for r in recipes if r.op == "merge"]
-        keyed = any(getattr(get_method(r.method or ""), "keyed_random", False) for r in merges if r.seed is not None)
-        warms = [keyed_kernels.warm] if keyed else []
-        if any(r.method in TASK_VECTOR_METHODS for r in merges):
-            warms += [bf16_mix.warm, introsort_replay.warm]
-        if warms:
-            self._warm_thread = threading.Thread(target=_run_all, args=(warms,), name="warm-kernels", daemon=True)
-            self._warm_thread.start()
+        groups = kernel_groups(recipes)
+        for group in groups:
+            group.start()
+        self._kernel_groups = groups
 
     def run(self) -> None:
         pending = [s for s in self.plan.shards if s.filename not in self.journal.finished]
@@ -501,11 +514,13 @@ class LocalExecutor(Executor):
                 # that holds this executor (a notebook keeps the last one) is finally dropped
                 for writer in list(self._writers.values()):
                     writer.close()
-                # the warm-up does not outlive the merge: a first compile (seconds, on a fresh install) still
-                # running in a library caller's process was seen to send that process's later output astray
-                # (pytest's capsys lost the next merges' error and warning lines)
-                if self._warm_thread is not None:
-                    self._warm_thread.join()
+                # A compile still running goes on after the merge (never waited for: a daemon thread, its work
+                # cached function by function). Only under MERGESMITH_KERNELS=wait (the test suite) does the merge
+                # wait for it, so that no compile outlives a test: one still running in a caller's process sent
+                # that process's later output astray (pytest's capsys lost the next merges' lines).
+                if waits():
+                    for group in self._kernel_groups:
+                        group.wait()
         if self._error is not None:
             raise self._error
         if self.stop.is_set():

@@ -54,6 +54,9 @@ class MergeOptions:
     unsafe_truncate_embeddings: bool = False
     # --lora-merge-cache/--lora-merge-dtype: `model+lora` inputs merged once into a directory (None: applied as read)
     lora_merge: LoraMerge | None = None
+    # set when planning drew `random_seed` itself (none given, none to resume): that seed is this plan's only, so
+    # `plan` must not print it as the one a later `merge` will use (that merge draws its own)
+    seed_drawn: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def open_input(self, ref: str) -> Checkpoint:

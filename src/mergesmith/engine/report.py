@@ -15,8 +15,11 @@ from ..io.checkpoint import Checkpoint
 from ..sizes import human_size
 from .plan import Plan
 from .planning import MergeOptions
+from .time_estimate import estimate_seconds
 
 PROBE_BYTES = 256 << 20
+SEED_DRAWN_TEXT = "drawn at merge time (pass --random-seed N to fix it)"
+"""What `plan` says of the seed of a randomised merge given none (and none to resume): the merge draws its own."""
 
 
 def probe_read_throughput(checkpoints: dict[str, Checkpoint], limit: int = PROBE_BYTES) -> float:
@@ -113,13 +116,9 @@ def plan_report(
     write_note: str | None = "no OUT_DIR given"
     if where is not None:
         write_rate, write_note = probe_write_throughput(where)
-    seconds = 0.0
-    if read_rate > 0:
-        seconds += est.bytes_read / read_rate
     # an unmeasured write speed is estimated as the read speed (and said so), never reported as measured
     assumed_write_rate = write_rate if write_rate else read_rate
-    if assumed_write_rate > 0:
-        seconds += est.bytes_written / assumed_write_rate
+    timing = estimate_seconds(plan, read_rate, assumed_write_rate, est.concurrency, options.device)
     disk: dict[str, Any] | None = None
     if where is not None:
         free = shutil.disk_usage(where).free
@@ -165,8 +164,11 @@ def plan_report(
         "read_throughput_bytes_per_s": read_rate,
         "write_throughput_bytes_per_s": write_rate,
         "write_not_measured": write_note if write_rate is None else None,
-        "estimated_seconds": seconds,
-        "random_seed": plan.random_seed,
+        "estimated_seconds": timing["total"],
+        "estimated_seconds_parts": timing,
+        # a seed planning drew is this plan's only: the merge draws its own, so it is not shown as the merge's
+        "random_seed": None if options.seed_drawn else plan.random_seed,
+        "random_seed_drawn_at_merge": plan.random_seed is not None and options.seed_drawn,
         "files_to_copy": [name for _src, name in plan.files_to_copy],
         "output_layers": plan.output_config.get("num_hidden_layers"),
         "warnings": list(plan.warnings),
@@ -235,9 +237,20 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
         why = report.get("write_not_measured") or "not measured"
         probe += f"write speed not measured ({why}; the estimate assumes the read speed)"
     lines.append(probe)
-    lines.append(f"estimated time: {report['estimated_seconds']:.1f} s")
+    parts = report.get("estimated_seconds_parts")
+    detail = (
+        f" (start-up {parts['startup']:.1f} s, then {'compute' if parts['compute'] >= parts['io'] else 'I/O'} "
+        f"{max(parts['compute'], parts['io']):.1f} s"
+        + (f", first compile of its kernels {parts['first_compile']:.1f} s" if parts.get("first_compile") else "")
+        + ")"
+        if parts
+        else ""
+    )
+    lines.append(f"estimated time: {report['estimated_seconds']:.1f} s{detail}")
     if report["random_seed"] is not None:
         lines.append(f"random seed: {report['random_seed']}")
+    elif report.get("random_seed_drawn_at_merge"):
+        lines.append(f"random seed: {SEED_DRAWN_TEXT}")
     if show_tensors:
         lines.append("")
         for t in report["tensors"]:

@@ -159,9 +159,11 @@ def reuse_or_draw_seed(options: MergeOptions, out_dir: str | Path | None) -> Non
     same bytes and resumes), or a new one. Every planner whose output draws random numbers asks this."""
     if options.random_seed is None:
         previous = Journal.load(Path(out_dir)) if out_dir is not None else None
-        options.random_seed = (
-            previous.random_seed if previous and previous.random_seed is not None else secrets.randbelow(2**31)
-        )
+        if previous and previous.random_seed is not None:
+            options.random_seed = previous.random_seed
+        else:
+            options.random_seed = secrets.randbelow(2**31)
+            options.seed_drawn = True
 
 
 def completion_marker(plan: Plan) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .compiled import AVAILABLE, compiled
+from .compiled import AVAILABLE, KernelGroup, compiled
 from .compiled import sign as _sign
 
 if AVAILABLE:
@@ -151,8 +151,10 @@ def bits_of(t: torch.Tensor) -> np.ndarray:
 
 
 def _elementwise(*tensors: torch.Tensor) -> bool:
-    return ELEMENTWISE and all(
-        t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors
+    return (
+        ELEMENTWISE
+        and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+        and KERNELS.ready(tensors[0].numel())
     )
 
 
@@ -172,14 +174,20 @@ def keep_masked(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return delta.mul_(mask)
 
 
-def warm() -> None:
-    """Compile (or load from numba's cache) the loops here now, on tiny inputs, rather than in the first merge
-    that needs them."""
-    if not AVAILABLE:
-        return
+def _compile_all() -> None:
+    """Compile (or load from numba's cache) the loops here, on tiny inputs, for the argument types merges give."""
     one = np.zeros(1, dtype=np.uint16)
     weights = np.ones(1, dtype=np.float32)
     mix(one, one.reshape(1, 1), weights, 1, True, np.float32(1), False, one)
     mix(one, np.zeros((1, 2), dtype=np.uint16)[:, :1], weights, 1, True, np.float32(1), False, one)  # strided
     difference(one, one, one)
     keep_where(one, np.ones(1, dtype=np.bool_))
+
+
+KERNELS = KernelGroup("bf16_mix", _compile_all)
+"""The loops above, used (by this module and task_arithmetic) only once compiled: see compiled.KernelGroup."""
+
+
+def warm() -> bool:
+    """Compile (or load) the loops here now and wait for it: whether they are ready."""
+    return KERNELS.wait()

@@ -5,10 +5,18 @@ Why a module of its own: keyed_kernels.py (DARE's and DELLA's chunks, the Philox
 back to their numpy/torch paths where numba cannot be imported (a platform without a wheel): one place says
 whether it can and how, and holds the helpers they share (torch's sign, the consensus codes, and the bit-level
 intrinsics, which exist only with numba: the loops that call them are never called without it).
+
+And one place for when they are used: a first compile takes 2-20 s a module (bench/first_run.py), far longer than
+a small merge, so no merge waits for it. Each module's loops form a KernelGroup that compiles in a background
+thread and is used only once ready; until then the module's numpy/torch path, which gives the same bytes, runs.
+numba's on-disk cache (cache=True) makes every later process's "compile" a ~0.1-0.4 s load.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -21,17 +29,116 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
 
 AVAILABLE = njit is not None
 
+WAIT_ENV = "MERGESMITH_KERNELS"
+"""Set to `wait` to have the first use of a kernel group wait for its compile instead of taking the uncompiled path:
+the test suite does (tests/conftest.py), so that its comparisons of the two paths run the compiled one, and so that
+no compile outlives a test (numba's compiler swaps the `warnings` module's state while it runs)."""
+
+
+def waits() -> bool:
+    """Whether a use of a group that is not ready yet waits for its compile (MERGESMITH_KERNELS=wait)."""
+    return os.environ.get(WAIT_ENV, "") == "wait"
+
+
+START_ENTRIES = 1 << 20
+"""Tensors of fewer entries do not start a compile: the compiled loops save ~10-30 ns an entry (bench/README.md,
+profile_compiled.py), while loading a group from numba's cache costs ~0.3-0.4 s of a core and compiling it seconds,
+both competing with the merge for the GIL. A merge of only small tensors (the quick start's tiny models: 33 K entries
+at most) ran ~2 s slower with the groups loading beside it (`python bench/first_run.py`); a 0.25b model's matrices
+have 1-30 M entries each."""
+
+
+class KernelGroup:
+    """A module's compiled loops, compiled together in the background and used only once ready.
+
+    Why: a merge must never sit waiting for a compile (13-34 s for TIES' loops on a fresh install, on a model
+    that merges in a second). `ready()` answers at once; the first question about a large tensor (or the
+    executor, for a merge that has one) starts the compile on a thread of its own (numba's compiler lock serialises
+    groups), so the caller takes its uncompiled path meanwhile and the compiled one once it is done. A compile
+    that fails leaves the group unready for good: the uncompiled path is always correct."""
+
+    def __init__(self, name: str, compile_all: Callable[[], None]) -> None:
+        self.name = name
+        self._compile_all = compile_all
+        self._done = threading.Event()
+        self._ready = False
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def cached(self) -> bool:
+        """Whether numba's on-disk cache holds loops of this group for their current source, so that getting ready
+        is a sub-second load rather than a compile (`plan` adds a compile's cost to its estimate otherwise). Read
+        from numba's cache index files (numba internals: anything unexpected answers True, no extra)."""
+        if not AVAILABLE or self._ready:
+            return True
+        try:
+            from numba.core.dispatcher import Dispatcher
+
+            module = sys.modules[self._compile_all.__module__]
+            loops = [f for f in vars(module).values() if isinstance(f, Dispatcher) and f.__module__ == module.__name__]
+            return all(bool(f._cache._cache_file._load_index()) for f in loops)
+        except Exception:  # noqa: BLE001 - an estimate's detail, never an error
+            return True
+
+    def start(self) -> None:
+        """Begin compiling (or loading from numba's cache) in a daemon thread, once; nothing where numba is
+        missing. Daemon: a process that ends before the compile does is not held up (what numba finished is
+        cached already, function by function, and the next process carries on from there)."""
+        if not AVAILABLE:
+            return
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"compile-{self.name}", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._compile_all()
+            self._ready = True
+        except Exception as error:  # noqa: BLE001 - the uncompiled path stays in use; kept for tests and -v
+            self.error = error
+        finally:
+            self._done.set()
+
+    def ready(self, entries: int) -> bool:
+        """Whether the compiled loops may be called now for a tensor of `entries` entries. Never waits (unless
+        MERGESMITH_KERNELS=wait): when they are not ready, starts their compile (for a tensor of START_ENTRIES or
+        more) and answers False."""
+        if self._ready:
+            return True
+        if not AVAILABLE or (entries < START_ENTRIES and not waits()):
+            return False
+        self.start()
+        if waits():
+            self._done.wait()
+        return self._ready
+
+    def wait(self) -> bool:
+        """Compile now if need be and wait for it (tests, benches, and the executor under MERGESMITH_KERNELS=wait);
+        whether the group is ready."""
+        self.start()
+        if self._thread is not None:
+            self._done.wait()
+        return self._ready
+
+
 CONSENSUS_CODES = {None: 0, "sum": 1, "count": 2}
 """How the compiled mixes are told the sign consensus (none, `sum`, `count`)."""
 
 
 def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
     """`function` compiled to machine code that runs without the GIL, cached on disk (the first use in a fresh
-    install compiles for about a second, later processes load it in ~0.1 s), with numpy's float semantics (a
-    division by zero gives inf or nan, not an exception); `function` itself where numba is missing."""
+    install compiles for seconds, later processes load it in ~0.1 s: see KernelGroup), with numpy's float
+    semantics (a division by zero gives inf or nan, not an exception); `function` itself where numba is missing."""
     if njit is None:
         return function
-    return njit(nogil=True, cache=True, error_model="numpy")(function)
+    try:
+        # numba's cache goes beside this file (`__pycache__`) where that is writable, else to the user's cache
+        # (NUMBA_CACHE_DIR, or ~/.cache/numba under XDG_CACHE_HOME's rule)
+        return njit(nogil=True, cache=True, error_model="numpy")(function)
+    except RuntimeError:  # no writable place at all (read-only install and home): compile in every process
+        return njit(nogil=True, error_model="numpy")(function)
 
 
 @compiled

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .compiled import AVAILABLE, compiled
+from .compiled import AVAILABLE, KernelGroup, compiled
 
 if AVAILABLE:
     from numba import types
@@ -432,12 +432,9 @@ def replay(entries, lo, hi, descending, key_shift, followed_low, followed_high, 
     return True
 
 
-def warm() -> None:
+def _compile_all() -> None:
     """Compile (or load from numba's cache) the replay for the key arrays sort_select gives it (16- and 32-bit
-    keys, packed 64-bit entries) and each way of following, now, on tiny inputs, rather than in the first merge
-    that needs it."""
-    if not AVAILABLE:
-        return
+    keys, packed 64-bit entries) and each way of following, on tiny inputs."""
     window = np.zeros(2, dtype=np.bool_)
     for dtype in (np.int16, np.int32, np.int64):
         none = dtype(-1)
@@ -448,4 +445,14 @@ def warm() -> None:
             replay(np.zeros(2, dtype=dtype), 0, 1, True, 0, dtype(0), dtype(0), both, window, 0, use_ids)
 
 
-__all__ = ["AVAILABLE", "ID_BYTES", "IDS_MAX_ENTRIES", "MAX_TRACKED_SHARE", "replay", "warm"]
+KERNELS = KernelGroup("introsort_replay", _compile_all)
+"""The replay, used by sort_select only once compiled (the longest compile here: ~17 s on a fresh install): see
+compiled.KernelGroup."""
+
+
+def warm() -> bool:
+    """Compile (or load) the replay now and wait for it: whether it is ready."""
+    return KERNELS.wait()
+
+
+__all__ = ["AVAILABLE", "KERNELS", "ID_BYTES", "IDS_MAX_ENTRIES", "MAX_TRACKED_SHARE", "replay", "warm"]

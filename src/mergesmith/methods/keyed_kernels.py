@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .compiled import AVAILABLE, compiled
+from .compiled import AVAILABLE, KernelGroup, compiled
 from .compiled import sign as _sign
 
 if AVAILABLE:
@@ -193,11 +193,9 @@ def mix(base, xs, flags, masked, factors, weights, consensus, normalize, divisor
             o[j] = acc + b[j]
 
 
-def warm() -> None:
-    """Compile (or load from numba's cache) every loop here now, on tiny inputs: the first use otherwise pays it
-    (~0.4 s from the cache, seconds to compile) inside whatever is timed or measured then."""
-    if not AVAILABLE:
-        return
+def _compile_all() -> None:
+    """Compile (or load from numba's cache) every loop here, on tiny inputs (~0.4 s from the cache, seconds to
+    compile)."""
     one = np.zeros(1, dtype=np.float32)
     flags = np.zeros((1, 1), dtype=np.uint8)
     philox_draws(np.uint64(0), np.uint64(0), 0, 0, 8, np.empty(1, dtype=np.uint32))
@@ -205,3 +203,12 @@ def warm() -> None:
     masked = np.ones(1, dtype=np.bool_)
     for consensus in (0, 1):
         mix(one, one.reshape(1, 1), flags, masked, one, one, consensus, True, np.float32(1), np.float32(1), True, one)
+
+
+KERNELS = KernelGroup("keyed_kernels", _compile_all)
+"""The loops above, used (by keyed_merge and keyed_random) only once compiled: see compiled.KernelGroup."""
+
+
+def warm() -> bool:
+    """Compile (or load) the loops here now and wait for it: whether they are ready."""
+    return KERNELS.wait()

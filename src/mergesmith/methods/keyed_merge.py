@@ -298,7 +298,7 @@ def gather(
 
 def _fused(t: torch.Tensor) -> bool:
     """Whether a chunk is computed by keyed_kernels' compiled loops: on the CPU, where numba is there."""
-    return FUSED and t.device.type == "cpu"
+    return FUSED and t.device.type == "cpu" and keyed_kernels.KERNELS.ready(t.numel())
 
 
 FUSED = keyed_kernels.AVAILABLE

@@ -58,7 +58,7 @@ class MaskStream:
         """The 32-bit draws of entries [start, start + count) of stream `stream`, as a uint32 array (computed by
         keyed_kernels.philox_draws where numba is there: the same bits, faster)."""
         out = np.empty(count, dtype=np.uint32)
-        if COMPILED:
+        if COMPILED and keyed_kernels.KERNELS.ready(count):
             keyed_kernels.philox_draws(np.uint64(self.seed), np.uint64(_KEY_TAG), stream, start, CHUNK, out)
             return out
         first = start // CHUNK

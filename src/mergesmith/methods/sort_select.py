@@ -265,8 +265,9 @@ def _keys_only_window(
         filled += found.size
     if not consume:
         keys = keys.copy()  # the replay reorders them
-    use_ids = follows_by_ids(n)
-    if use_ids or (COMPILED and tracked_count <= n * introsort_replay.MAX_TRACKED_SHARE):
+    compiled_now = COMPILED and introsort_replay.KERNELS.ready(n)  # once per selection: one path throughout
+    use_ids = compiled_now and follows_by_ids(n)
+    if use_ids or (compiled_now and tracked_count <= n * introsort_replay.MAX_TRACKED_SHARE):
         low, high = keys.dtype.type(split_keys[0]), keys.dtype.type(split_keys[-1])
         if not introsort_replay.replay(keys, lo, hi, descending, 0, low, high, tracked, mask, depth_budget(n),
                                        use_ids):
@@ -283,7 +284,8 @@ def _keys_only_window(
 def follows_by_ids(n: int) -> bool:
     """Whether a selection over n entries is replayed compiled with an id an entry (introsort_replay.ID_BYTES
     each: magnitude_blocks charges them); else by the compiled replay's table or by numpy, whose memory the keys
-    and mask bound."""
+    and mask bound. Memory is charged by this answer also while the replay is still compiling and numpy's path
+    runs instead: an upper bound then."""
     return COMPILED and n <= introsort_replay.IDS_MAX_ENTRIES
 
 
@@ -371,7 +373,7 @@ def _unpacked_values(packed: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def _replay_packed(packed: np.ndarray, lo: int, hi: int, descending: bool) -> bool:
     """_replay on packed entries (each carries its index: nothing to follow), compiled where numba is there."""
-    if COMPILED:
+    if COMPILED and introsort_replay.KERNELS.ready(packed.size):
         none = np.int64(-1)  # no packed entry is negative: none is followed
         nothing = np.empty(0, dtype=np.int64)
         unused = np.empty(0, dtype=np.bool_)

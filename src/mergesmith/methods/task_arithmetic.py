@@ -133,6 +133,7 @@ def _compiled_mix_applies(base: torch.Tensor, deltas: torch.Tensor, consensus: s
         and base.device.type == "cpu"
         and base.dtype == deltas.dtype == torch.bfloat16
         and consensus in CONSENSUS_CODES
+        and bf16_mix.KERNELS.ready(base.numel())
     )
 
 
@@ -486,3 +487,9 @@ FAMILY: tuple[_Family, ...] = (
 
 for _member in FAMILY:
     register(_member.spec())
+
+RANKED = frozenset(member.name for member in FAMILY if member.sparsifier in (_magnitude, _outliers))
+"""Members that rank task vectors' magnitudes (sort_select's replay: introsort_replay's compiled loop)."""
+
+KEYED = frozenset(member.name for member in FAMILY if member.keyed is not None)
+"""Members that, given a seed, merge by keyed_merge's path (keyed_kernels' loops) rather than the mix here."""

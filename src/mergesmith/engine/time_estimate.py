@@ -1,0 +1,136 @@
+"""How long `plan` says a merge will take, from measured rates: start-up, then the larger of its I/O and its compute.
+
+Part of the report (the planners' layer, tests/test_layers.py): it asks the executor which compiled loops a merge
+would start.
+
+Why a model of its own: the estimate used to be the inputs' and output's bytes over the probed disk rates alone,
+which said 0.5 s for a tiny merge that took 7 s of wall time (start-up is most of a small merge) and a fifth of a
+TIES merge's time (TIES is CPU-bound, not disk-bound). Now:
+
+    seconds = STARTUP_S + max(I/O, compute) + first compile
+
+- I/O: bytes read over the probed read rate plus bytes written over the probed write rate (report.py's probes);
+  the merge overlaps reading, computing and writing, so the larger of I/O and compute bounds it, not their sum.
+- compute: for each merged tensor, its entries times its inputs times the method's rate, measured as wall time per
+  input entry beyond start-up on the bench's 1b merges (3 inputs a tensor, bfloat16, 2 workers on the bench VM's
+  2 cores), scaled by the workers this merge will have.
+- first compile: where numba's cache lacks the compiled loops the merge will start (executor.kernel_groups), what
+  compiling them beside the merge cost the first bench merge (the merge does not wait for them, but shares the
+  cores with the compile and runs uncompiled meanwhile).
+
+The constants come from bench/README.md's runs on the shared 2-core VM; another machine will differ, and
+`python bench/plan_accuracy.py` prints estimate against measured wall time to check them (issue 29 asks for 2x).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..methods.introsort_replay import IDS_MAX_ENTRIES
+from .executor import kernel_groups
+from .plan import Plan
+
+STARTUP_S = 2.2
+"""Process start to the first tensor and last write to exit: python and torch imports, config, plan, card, fsync.
+The quick start's tiny merges (examples/linear.yml, frankenmerge.yml, ties and dare_ties configs), nearly all
+start-up, took 1.3-1.5 s of wall time on the 2-core bench VM at a load of 1-2 and up to 4.5 s at a load of 4-5
+(other jobs), with and without numba's cache (`python bench/plan_accuracy.py --demo --runs 3 [--empty-cache]`);
+bench/README.md's 1b runs show ~3.5 s before the first read at full rate (`vmstat 1`), and a cold torch import
+alone takes 2.5-4 s. 2.2 s keeps 1.1-4.4 s within 2x."""
+
+BENCH_WORKERS = 2
+"""Workers of the runs that gave the rates below (the default: one per core of the 2-core bench VM)."""
+
+BENCH_INPUTS = 3
+"""Inputs per merged tensor in those runs (benchlib.make_config: base + 2 models, or 3 models)."""
+
+BENCH_ENTRIES = 1_100_048_384
+"""Entries of the 1b bench model (bench/make_models.py --size 1b: TinyLlama-1.1B's shape)."""
+
+
+BENCH_LARGE_ENTRIES = 2 * 32_000 * 2048
+"""Entries of the 1b model's tensors over IDS_MAX_ENTRIES: its embedding and its (untied) output matrix."""
+
+SELECTION_TABLE_EXTRA = (26.1 - 20.3) / (BENCH_LARGE_ENTRIES * BENCH_INPUTS)
+"""Seconds more per input entry of TIES' selection on tensors over introsort_replay.IDS_MAX_ENTRIES, which follow
+their cut keys through a table rather than by ids: single cold runs of `mergesmith merge 1b-ties.yml` took 20.3 s
+with ids for every tensor and 26.1 s with the cap (bench/README.md, "Fifth round"). A small model's embedding is
+a larger share of it (0.25b: a quarter of the entries, 1b: an eighth), so one rate per entry would not serve both."""
+
+
+def _rate(wall_s: float, large_extra: float = 0.0) -> float:
+    """Seconds per input entry of a 1b bench merge that took `wall_s` (wall+sync) in all, less the extra its large
+    tensors cost at `large_extra` an input entry."""
+    return (wall_s - STARTUP_S - large_extra * BENCH_LARGE_ENTRIES * BENCH_INPUTS) / (BENCH_ENTRIES * BENCH_INPUTS)
+
+
+SECONDS_PER_INPUT_ENTRY = {
+    # `python bench/compare_mergekit.py --with-mergekit --size 1b --methods linear,ties --runs 3 --mergekit-runs 1
+    # --floor-runs 2`, commit e47f56d, idle machine (bench/README.md, "Fifth round"): linear 9.0 s, ties 28.4 s
+    "linear": _rate(9.0),
+    "ties": _rate(28.4, SELECTION_TABLE_EXTRA),
+    # the same command with `--methods dare_ties` on commit 4d2dc51 (bench/README.md, "Fifth round"): 15.3 s
+    "dare_ties": _rate(15.3),
+    # `python bench/compare_mergekit.py --with-mergekit --size 1b --methods ...,dare_linear,della --runs 3
+    # --mergekit-runs 1 --floor-runs 2` (bench/README.md, "Fourth round"): dare_linear 15.4 s, della 27.6 s
+    "dare_linear": _rate(15.4),
+    "della": _rate(27.6),
+}
+"""Wall seconds per input entry beyond start-up, by method, at BENCH_WORKERS workers."""
+
+FIRST_COMPILE_S = {"bf16_mix": 1.0, "introsort_replay": 9.6, "keyed_kernels": 2.2}
+"""What an empty numba cache added to a merge, by kernel group: `python bench/first_run.py --size 0.25b --rounds 1
+--old` (2026-11-26 19:47 UTC, load 0.5) timed the first merge with an empty cache against one with the cache
+filled: ties 18.2 against 7.6 s (+10.6 s: bf16_mix and introsort_replay, split by their compile times, 1.9 and
+17.2 s timed ad hoc by their `warm()`), dare_ties 6.3 against 4.1 s (+2.2 s: keyed_kernels). The compile runs
+beside the merge, so a smaller merge (which ends first) pays less of it: an upper bound there."""
+
+LIKE = {
+    "breadcrumbs_ties": "ties",  # the same magnitude selection and sign consensus
+    "breadcrumbs": "ties",
+    "della_linear": "della",
+}
+"""Methods not benched, and the benched method whose work they share."""
+
+
+def seconds_per_input_entry(method: str | None) -> float:
+    """The rate of `method`: its own, a like method's, or linear's (the plain elementwise methods, I/O-bound)."""
+    name = LIKE.get(method or "", method or "")
+    return SECONDS_PER_INPUT_ENTRY.get(name, SECONDS_PER_INPUT_ENTRY["linear"])
+
+
+def _recipe_seconds(method: str | None, entries: int, inputs: int) -> float:
+    rate = seconds_per_input_entry(method)
+    if LIKE.get(method or "", method) == "ties" and entries > IDS_MAX_ENTRIES:
+        rate += SELECTION_TABLE_EXTRA
+    return entries * inputs * rate
+
+
+def compute_seconds(plan: Plan, threads: int) -> float:
+    """The merged tensors' work at the bench's rates, for `threads` workers (no more than this machine's cores)."""
+    work = sum(_recipe_seconds(r.method, r.numel(), len(r.inputs)) for r in plan.recipes if r.op == "merge")
+    workers = max(1, min(threads, os.cpu_count() or 1))
+    return work * BENCH_WORKERS / workers
+
+
+def first_compile_seconds(plan: Plan, device: str) -> float:
+    """The extra time of the kernel groups this merge would compile (on the CPU, with numba's cache lacking them)."""
+    if device != "cpu":
+        return 0.0
+    return sum(FIRST_COMPILE_S.get(g.name, 0.0) for g in kernel_groups(plan.recipes) if not g.cached())
+
+
+def estimate_seconds(
+    plan: Plan, read_rate: float, write_rate: float, threads: int, device: str = "cpu"
+) -> dict[str, float]:
+    """The estimate and its parts (`startup`, `io`, `compute`, `first_compile`, `total`), rates in bytes/s (0:
+    unknown)."""
+    est = plan.estimate
+    assert est is not None
+    io = (est.bytes_read / read_rate if read_rate > 0 else 0.0) + (
+        est.bytes_written / write_rate if write_rate > 0 else 0.0
+    )
+    compute = compute_seconds(plan, threads)
+    first = first_compile_seconds(plan, device)
+    total = STARTUP_S + max(io, compute) + first
+    return {"startup": STARTUP_S, "io": io, "compute": compute, "first_compile": first, "total": total}

@@ -1,0 +1,123 @@
+"""No merge waits for a kernel compile (issue 29, item 4): compiled.KernelGroup answers at once, and a merge run
+while the groups are still compiling takes the uncompiled paths and writes the same bytes as one run compiled.
+
+Outside the tests a group that is not ready is never waited for; the suite sets MERGESMITH_KERNELS=wait
+(conftest.py), so the tests here that need the default remove it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mergesmith.methods import bf16_mix, compiled, introsort_replay, keyed_kernels
+
+pytestmark = pytest.mark.skipif(not compiled.AVAILABLE, reason="numba is not installed")
+
+GROUPS = (bf16_mix, introsort_replay, keyed_kernels)
+
+
+class _Counted(compiled.KernelGroup):
+    """Counts the methods' questions (each one a dispatch that took the uncompiled path while not ready)."""
+
+    asked = 0
+
+    def ready(self, entries: int) -> bool:
+        self.asked += 1
+        return super().ready(entries)
+
+
+def _held(name: str) -> tuple[_Counted, threading.Event]:
+    """A group whose 'compile' lasts until the event is set."""
+    release = threading.Event()
+    return _Counted(name, lambda: release.wait(30) or None), release
+
+
+def test_ready_answers_at_once_and_starts_the_compile(monkeypatch):
+    monkeypatch.delenv(compiled.WAIT_ENV, raising=False)
+    group, release = _held("held")
+    assert group.ready(compiled.START_ENTRIES - 1) is False  # too small a tensor to start the compile
+    assert group._thread is None
+    assert group.ready(compiled.START_ENTRIES) is False  # a wait here would last 30 s: the test's duration says not
+    assert group._thread is not None and group._thread.is_alive()
+    assert group.ready(1) is False
+    release.set()
+    assert group.wait() is True
+    assert group.ready(1) is True
+    assert group.error is None
+
+
+def test_a_failed_compile_leaves_the_uncompiled_path_in_use(monkeypatch):
+    monkeypatch.delenv(compiled.WAIT_ENV, raising=False)
+
+    def broken() -> None:
+        raise RuntimeError("no compiler here")
+
+    group = compiled.KernelGroup("broken", broken)
+    group.ready(compiled.START_ENTRIES)
+    assert group.wait() is False
+    assert group.ready(compiled.START_ENTRIES) is False
+    assert isinstance(group.error, RuntimeError)
+
+
+def test_wait_mode_waits_for_the_compile(monkeypatch):
+    monkeypatch.setenv(compiled.WAIT_ENV, "wait")
+    done = []
+    group = compiled.KernelGroup("slow", lambda: done.append(1))
+    assert group.ready(1) is True
+    assert done == [1]
+
+
+@pytest.mark.parametrize("method", ["ties", "dare_ties"])
+def test_a_merge_does_not_wait_for_compiles_and_writes_the_compiled_bytes(tiny_models, tmp_path, monkeypatch, method):
+    from mergesmith import merge
+    from mergesmith.engine import executor
+    from mergesmith.methods import sort_select
+    from tests.helpers import read_state_dict
+
+    # these models' tensors are smaller than the bounds
+    monkeypatch.setattr(sort_select, "REPLAY_MIN_ENTRIES", 256)
+    monkeypatch.setattr(compiled, "START_ENTRIES", 256)
+    monkeypatch.setattr(executor, "START_ENTRIES", 256)
+    base = tiny_models("llama", seed=1)
+    config = {
+        "merge_method": method,
+        "base_model": str(base),
+        "models": [
+            {"model": str(tiny_models.derive(base, seed=s, scale=0.01)), "parameters": {"density": 0.5, "weight": 0.5}}
+            for s in (2, 3)
+        ],
+        "parameters": {"normalize": True},
+        "dtype": "bfloat16",
+    }
+    assert all(module.warm() for module in GROUPS)
+    merge(config, tmp_path / "compiled", random_seed=7)
+
+    monkeypatch.delenv(compiled.WAIT_ENV, raising=False)
+    held = {module: _held(module.__name__) for module in GROUPS}
+    for module, (group, _) in held.items():
+        monkeypatch.setattr(module, "KERNELS", group)
+    merge(config, tmp_path / "uncompiled", random_seed=7)
+    # the merge asked for the groups it uses and finished while they were still compiling
+    used = [bf16_mix, introsort_replay] if method == "ties" else [keyed_kernels]
+    for module in used:
+        group, _ = held[module]
+        assert group.asked > 0, module.__name__
+        assert group._thread is not None and group._thread.is_alive()
+        assert not group.ready(1)
+    for group, release in held.values():
+        release.set()
+        group.wait()
+
+    a, b = read_state_dict(tmp_path / "compiled"), read_state_dict(tmp_path / "uncompiled")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype
+        assert a[name].view(-1).view(dtype=_int_of(a[name])).equal(b[name].view(-1).view(dtype=_int_of(b[name]))), name
+
+
+def _int_of(t):
+    import torch
+
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
