@@ -230,6 +230,7 @@ def test_merge_at_a_terminal_draws_its_bar_and_says_where_the_model_is(inputs: d
     frames = merge_bar(screen)
     assert re.search(r"merging (\d+)/\1 tensors", frames[-1]), frames  # the last frame: every tensor
     assert CURSOR_CONTROL.search(screen.raw), "a terminal gets a redrawn bar"
+    assert re.search(r"\d+\.\d MB/s", frames[-1]), frames  # a merge shorter than rich's speed window has a rate too
     assert (out / "config.json").is_file()
 
 

@@ -39,8 +39,13 @@ BAR_WIDTH = 40  # rich's own default, where the terminal has room for it
 
 
 class _RateColumn(ProgressColumn):
+    """Bytes written per second. rich's own speed needs samples a second apart, so a merge that ends sooner
+    (the quick start's) would end on `- MB/s`: a finished task shows its average over the time it ran."""
+
     def render(self, task: Task) -> Text:
         speed = task.finished_speed or task.speed
+        if not speed and task.finished and task.elapsed:
+            speed = task.completed / task.elapsed
         return Text(f"{speed / 1e6:7.1f} MB/s" if speed else "      - MB/s", style="cyan")
 
 
