@@ -116,20 +116,38 @@ class FittingProgress(Progress):
         return total
 
 
-class MergeProgress:
+class _LiveBar:
+    """What the live bars share: drawn on an interactive stderr only (a pipe, a file or TERM=dumb cannot be
+    redrawn, and would keep one stale bar where an error must be one line), stopped once, and a failure of
+    rich's refresh thread raised here, where display/guard.py turns it into one warning."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.console = Console(stderr=True)
+        self.enabled = enabled and self.console.is_terminal and not self.console.is_dumb_terminal
+        self._progress: FittingProgress | None = None
+        self._task: Any = None
+
+    def __enter__(self) -> Any:
+        return self
+
+    def close(self) -> None:
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.stop()
+            progress.raise_failure()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class MergeProgress(_LiveBar):
     """Context manager fed by the executor's progress events; silent when disabled or not an interactive
     terminal (a pipe, a file, TERM=dumb: there rich cannot redraw, and would print one stale bar when the
     merge ends or fails, breaking the promise that an error is exactly one line on stderr)."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self.console = Console(stderr=True)
-        self.enabled = enabled and self.console.is_terminal and not self.console.is_dumb_terminal
-        self._progress: FittingProgress | None = None
-        self._task: Any = None
+        super().__init__(enabled)
         self._last = 0.0
-
-    def __enter__(self) -> MergeProgress:
-        return self
 
     def start(self, plan: Plan) -> None:
         self.close()  # a multi-stage run starts one bar per stage, and rich allows one live display at a time
@@ -166,30 +184,16 @@ class MergeProgress:
         self._progress.update(self._task, completed=event.bytes_written, done=event.tensors_done)
         self._progress.raise_failure()
 
-    def close(self) -> None:
-        progress, self._progress = self._progress, None
-        if progress is not None:
-            progress.stop()
-            progress.raise_failure()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
-class CountProgress:
+class CountProgress(_LiveBar):
     """A bar over a count (`label ━━━ 3/12 unit`) for steps fed `(done, total)`: the MoE router pass over
     prompts, LoRA extraction over modules. Drawn on an interactive terminal only, from the first update."""
 
     def __init__(self, label: str, unit: str, enabled: bool = True) -> None:
+        super().__init__(enabled)
         self.label = label
         self.unit = unit
-        self.console = Console(stderr=True)
-        self.enabled = enabled and self.console.is_terminal and not self.console.is_dumb_terminal
-        self._progress: FittingProgress | None = None
-        self._task: Any = None
-
-    def __enter__(self) -> CountProgress:
-        return self
 
     def update(self, done: int, total: int) -> None:
         if not self.enabled:
@@ -206,14 +210,6 @@ class CountProgress:
         self._progress.update(self._task, completed=done, total=total)
         self._progress.raise_failure()
 
-    def close(self) -> None:
-        progress, self._progress = self._progress, None
-        if progress is not None:
-            progress.stop()
-            progress.raise_failure()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 class StageProgress:

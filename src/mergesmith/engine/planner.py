@@ -15,6 +15,7 @@ from ..config import MergeConfiguration, Parameters, dump_config
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import is_float, parse_config_dtype
+from ..io.model_files import TOKENIZER_FILES
 from ..io.references import tokenizer_root
 from ..methods import MethodSpec, require_method
 from ..methods.keyed_random import STREAM_NAME as KEYED_STREAM
@@ -33,7 +34,7 @@ from .architecture import (
 )
 from .parameters import is_missing, resolve
 from .plan import Estimate, InputRef, Plan, ShardPlan, TensorRecipe
-from .planning import TOKENIZER_FILES, MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
+from .planning import MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,6 @@ from ..io.lora_cache import LoraMerge
 from ..runtime.devices import resolve_device
 from .plan import Estimate, InputRef, ShardPlan, TensorRecipe
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 DEFAULT_SHARD_SIZE = 5_000_000_000
 
 

@@ -177,7 +177,7 @@ def completion_marker(plan: Plan) -> str:
 def _owned_outputs(out_dir: Path) -> list[Path]:
     """Files a merge writes (and so may remove with --overwrite); other files are left alone."""
     names = {"config.json", INDEX_NAME, "README.md", "generation_config.json", *CONFIG_NAMES}
-    from .planning import TOKENIZER_FILES
+    from ..io.model_files import TOKENIZER_FILES
 
     names.update(TOKENIZER_FILES)
     # config.json and the index go first: a directory that still has them must still have every shard.

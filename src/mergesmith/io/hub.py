@@ -30,21 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, OutputError
+from .model_files import CONFIG_FILES, TOKENIZER_FILES
 
-CONFIG_FILES = ("config.json", "generation_config.json")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "spiece.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 ADAPTER_FILES = ("adapter_config.json",)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"

@@ -22,22 +22,11 @@ from pathlib import Path
 from ..errors import ConfigError
 from .dtypes import from_torch, is_float, to_torch
 from .lora_adapter import LoraCheckpoint
+from .model_files import TOKENIZER_FILES
 from .safetensors_writer import ShardWriter, write_file_atomic
 
 MERGED_FILE = "model.safetensors"
 _DTYPE_NAMES = {"float32": "F32", "fp32": "F32", "float16": "F16", "fp16": "F16", "bfloat16": "BF16", "bf16": "BF16"}
-_SIDE_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
 
 
 @dataclass(frozen=True)
@@ -92,7 +81,7 @@ def merged_dir(ck: LoraCheckpoint, settings: LoraMerge, default_root: Path) -> P
 def _write(ck: LoraCheckpoint, target: Path, dtype: str | None) -> None:
     """The merged tensors (float ones in `dtype` when given), then config and tokenizer files; the weights
     file is renamed into place last of all, so its presence means the directory is complete."""
-    for name in _SIDE_FILES:
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
         source = Path(ck.tokenizer_root) / name
         if not source.is_file() and name == "generation_config.json":
             source = ck.root / name

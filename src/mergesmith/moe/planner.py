@@ -30,10 +30,11 @@ from ..engine.architecture import (
     ties_embeddings,
 )
 from ..engine.plan import MOE_CONFIG_NAME, Estimate, InputRef, Plan, TensorRecipe
-from ..engine.planning import TOKENIZER_FILES, MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
+from ..engine.planning import MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import dtype_size, is_float, parse_config_dtype
+from ..io.model_files import TOKENIZER_FILES
 from ..sizes import human_size
 from .arch import DENSE_MLP, OutputArchitecture, select_architecture
 from .card import moe_model_card

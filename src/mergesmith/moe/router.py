@@ -42,10 +42,11 @@ from typing import Any
 
 import torch
 
-from ..engine.planning import TOKENIZER_FILES, tensor_seed
+from ..engine.planning import tensor_seed
 from ..errors import CheckpointError
 from ..io import safe_fs
 from ..io.checkpoint import Checkpoint, TensorInfo, read_safetensors_header
+from ..io.model_files import TOKENIZER_FILES
 from ..runtime.cache_root import cache_root, open_cache_dir
 from .config import PROMPT_MODES, Expert
 

@@ -44,7 +44,7 @@ def transplant_donor(source: str | None) -> str | None:
 def plan_transplant(planner: Planner, recipes: list[TensorRecipe], source: str) -> TokenizerPlan:
     """Rewrite the embedding and lm_head recipes of a merge to transplant every input onto the donor's
     vocabulary before merging; the output gets the donor's tokenizer files, vocab size and token ids."""
-    from ..engine.planning import TOKENIZER_FILES
+    from ..io.model_files import TOKENIZER_FILES
 
     donor_ref = transplant_donor(source) or ""
     key = f"{planner.source}: `tokenizer_source`"

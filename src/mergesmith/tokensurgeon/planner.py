@@ -27,9 +27,10 @@ import yaml
 
 from ..engine.architecture import LM_HEAD_NAMES, embedding_for_head, find_layer_stack, ties_embeddings
 from ..engine.plan import OWN_CONFIG_NAME, InputRef, Plan, TensorRecipe
-from ..engine.planning import TOKENIZER_FILES, MergeOptions, cut_shards, estimate_plan, tensor_seed
+from ..engine.planning import MergeOptions, cut_shards, estimate_plan, tensor_seed
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
+from ..io.model_files import TOKENIZER_FILES
 from ..tokenizer.align import staging_root, write_atomic
 from .approximate import omp_block_bytes
 from .table import METHODS, NEEDS_DONOR, OP, TransplantTable, register
