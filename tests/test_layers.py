@@ -21,7 +21,7 @@ PACKAGE_DIR = Path(mergesmith.__file__).parent
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     (
         "face",
-        ("mergesmith", "python_api", "cli", "mergekit_flags", "display"),
+        ("mergesmith", "__main__", "python_api", "cli", "mergekit_flags", "display"),
         "argument handling (mergekit's flags included), the public API, progress displays",
     ),
     (

@@ -1,11 +1,18 @@
 """Merge methods: pure tensor math, one module per family, registered once with their parameters.
 
-Importing this package registers every built-in method.
+Importing this package registers every built-in method, then the methods of installed third-party
+packages: each entry point of the `mergesmith.methods` group names a function, called without arguments,
+that returns a MethodSpec or a sequence of them (see the README, "Adding a merge method as a package").
+Entry points are the packaging standard's plugin mechanism (importlib.metadata reads them); a plugin
+that fails to load, returns something else, or takes a name already registered is skipped, and the
+reason is given if its method is asked for: a broken plugin never stops a merge that does not use it.
 """
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable
+from importlib.metadata import entry_points
 
 from ..errors import ConfigError
 from . import (  # noqa: F401  (registration side effect)
@@ -37,10 +44,47 @@ __all__ = [
 ]
 
 
+PLUGIN_GROUP = "mergesmith.methods"
+# entry point name -> why it was not registered (said when a config asks for a method of that name)
+PLUGIN_PROBLEMS: dict[str, str] = {}
+
+
+def _plugin_specs(loaded: object) -> list[MethodSpec]:
+    """The MethodSpecs an entry point's function returned (TypeError for anything else)."""
+    result = loaded() if callable(loaded) else loaded
+    specs = [result] if isinstance(result, MethodSpec) else list(result) if isinstance(result, Iterable) else None
+    if specs is None or not specs or not all(isinstance(s, MethodSpec) for s in specs):
+        raise TypeError(f"it returned {type(result).__name__}, not a MethodSpec or a sequence of them")
+    return specs
+
+
+def _register_plugins() -> None:
+    for point in entry_points(group=PLUGIN_GROUP):
+        where = f"entry point `{point.name} = {point.value}`"
+        if point.dist is not None:
+            where += f" of the package {point.dist.metadata['Name']}"
+        try:
+            specs = _plugin_specs(point.load())
+            taken = [n for s in specs for n in (s.name, *s.aliases) if get_method(n) is not None]
+            if taken:
+                raise ValueError(f"{', '.join(map(repr, taken))} is already a merge method")
+        except Exception as exc:  # noqa: BLE001 - a third party's code: any failure only skips that plugin
+            PLUGIN_PROBLEMS[point.name] = f"the {where} was not loaded ({type(exc).__name__}: {exc})"
+            continue
+        for spec in specs:
+            register(spec)
+
+
+_register_plugins()
+
+
 def require_method(name: str, source: str = "config") -> MethodSpec:
-    """The registered method, or a ConfigError with a did-you-mean and the known names."""
+    """The registered method, or a ConfigError with a did-you-mean and the known names (and, where a
+    plugin of that name failed to load, why)."""
     spec = get_method(name)
     if spec is None:
+        if name in PLUGIN_PROBLEMS:
+            raise ConfigError(f"{source}: `merge_method`: unknown method {name!r}: {PLUGIN_PROBLEMS[name]}")
         hint = difflib.get_close_matches(name, method_names(), n=1)
         suggestion = f" (did you mean `{hint[0]}`?)" if hint else ""
         raise ConfigError(
