@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
+DISPLAY_ERRORS_ENV = "MERGESMITH_DISPLAY_ERRORS"
+
+
+def display_errors_raise() -> bool:
+    """Whether a progress display's failure is raised (`MERGESMITH_DISPLAY_ERRORS=raise`, as the test suite
+    sets it) rather than turned into one warning: the displays of every layer ask here, so one switch
+    serves display/guard.py and evolve's live table alike."""
+    return os.environ.get(DISPLAY_ERRORS_ENV, "").lower() == "raise"
+
 
 class MergesmithError(Exception):
     """A problem with the user's input or environment: printed as one line, exit code 2."""

@@ -11,16 +11,11 @@ is the error it is and no test passes over a broken display.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
-DISPLAY_ERRORS_ENV = "MERGESMITH_DISPLAY_ERRORS"
-
-
-def _raise_display_errors() -> bool:
-    return os.environ.get(DISPLAY_ERRORS_ENV, "").lower() == "raise"
+from ..errors import display_errors_raise
 
 
 class Guarded:
@@ -61,7 +56,7 @@ class Guarded:
         try:
             return method(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - see the module docstring; the tests' switch re-raises
-            if _raise_display_errors():
+            if display_errors_raise():
                 raise
             self.failed = True
             self._shut()

@@ -7,15 +7,13 @@ test suite's MERGESMITH_DISPLAY_ERRORS=raise makes such a failure the error it i
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import click
 
+from ..errors import display_errors_raise
 from ..sizes import human_size
-
-DISPLAY_ERRORS_ENV = "MERGESMITH_DISPLAY_ERRORS"  # the name display/guard.py reads (a layer above this one)
 
 
 def _interactive_stdout() -> bool:
@@ -24,10 +22,6 @@ def _interactive_stdout() -> bool:
 
     console = Console()
     return console.is_terminal and not console.is_dumb_terminal
-
-
-def _h(n: float) -> str:
-    return human_size(n, digits=1)
 
 
 def estimate_lines(est: dict[str, Any]) -> list[str]:
@@ -93,7 +87,7 @@ class SearchDisplay:
             elif self.live is not None:
                 self.live.update(self._table())
         except Exception as exc:  # noqa: BLE001 - see the module docstring
-            if os.environ.get(DISPLAY_ERRORS_ENV, "").lower() == "raise":
+            if display_errors_raise():
                 raise
             try:
                 self.close()
