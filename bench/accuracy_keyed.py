@@ -17,10 +17,10 @@ import math
 
 import torch
 
+from mergesmith.kernels.keyed_random import MaskStream
+from mergesmith.kernels.reductions import total
 from mergesmith.methods import get_method
 from mergesmith.methods.keyed_merge import Vector, keep_flags
-from mergesmith.methods.keyed_random import MaskStream
-from mergesmith.methods.reductions import total
 from mergesmith.methods.registry import MergeInputs
 from mergesmith.methods.task_arithmetic import merge_task_vectors
 

@@ -2,7 +2,7 @@
 
 Why: numba compiles the kernels these methods use on their first use (2-20 s a module on this VM), and the cache
 it writes makes every later process's load ~0.1-0.4 s. A merge must not wait for that compile: until the compiled
-loops are ready it takes their uncompiled path (methods/compiled.py's KernelGroup). This script measures it as a
+loops are ready it takes their uncompiled path (kernels/compiled.py's KernelGroup). This script measures it as a
 new user meets it: each merge is a fresh `mergesmith merge` process (python and torch start-up included) on the
 quick start's tiny models, and each round gets a fresh, empty NUMBA_CACHE_DIR (numba's cache is nowhere else while
 that is set).
@@ -40,7 +40,7 @@ import benchlib as bl  # bench/ is on the path when a script here runs
 
 ROOT = Path(__file__).resolve().parent.parent
 FILL_CACHE = (
-    "from mergesmith.methods import bf16_mix, introsort_replay, keyed_kernels\n"
+    "from mergesmith.kernels import bf16_mix, introsort_replay, keyed_kernels\n"
     "for m in (bf16_mix, introsort_replay, keyed_kernels): m.warm()\n"
 )
 

@@ -1,4 +1,4 @@
-"""CPU time the NaN/inf check (engine/nonfinite.py) spends during a merge, against the merge's whole CPU time.
+"""CPU time the NaN/inf check (engine/execution/nonfinite.py) spends during a merge, against the merge's whole CPU time.
 
     python bench/nonfinite_cost.py CONFIG.yml RUNS [OUT_DIR]
 
@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from mergesmith.engine import nonfinite
+from mergesmith.engine.execution import nonfinite
 
 spent = [0.0, 0]
 lock = threading.Lock()

@@ -23,8 +23,9 @@ os.environ.setdefault("MERGESMITH_KERNELS", "wait")  # the compiled column must 
 import torch  # noqa: E402
 from profile_task_vectors import per_entry  # bench/ is on the path when a script here runs
 
-from mergesmith.methods import bf16_mix, keyed_merge, keyed_random, sort_select, task_arithmetic
-from mergesmith.methods.keyed_random import MaskStream
+from mergesmith.kernels import bf16_mix, keyed_random, sort_select
+from mergesmith.kernels.keyed_random import MaskStream
+from mergesmith.methods import keyed_merge, task_arithmetic
 
 
 def main() -> None:

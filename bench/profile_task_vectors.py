@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 import torch
 
+from mergesmith.kernels.keyed_random import MaskStream
+from mergesmith.kernels.reductions import BlockedTotal
 from mergesmith.methods import get_method
 from mergesmith.methods import keyed_merge as km
-from mergesmith.methods.keyed_random import MaskStream
-from mergesmith.methods.reductions import BlockedTotal
 from mergesmith.methods.registry import MergeInputs
 from mergesmith.methods.task_arithmetic import merge_task_vectors
 

@@ -16,7 +16,7 @@ import tracemalloc
 
 import torch
 
-from mergesmith.methods import sort_select
+from mergesmith.kernels import sort_select
 
 
 def main() -> None:

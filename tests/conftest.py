@@ -20,7 +20,7 @@ os.environ["MERGESMITH_CACHE_DIR"] = tempfile.mkdtemp(prefix="mergesmith-test-ca
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # a merge's first use of a compiled kernel group waits for its compile here (merges outside the tests take the
 # uncompiled path meanwhile): the comparisons of the two paths must run the compiled one, and no compile may
-# outlive a test (methods/compiled.py)
+# outlive a test (kernels/compiled.py)
 os.environ["MERGESMITH_KERNELS"] = "wait"
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # A progress display that fails is a warning for users (display/guard.py) and an error in tests, also in the

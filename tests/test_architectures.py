@@ -21,8 +21,8 @@ import pytest
 import torch
 import yaml
 
-from mergesmith.engine.architecture import PER_LAYER_KEYS
-from mergesmith.engine.planning import MergeOptions
+from mergesmith.engine.planning.architecture import PER_LAYER_KEYS
+from mergesmith.engine.planning.shared import MergeOptions
 from mergesmith.engine.run import run_merge
 from tests.helpers import DEFAULT_TOKEN_IDS, read_state_dict
 
@@ -282,7 +282,7 @@ def test_deepseek_dense_layer_after_moe_layers_is_refused_at_plan_time(tmp_path,
 
 
 def test_index_decided_layer_kinds_are_rewritten_for_slices():
-    from mergesmith.engine.architecture import LayerMapError, rewrite_config
+    from mergesmith.engine.planning.architecture import LayerMapError, rewrite_config
 
     # qwen2_moe: every 2nd layer sparse by index; slices make that pattern wrong, so the dense ones are listed
     qwen = {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}

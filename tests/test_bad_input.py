@@ -574,12 +574,12 @@ def test_internal_error_is_one_line_with_a_hint(
 ) -> None:
     """A bug (not the user's fault) exits 1 with one line and a hint to use -v; the traceback is
     shown with -v; the half-written output never looks complete."""
-    import mergesmith.engine.executor
+    import mergesmith.engine.execution.local_executor
 
     def broken_compute(recipe: Any, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"simulated bug while merging {recipe.name}")
 
-    monkeypatch.setattr(mergesmith.engine.executor, "compute", broken_compute)
+    monkeypatch.setattr(mergesmith.engine.execution.local_executor, "compute", broken_compute)
     cfg = linear_config(tmp_path, llama, llama2)
     out = tmp_path / "out"
     code, _, err = run_cli(capsys, "merge", cfg, out, "-q")

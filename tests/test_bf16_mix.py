@@ -12,7 +12,8 @@ import itertools
 import pytest
 import torch
 
-from mergesmith.methods import bf16_mix, task_arithmetic
+from mergesmith.kernels import bf16_mix
+from mergesmith.methods import task_arithmetic
 
 pytestmark = pytest.mark.skipif(not bf16_mix.AVAILABLE, reason="numba is not installed")
 
@@ -114,8 +115,8 @@ def test_keep_masked_gives_torch_bytes(monkeypatch):
 def test_warm_loads_the_loops_a_ties_merge_uses():
     """The executor warms these on a thread of its own for task-vector merges; the calls must be consistent
     inputs (a table replay given positions that do not hold the followed key would never end)."""
-    from mergesmith.engine.executor import TASK_VECTOR_METHODS
-    from mergesmith.methods import introsort_replay
+    from mergesmith.engine.execution.kernel_warmup import TASK_VECTOR_METHODS
+    from mergesmith.kernels import introsort_replay
 
     bf16_mix.warm()
     introsort_replay.warm()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from mergesmith.engine import blocks
+from mergesmith.engine.execution import blocks
 from mergesmith.engine.plan import InputRef, TensorRecipe
-from mergesmith.engine.planning import MergeOptions, recipe_memory
+from mergesmith.engine.planning.shared import MergeOptions, recipe_memory
 from mergesmith.engine.run import run_merge
 from tests.helpers import read_state_dict, weight_files
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mergesmith.config import ConditionalParameter, load_config, parse_config
-from mergesmith.engine.parameters import evaluate_setting, interpolate_gradient, is_missing, resolve
+from mergesmith.engine.planning.parameters import evaluate_setting, interpolate_gradient, is_missing, resolve
 from mergesmith.errors import ConfigError
 
 

@@ -11,7 +11,7 @@ import yaml
 from safetensors.torch import load_file
 
 from mergesmith.config import parse_config
-from mergesmith.engine.planning import MergeOptions
+from mergesmith.engine.planning.shared import MergeOptions
 from mergesmith.engine.run import run_merge
 from mergesmith.errors import ConfigError
 from tests.helpers import run_cli

@@ -1,4 +1,4 @@
-"""Reading inputs around the page cache (io.direct_read) and ahead of the workers (engine.input_feed).
+"""Reading inputs around the page cache (io.direct_read) and ahead of the workers (engine.execution.input_feed).
 
 What must hold: the bytes of any range, at any alignment, are exactly the file's, whether they come
 around the cache, from the cache, or through a filesystem that refuses O_DIRECT; the pool never holds
@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergesmith.engine.executor import compute
-from mergesmith.engine.input_feed import MERGE, InputFeed, open_feed, part_of
+from mergesmith.engine.execution.input_feed import MERGE, InputFeed, open_feed, part_of
+from mergesmith.engine.execution.local_executor import compute
 from mergesmith.engine.plan import InputRef, TensorRecipe
 from mergesmith.io import direct_read, direct_write
 from mergesmith.io.checkpoint import Checkpoint
@@ -357,8 +357,8 @@ def test_compute_from_fed_blocks_equals_compute_from_the_map(tmp_path: Path) -> 
 def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
     tmp_path: Path, tiny_models, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
-    from mergesmith.engine import blocks
-    from mergesmith.engine import input_feed as input_stream
+    from mergesmith.engine.execution import blocks
+    from mergesmith.engine.execution import input_feed as input_stream
     from mergesmith.engine.run import MergeOptions, build_plan, run_merge
 
     monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 64)  # tiny tensors in many row blocks
@@ -393,7 +393,7 @@ def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
         fed_blocks.append(len(feed) if feed is not None else 0)
         return feed
 
-    monkeypatch.setattr("mergesmith.engine.executor.open_feed", counting)
+    monkeypatch.setattr("mergesmith.engine.execution.local_executor.open_feed", counting)
     monkeypatch.setenv(input_stream.SECOND_READ_ENV, "disk")  # tiny files: the probe could not tell
     run_merge(path, tmp_path / "fed", MergeOptions(random_seed=7))  # DARE and DELLA: the same masks both times
     recipes = build_plan(path, MergeOptions())[0].recipes
@@ -511,7 +511,7 @@ def test_fed_inputs_go_back_as_soon_as_they_are_spent(tmp_path: Path, compute_dt
 
 
 def test_the_second_read_follows_the_environment_or_else_the_disks_measured_rate(monkeypatch: pytest.MonkeyPatch):
-    from mergesmith.engine import input_feed
+    from mergesmith.engine.execution import input_feed
 
     monkeypatch.delenv(input_feed.SECOND_READ_ENV, raising=False)
     fast, slow = (lambda: 2 * input_feed.REREAD_MIN_RATE), (lambda: input_feed.REREAD_MIN_RATE / 4)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from mergesmith.engine.planning import MergeOptions
+from mergesmith.engine.planning.shared import MergeOptions
 from mergesmith.engine.run import run_merge
 from mergesmith.errors import ConfigError
 from tests.helpers import finite_logits, load_causal_lm, read_state_dict

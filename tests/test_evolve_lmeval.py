@@ -101,7 +101,7 @@ def test_lm_eval_task_scores_equal_simple_evaluate(tmp_path, task_dir, in_memory
     """In memory (HFLM given the model object) and on disk (pretrained=DIR), with the harness's own
     `limit` and `num_fewshot` passed through: each journaled score is what simple_evaluate says."""
     from mergesmith.config import parse_config
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.engine.run import run_merge
 
     result = run_search(genome(tmp_path), tmp_path / "s", SearchOptions(

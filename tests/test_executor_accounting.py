@@ -8,8 +8,8 @@ from typing import Any
 
 import yaml
 
-from mergesmith.engine.executor import ProgressEvent
-from mergesmith.engine.planning import MergeOptions
+from mergesmith.engine.execution.local_executor import ProgressEvent
+from mergesmith.engine.planning.shared import MergeOptions
 from mergesmith.engine.run import run_merge
 from mergesmith.errors import MergeInterrupted
 
@@ -77,7 +77,7 @@ def _record_budgets(monkeypatch: Any) -> list[Any]:
     """Every MemoryBudget the executor makes, and each recipe slowed a little so that threads overlap."""
     import time
 
-    from mergesmith.engine import executor
+    from mergesmith.engine.execution import local_executor as executor
 
     budgets: list[Any] = []
 
@@ -111,7 +111,7 @@ def _record_budgets(monkeypatch: Any) -> list[Any]:
 
 
 def test_the_memory_budget_bounds_the_bytes_in_flight(tmp_path: Path, tiny_models: Any, monkeypatch: Any) -> None:
-    from mergesmith.engine.planning import automatic_budget, recipe_memory
+    from mergesmith.engine.planning.shared import automatic_budget, recipe_memory
 
     cfg = _linear_config(tmp_path, tiny_models)
     budgets = _record_budgets(monkeypatch)
@@ -138,7 +138,7 @@ def test_the_memory_budget_bounds_the_bytes_in_flight(tmp_path: Path, tiny_model
 
 
 def test_automatic_budget_lets_the_giants_take_turns_but_not_alike_tensors() -> None:
-    from mergesmith.engine.planning import automatic_budget
+    from mergesmith.engine.planning.shared import automatic_budget
 
     assert automatic_budget([10] * 8, 4) == 40  # tensors all alike: four at a time
     # llama-like: embedding and head of 100, MLP matrices of 18, attention of 6 (size-weighted median: 18)
@@ -155,7 +155,7 @@ def test_the_largest_recipes_take_turns_while_smaller_ones_fill_the_other_thread
     executor looks past the one that waits, so the other thread keeps merging layer tensors meanwhile."""
     import time
 
-    from mergesmith.engine import executor
+    from mergesmith.engine.execution import local_executor as executor
 
     lock = threading.Lock()
     active: set[str] = set()
@@ -191,7 +191,7 @@ def test_inputs_leave_the_page_cache_only_when_they_exceed_the_memory_room(
     import mmap
     import os
 
-    from mergesmith.engine import executor
+    from mergesmith.engine.execution import local_executor as executor
     from mergesmith.io.checkpoint import Checkpoint
 
     monkeypatch.setenv("MERGESMITH_DIRECT_IO", "0")  # every input read through the maps

@@ -30,7 +30,7 @@ import pytest
 import torch
 import yaml
 
-from mergesmith.engine.planning import MergeOptions
+from mergesmith.engine.planning.shared import MergeOptions
 from mergesmith.engine.run import run_merge
 from tests.helpers import read_state_dict
 from tests.model_factory import make_model, make_sentencepiece_tokenizer

@@ -107,7 +107,8 @@ def test_the_merge_command_records_its_imports_and_reads_them_ahead_next_time(
         main(["merge", str(config), str(tmp_path / "out"), "-q"])
     assert done.value.code == 0
     recorded = import_manifest.manifest_path().read_text().splitlines()
-    assert _read_by_import("mergesmith.engine.executor") in recorded and _read_by_import("torch") in recorded
+    assert _read_by_import("mergesmith.engine.execution.local_executor") in recorded
+    assert _read_by_import("torch") in recorded
     started: list[list[threading.Thread]] = []
     real = import_manifest.read_ahead
     monkeypatch.setattr(import_manifest, "read_ahead", lambda: started.append(real()) or started[-1])

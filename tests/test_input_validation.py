@@ -458,7 +458,7 @@ def test_output_made_non_finite_by_the_merge_is_reported_at_the_end(
 def test_count_nonfinite_is_exact() -> None:
     import torch
 
-    from mergesmith.engine.nonfinite import count_nonfinite
+    from mergesmith.engine.execution.nonfinite import count_nonfinite
 
     x = torch.zeros(1000)
     assert count_nonfinite(x) == 0
@@ -579,7 +579,7 @@ def test_map_guard_leaves_other_sigbus_alone() -> None:
 def test_strict_refuses_nan_in_an_input_on_ray(tmp_path: Path, poisoned: Path, tuned: list[Path]) -> None:
     """The Ray executor's workers run the same check; --strict reaches them (their warnings stay there)."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'mergesmith[ray]')")
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.engine.run import run_merge
     from mergesmith.errors import CheckpointError
 

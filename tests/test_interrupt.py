@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from mergesmith.cli import main
-from mergesmith.engine.executor import ProgressEvent
-from mergesmith.engine.planning import MergeOptions
+from mergesmith.engine.execution.local_executor import ProgressEvent
+from mergesmith.engine.planning.shared import MergeOptions
 from mergesmith.engine.run import build_plan, run_merge
 from mergesmith.errors import MergeInterrupted
 from mergesmith.io.journal import STATE_DIR, STATE_TOP, Journal

@@ -38,7 +38,7 @@ def test_the_setting_comes_back_when_the_merge_fails(monkeypatch):
 
 
 def test_a_merge_runs_its_workers_with_the_shared_count_and_leaves_torch_as_it_was(tiny_models, tmp_path, monkeypatch):
-    from mergesmith.engine import executor
+    from mergesmith.engine.execution import local_executor as executor
     from mergesmith.engine.run import MergeOptions, run_merge
 
     monkeypatch.setattr(intra_op_threads, "usable_cores", lambda: 2 * torch.get_num_threads() + 2)

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from mergesmith.methods import bf16_mix, compiled, introsort_replay, keyed_kernels
+from mergesmith.kernels import bf16_mix, compiled, introsort_replay, keyed_kernels
 
 pytestmark = pytest.mark.skipif(not compiled.AVAILABLE, reason="numba is not installed")
 
@@ -72,14 +72,14 @@ def test_wait_mode_waits_for_the_compile(monkeypatch):
 @pytest.mark.parametrize("method", ["ties", "dare_ties"])
 def test_a_merge_does_not_wait_for_compiles_and_writes_the_compiled_bytes(tiny_models, tmp_path, monkeypatch, method):
     from mergesmith import merge
-    from mergesmith.engine import executor
-    from mergesmith.methods import sort_select
+    from mergesmith.engine.execution import kernel_warmup
+    from mergesmith.kernels import sort_select
     from tests.helpers import read_state_dict
 
     # these models' tensors are smaller than the bounds
     monkeypatch.setattr(sort_select, "REPLAY_MIN_ENTRIES", 256)
     monkeypatch.setattr(compiled, "START_ENTRIES", 256)
-    monkeypatch.setattr(executor, "START_ENTRIES", 256)
+    monkeypatch.setattr(kernel_warmup, "START_ENTRIES", 256)
     base = tiny_models("llama", seed=1)
     config = {
         "merge_method": method,

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from mergesmith.methods import keyed_kernels, keyed_merge
-from mergesmith.methods.keyed_random import MaskStream
+from mergesmith.kernels import keyed_kernels
+from mergesmith.kernels.keyed_random import MaskStream
+from mergesmith.methods import keyed_merge
 
 pytestmark = pytest.mark.skipif(not keyed_kernels.AVAILABLE, reason="numba is not installed")
 
@@ -107,7 +108,7 @@ def test_the_loops_run_without_the_gil():
 def test_compiled_philox_gives_numpys_draws(monkeypatch):
     """keyed_kernels.philox_draws against numpy's Philox generator, at starts and lengths that cut its blocks of
     eight draws and the keyed chunks anywhere, for several seeds (one above 2**63) and streams."""
-    from mergesmith.methods import keyed_random
+    from mergesmith.kernels import keyed_random
 
     rng = np.random.default_rng(0)
     cases = [(0, 0), (0, 1), (1, 1), (3, 4), (7, 9), (keyed_random.CHUNK - 3, 10), (5, 3 * keyed_random.CHUNK + 11)]

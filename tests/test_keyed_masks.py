@@ -1,6 +1,6 @@
 """DARE and DELLA masks from the keyed stream: right statistics, and the same bytes however the work is cut.
 
-The executor hands DARE/DELLA a counter-based stream (methods/keyed_random.py) instead of a sequential
+The executor hands DARE/DELLA a counter-based stream (kernels/keyed_random.py) instead of a sequential
 generator, so a tensor can be merged in row blocks: a totals pass gathers the task vectors' L1 norms, the
 second pass writes each block. What must hold: the drop keeps `density` of the entries (within sampling error),
 the rescale is the whole tensor's, and the output bytes do not depend on the block size, the thread count,
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from mergesmith.engine import blocks
+from mergesmith.engine.execution import blocks
+from mergesmith.kernels.keyed_random import CHUNK, MaskStream
+from mergesmith.kernels.reductions import BlockedTotal, total
 from mergesmith.methods import get_method, keyed_merge
-from mergesmith.methods.keyed_random import CHUNK, MaskStream
-from mergesmith.methods.reductions import BlockedTotal, total
 from mergesmith.methods.registry import MergeInputs
 
 KEYED = ("dare_ties", "dare_linear", "della", "della_linear")
@@ -182,7 +182,7 @@ def three_models(tiny_models):
 
 def _run(method, models, out: Path, *, threads=1, max_memory=None, stop_after=None, shard=40_000):
     from mergesmith.config import parse_config
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.engine.run import run_merge
 
     base, a, b = models
@@ -216,7 +216,7 @@ def _run(method, models, out: Path, *, threads=1, max_memory=None, stop_after=No
 
 @pytest.mark.parametrize("method", ["dare_ties", "della"])
 def test_same_bytes_whole_blocked_threads_budget_and_resume(method, three_models, tmp_path, monkeypatch):
-    from mergesmith.engine import executor
+    from mergesmith.engine.execution import local_executor as executor
     from mergesmith.errors import MergeInterrupted
 
     whole = _run(method, three_models, tmp_path / "whole")

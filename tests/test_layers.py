@@ -30,11 +30,19 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
         "one folder per feature: its config or arguments turned into plans, run through engine.run",
     ),
     ("run", ("engine.run",), "the output directory protocol: plan, execute, finish, resume"),
-    ("planners", ("engine.planner", "engine.module_planner", "engine.report", "engine.time_estimate"),
-     "merge configs -> Plan; the report"),
+    (
+        "planners",
+        ("engine.planning.merge_planner", "engine.planning.module_planner", "engine.report", "engine.time_estimate"),
+        "merge configs -> Plan; the report",
+    ),
     (
         "execution",
-        ("engine.executor", "engine.ray_executor", "engine.input_feed", "engine.ops"),
+        (
+            "engine.execution.local_executor",
+            "engine.execution.ray_executor",
+            "engine.execution.input_feed",
+            "engine.execution.ops",
+        ),
         "running a Plan: local threads or Ray, the input feed, recipe operations",
     ),
     (
@@ -54,17 +62,18 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
         (
             "engine",
             "engine.plan",
-            "engine.planning",
-            "engine.blocks",
-            "engine.architecture",
+            "engine.planning.shared",
+            "engine.execution.blocks",
+            "engine.planning.architecture",
             "engine.card",
-            "engine.parameters",
-            "engine.nonfinite",
+            "engine.planning.parameters",
+            "engine.execution.nonfinite",
         ),
         "the Plan as data and what every planner shares: options, shards, estimates, layer stacks",
     ),
     ("config", ("config",), "the merge-config schema, reading it, checks against the methods' registry"),
     ("methods", ("methods",), "pure tensor math and the registry"),
+    ("kernels", ("kernels",), "the numerical machinery methods share: sort replay, keyed masks, compiled loops"),
     ("runtime", ("runtime",), "the process: devices, memory limits and release, caches, warm start"),
     ("io", ("io",), "checkpoints in, safetensors out, the journal, direct I/O, safe YAML"),
     ("base", ("errors", "_version", "sizes"), "error types, the version, byte counts as people read them"),
@@ -211,7 +220,8 @@ def test_the_cycle_finder_finds_cycles(monkeypatch: pytest.MonkeyPatch, source: 
 
 def test_an_upward_import_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     planted = {name: set(targets) for name, targets in GRAPH.items()}
-    planted["mergesmith.io.checkpoint"].add("mergesmith.engine.planner")
+    planted["mergesmith.io.checkpoint"].add("mergesmith.engine.planning.merge_planner")
     monkeypatch.setitem(globals(), "GRAPH", planted)
-    with pytest.raises(AssertionError, match="mergesmith.io.checkpoint \\(io\\) imports mergesmith.engine.planner"):
+    expected = "mergesmith.io.checkpoint \\(io\\) imports mergesmith.engine.planning.merge_planner"
+    with pytest.raises(AssertionError, match=expected):
         test_imports_only_go_down()

@@ -225,8 +225,8 @@ def test_ray_shard_task_never_writes_through_a_link(tmp_path: Path, models: Any)
     """The body of the Ray executor's shard task (run in-process here; on a cluster it runs the same
     code on a worker, against the shared filesystem)."""
     pytest.importorskip("ray")
-    from mergesmith.engine.planning import MergeOptions
-    from mergesmith.engine.ray_executor import _input_path, write_shard
+    from mergesmith.engine.execution.ray_executor import _input_path, write_shard
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.engine.run import build_plan
 
     victim = _victim(tmp_path)

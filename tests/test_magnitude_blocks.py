@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mergesmith.engine import blocks
-from mergesmith.methods import get_method, sort_select
+from mergesmith.engine.execution import blocks
+from mergesmith.kernels import sort_select
+from mergesmith.methods import get_method
 from mergesmith.methods.registry import MergeInputs
 
 RANKED = ("ties", "breadcrumbs", "breadcrumbs_ties")
@@ -132,7 +133,7 @@ def three_models(tiny_models):
 
 def _run(method, models, out: Path, dtype: str, *, threads=1, max_memory=None):
     from mergesmith.config import parse_config
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.engine.run import run_merge
 
     base, a, b = models
@@ -154,7 +155,7 @@ def _run(method, models, out: Path, dtype: str, *, threads=1, max_memory=None):
 
 @pytest.mark.parametrize("method,dtype", [("ties", "bfloat16"), ("ties", "float32"), ("breadcrumbs_ties", "bfloat16")])
 def test_executor_blocks_ranked_tensors_with_the_same_bytes(method, dtype, three_models, tmp_path, monkeypatch):
-    from mergesmith.engine import executor
+    from mergesmith.engine.execution import local_executor as executor
 
     whole = _run(method, three_models, tmp_path / "whole", dtype)
     monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 1024)  # the tiny embedding (256 x 32) now takes 8 blocks
@@ -198,7 +199,7 @@ def test_the_estimate_admits_the_bench_embedding_under_300mb():
     a base and two task vectors) under `--max-memory 300MB` was estimated (and used) at about 1 GB whole; blocked,
     its estimate is below the budget, so it no longer runs alone over it."""
     from mergesmith.engine.plan import InputRef, TensorRecipe
-    from mergesmith.engine.planning import recipe_memory
+    from mergesmith.engine.planning.shared import recipe_memory
 
     spec = get_method("ties")
     recipe = TensorRecipe(
@@ -214,7 +215,7 @@ def test_the_estimate_admits_the_bench_embedding_under_300mb():
 def test_a_replay_that_gives_up_merges_the_tensor_whole(three_models, tmp_path, monkeypatch):
     """The blocked selection reorders the only copy of the magnitudes; where the replay gives up (a spent depth
     budget: adversarial input, forced here) the executor merges that tensor whole instead, with the same bytes."""
-    from mergesmith.engine import executor
+    from mergesmith.engine.execution import local_executor as executor
 
     whole = _run("ties", three_models, tmp_path / "whole", "bfloat16")
     monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 1024)

@@ -39,7 +39,7 @@ import sys, time
 from pathlib import Path
 
 mode, hand, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
-from mergesmith.engine import executor
+from mergesmith.engine.execution import local_executor as executor
 
 if mode == "nowatch":  # the executor as it was: no memory watch
     executor.MemoryBudget.room = lambda self: None
@@ -166,7 +166,7 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import mergesmith
 
     mergesmith.merge_raw(config, root / "ref", out_shard_size="20M", threads=2)
-    from mergesmith.engine.planning import MergeOptions, automatic_budget, recipe_memory
+    from mergesmith.engine.planning.shared import MergeOptions, automatic_budget, recipe_memory
     from mergesmith.raw.merge import build_raw_plan
 
     plan, _checkpoints = build_raw_plan(config, MergeOptions(threads=THREADS))

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from mergesmith.methods import reductions
+from mergesmith.kernels import reductions
 from tests.helpers import read_state_dict
 
 MILLION = 1 << 20
@@ -92,7 +92,7 @@ def pair(tiny_models: Any) -> tuple[Path, Path]:
 
 
 def _merge(tmp_path: Path, config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.engine.run import run_merge
 
     path = tmp_path / "config.yml"
@@ -152,7 +152,7 @@ def test_moe_hidden_gates_run_the_base_in_its_own_dtype(tmp_path: Path, tiny_mod
     dtype (float32 here): the router rows are the float32 residual states, measurably not the bf16 ones."""
     from transformers import AutoModelForCausalLM
 
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.moe import run_moe
 
     monkeypatch.setenv("MERGESMITH_CACHE_DIR", str(tmp_path / "cache"))

@@ -12,7 +12,7 @@ Two levels:
 
 Randomised methods (DARE, DELLA): mergekit draws its masks from torch's global generator (the fixtures reseed
 it per tensor); mergesmith's executor draws them from a counter-based generator keyed by (seed, task vector,
-entry position) (methods/keyed_random.py), so that row blocks can be drawn independently. The unit level still
+entry position) (kernels/keyed_random.py), so that row blocks can be drawn independently. The unit level still
 replays them with a torch generator, which must give mergekit's bytes (the arithmetic around the masks is
 mergekit's); end to end, the expected output of those cases is that same replay with the keyed masks
 (`expected_output`), and a test shows that the keyed masks do differ from mergekit's.
@@ -38,8 +38,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mergesmith.kernels.keyed_random import MaskStream
 from mergesmith.methods import get_method
-from mergesmith.methods.keyed_random import MaskStream
 from mergesmith.methods.registry import MergeInputs
 
 REFERENCE = Path(__file__).parent / "reference"
@@ -226,7 +226,7 @@ def test_keyed_masks_are_not_mergekits(case, inputs):
 
 
 def _run_mergesmith(case: str, out_dir: Path) -> dict[str, torch.Tensor]:
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.engine.run import run_merge
 
     # the options mergekit ran with (--unsafe-truncate-embeddings for the mismatched vocabularies' case)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from mergesmith.engine.planning import MergeOptions
+from mergesmith.engine.planning.shared import MergeOptions
 from mergesmith.engine.run import run_merge
 from mergesmith.methods import method_names
 from tests.helpers import finite_logits, load_causal_lm, read_state_dict

@@ -339,7 +339,7 @@ def test_same_bytes_for_any_thread_count(method, shape):
 
 
 def test_blocked_reductions():
-    from mergesmith.methods import reductions as r
+    from mergesmith.kernels import reductions as r
 
     small = rand((1000,), 1)
     assert torch.equal(r.total(small), small.sum())

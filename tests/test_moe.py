@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from mergesmith.cli import main
-from mergesmith.engine.planning import MergeOptions
+from mergesmith.engine.planning.shared import MergeOptions
 from mergesmith.errors import MergeInterrupted
 from mergesmith.moe import build_moe_plan, run_moe
 from tests.helpers import finite_logits, load_causal_lm, read_state_dict

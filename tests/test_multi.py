@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from mergesmith.cli import main
-from mergesmith.engine.planning import MergeOptions
+from mergesmith.engine.planning.shared import MergeOptions
 from mergesmith.errors import ConfigError, MergesmithError
 from mergesmith.io.journal import Journal
 from mergesmith.multi.stages import load_stages, run_multi, stage_order

@@ -30,8 +30,8 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
 import mergesmith
 from mergesmith.engine.card import front_matter
-from mergesmith.engine.executor import ProgressEvent
-from mergesmith.engine.planning import MergeOptions
+from mergesmith.engine.execution.local_executor import ProgressEvent
+from mergesmith.engine.planning.shared import MergeOptions
 from mergesmith.engine.run import build_plan, run_merge
 from mergesmith.errors import MergeInterrupted
 from mergesmith.io.journal import LEGACY_STATE_DIR, STATE_DIR, STATE_TOP, Journal

@@ -62,7 +62,7 @@ def test_plan_text_warns_when_one_tensor_exceeds_the_memory_budget(tmp_path, tin
 
 
 def test_merge_under_a_tiny_memory_budget_still_completes(tmp_path, tiny_models):
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.engine.run import run_merge
 
     cfg = _config(tmp_path, tiny_models)

@@ -97,7 +97,7 @@ def test_slower_methods_are_estimated_slower():
 
 def test_ties_selection_by_table_on_large_tensors_is_estimated_slower():
     """Over IDS_MAX_ENTRIES TIES' replay follows its cut keys through a table (slower by bench/README.md's runs)."""
-    from mergesmith.methods.introsort_replay import IDS_MAX_ENTRIES
+    from mergesmith.kernels.introsort_replay import IDS_MAX_ENTRIES
 
     small, large = IDS_MAX_ENTRIES, IDS_MAX_ENTRIES + 1
     per_entry = time_estimate._recipe_seconds
@@ -115,14 +115,14 @@ def _numel(shape):
 def test_a_first_compile_is_estimated_only_where_the_merge_starts_one_and_numba_s_cache_lacks_it(
     tmp_path, tiny_models, capsys, monkeypatch
 ):
-    from mergesmith.engine import executor
-    from mergesmith.methods import keyed_kernels
+    from mergesmith.engine.execution import kernel_warmup
+    from mergesmith.kernels import keyed_kernels
 
     config = _dare_config(tmp_path, tiny_models)
     monkeypatch.setattr(keyed_kernels.KERNELS, "cached", lambda: False)
     report = json.loads(run_cli(capsys, "plan", config, "--json")[1])
     assert report["estimated_seconds_parts"]["first_compile"] == 0  # tensors too small to start a compile
-    monkeypatch.setattr(executor, "START_ENTRIES", 256)
+    monkeypatch.setattr(kernel_warmup, "START_ENTRIES", 256)
     report = json.loads(run_cli(capsys, "plan", config, "--json")[1])
     parts = report["estimated_seconds_parts"]
     assert parts["first_compile"] == time_estimate.FIRST_COMPILE_S["keyed_kernels"]

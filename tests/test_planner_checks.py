@@ -154,7 +154,7 @@ def test_shipped_and_reference_configs_still_validate():
 
 
 def test_rewrite_config_reindexes_only_per_layer_lists():
-    from mergesmith.engine.architecture import rewrite_config
+    from mergesmith.engine.planning.architecture import rewrite_config
 
     config = {
         "num_hidden_layers": 2,

@@ -125,7 +125,7 @@ def _linear_cfg(tmp_path: Path, tiny_models: Any) -> Path:
 def test_run_merge_on_a_missing_device_is_a_user_error_before_anything_is_written(
     tmp_path, tiny_models, no_gpu, device
 ):
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.engine.run import run_merge
     from mergesmith.errors import ConfigError
 
@@ -136,7 +136,7 @@ def test_run_merge_on_a_missing_device_is_a_user_error_before_anything_is_writte
 
 
 def test_run_merge_device_auto_falls_back_to_cpu(tmp_path, tiny_models, no_gpu):
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.engine.run import build_plan, run_merge
 
     cfg = _linear_cfg(tmp_path, tiny_models)
@@ -148,7 +148,7 @@ def test_run_merge_device_auto_falls_back_to_cpu(tmp_path, tiny_models, no_gpu):
 
 
 def test_device_is_not_checked_for_the_ray_executor(tmp_path, tiny_models, no_gpu):
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.engine.run import build_plan
 
     options = MergeOptions(device="cuda", executor="ray")
@@ -194,8 +194,8 @@ def _peak_allocated(fn: Any) -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from mergesmith.methods import keyed_kernels, keyed_merge
-
+    from mergesmith.kernels import keyed_kernels
+    from mergesmith.methods import keyed_merge
     keyed_merge._BUFFERS.pool.clear()  # DARE/DELLA's reused work buffers: allocated afresh, as by a new worker
     keyed_kernels.warm()  # their compiled loops loaded before, not inside, the measurement (numba's own objects)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -289,8 +289,8 @@ def test_recipe_memory_covers_the_measured_peak(memory_inputs, method, store, co
     stacks, sort indices, masks) plus its inputs' pages, counted at the compute width."""
     import torch
 
-    from mergesmith.engine.executor import compute as compute_recipe
-    from mergesmith.engine.planning import recipe_memory
+    from mergesmith.engine.execution.local_executor import compute as compute_recipe
+    from mergesmith.engine.planning.shared import recipe_memory
     from mergesmith.io.dtypes import dtype_size, to_torch
 
     n = 4
@@ -330,10 +330,10 @@ def test_recipe_memory_of_tensors_larger_than_a_mix_chunk(large_memory_inputs, m
     and not overshoot it by the 2.5x a tensor-wide charge gave (the 1 B TIES merge planned 4.2 GB, used 1.4)."""
     import torch
 
-    from mergesmith.engine.blocks import block_numel, row_blocks
-    from mergesmith.engine.executor import Gathered
-    from mergesmith.engine.executor import compute as compute_recipe
-    from mergesmith.engine.planning import recipe_memory
+    from mergesmith.engine.execution.blocks import block_numel, row_blocks
+    from mergesmith.engine.execution.local_executor import Gathered
+    from mergesmith.engine.execution.local_executor import compute as compute_recipe
+    from mergesmith.engine.planning.shared import recipe_memory
     from mergesmith.io.dtypes import dtype_size, to_torch
     from mergesmith.methods import get_method
 

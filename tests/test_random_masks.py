@@ -60,8 +60,8 @@ def test_arcee_fusion_samples_with_the_cpu_generator(monkeypatch):
 
 def test_the_executor_hands_methods_a_cpu_generator_whatever_the_device(tmp_path, tiny_models, monkeypatch):
     from mergesmith.config import parse_config
-    from mergesmith.engine import executor
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.execution import local_executor as executor
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.engine.run import build_plan
 
     base = tiny_models("llama", seed=1)

@@ -11,7 +11,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from mergesmith.cli import main
-from mergesmith.engine.planning import MergeOptions
+from mergesmith.engine.planning.shared import MergeOptions
 from mergesmith.engine.run import run_merge
 from mergesmith.errors import CheckpointError, ConfigError
 from mergesmith.io.journal import Journal

@@ -13,8 +13,8 @@ import yaml
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'mergesmith[ray]')")
 
 from mergesmith.cli import main  # noqa: E402
-from mergesmith.engine.planning import MergeOptions  # noqa: E402
-from mergesmith.engine.ray_executor import KILL_ONCE_ENV  # noqa: E402
+from mergesmith.engine.execution.ray_executor import KILL_ONCE_ENV  # noqa: E402
+from mergesmith.engine.planning.shared import MergeOptions  # noqa: E402
 from mergesmith.engine.run import build_plan, execute_plan, run_merge  # noqa: E402
 from mergesmith.errors import CheckpointError, MergeInterrupted, MergesmithError  # noqa: E402
 from mergesmith.io.journal import Journal  # noqa: E402
@@ -132,7 +132,7 @@ def test_a_worker_that_sees_different_inputs_fails_with_one_line(local_ray, tiny
 def test_without_retries_a_killed_worker_fails_the_merge_in_one_line_and_a_rerun_resumes(
     local_ray, merge_config, local_output, tmp_path, monkeypatch
 ):
-    import mergesmith.engine.ray_executor as ray_executor
+    import mergesmith.engine.execution.ray_executor as ray_executor
 
     kills = tmp_path / "kills"
     kills.mkdir()

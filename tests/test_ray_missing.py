@@ -12,7 +12,7 @@ from mergesmith.cli import main
 
 def test_executor_ray_without_ray_says_how_to_install_it(tmp_path, tiny_models, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError, as when it is absent
-    monkeypatch.delitem(sys.modules, "mergesmith.engine.ray_executor", raising=False)
+    monkeypatch.delitem(sys.modules, "mergesmith.engine.execution.ray_executor", raising=False)
     import mergesmith.engine
 
     monkeypatch.delattr(mergesmith.engine, "ray", raising=False)

@@ -14,7 +14,7 @@ import yaml
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'mergesmith[ray]')")
 
-from mergesmith.engine.planning import MergeOptions  # noqa: E402
+from mergesmith.engine.planning.shared import MergeOptions  # noqa: E402
 from mergesmith.multi.stages import run_multi  # noqa: E402
 from mergesmith.raw.merge import run_raw_merge  # noqa: E402
 

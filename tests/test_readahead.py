@@ -131,7 +131,7 @@ def test_warm_start_reads_torch_libraries_largest_first() -> None:
 def test_executor_read_ahead_stays_a_window_past_the_admitted_recipe() -> None:
     """The executor's read-ahead is counted from the recipe being admitted: admitting recipes one by one moves
     the window one recipe on, instead of adding a whole window each time (which queued the whole model)."""
-    from mergesmith.engine.executor import read_ahead_end
+    from mergesmith.engine.execution.local_executor import read_ahead_end
 
     sizes = [100] * 20
     end = 0

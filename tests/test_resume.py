@@ -27,7 +27,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from mergesmith.engine.planning import MergeOptions
+from mergesmith.engine.planning.shared import MergeOptions
 from mergesmith.engine.run import INDEX_NAME, run_merge
 from mergesmith.io.journal import STATE_DIR, STATE_TOP, Journal
 from mergesmith.methods import method_names

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mergesmith.methods import sort_select
+from mergesmith.kernels import sort_select
 from mergesmith.methods.sparsify import magnitude, magnitude_outliers
 
 

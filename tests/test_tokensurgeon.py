@@ -112,7 +112,7 @@ def _perplexity(model_dir: Path, text: str) -> float:
 
 @pytest.fixture(scope="module")
 def transplanted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.tokensurgeon import SurgeryOptions, run_tokensurgeon
 
     root = tmp_path_factory.mktemp("surgery")

@@ -93,7 +93,7 @@ def test_any_tensors_round_trip(tmp_path_factory, tensors, reverse):
 def test_random_shard_limits_through_the_merge_writer(tmp_path_factory, tensors, limit):
     """Cut the same tensors into shards at a random byte limit, as the planner does; every byte survives."""
     from mergesmith.engine.plan import InputRef, TensorRecipe
-    from mergesmith.engine.planning import cut_shards
+    from mergesmith.engine.planning.shared import cut_shards
 
     recipes = [
         TensorRecipe(n, tuple(t.shape), from_torch(t.dtype), "copy", (InputRef("m", n),)) for n, t in tensors.items()

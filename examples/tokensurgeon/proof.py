@@ -49,7 +49,7 @@ def perplexity(model_dir: Path, text: str, seq: int = 128) -> tuple[float, float
 
 
 def transplant(base: Path, donor: Path, out: Path, method: str, k: int) -> float:
-    from mergesmith.engine.planning import MergeOptions
+    from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.tokensurgeon import SurgeryOptions, run_tokensurgeon
 
     started = time.monotonic()

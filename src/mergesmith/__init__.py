@@ -30,8 +30,8 @@ _EXPORTS = {
     "MemoryRoom": "runtime.memory_limits",
     "MergeResult": "engine.run",
     "MergeConfiguration": "config",
-    "ProgressEvent": "engine.executor",
-    "MethodError": "engine.executor",
+    "ProgressEvent": "engine.execution.local_executor",
+    "MethodError": "engine.execution.local_executor",
     "MergesmithError": "errors",
     "ConfigError": "errors",
     "CheckpointError": "errors",
@@ -66,7 +66,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time the names load lazily
     from .config import MergeConfiguration
-    from .engine.executor import MethodError, ProgressEvent
+    from .engine.execution.local_executor import MethodError, ProgressEvent
     from .engine.run import MergeResult
     from .errors import CheckpointError, ConfigError, MemoryShortage, MergeInterrupted, MergesmithError, OutputError
     from .python_api import PlanReport, extract_lora, merge, merge_raw, moe, multi, plan

@@ -228,7 +228,7 @@ def _hub_options(f: Any) -> Any:
 def _options(kw: dict[str, Any], command: str = "merge", echo: Callable[[str], None] | None = None):
     """MergeOptions from a merging command's (or the API's) keyword values, mergekit's flags mapped first; the
     notes about flags without effect go to `echo` (default: stderr) once the options are checked."""
-    from .engine.planning import MergeOptions
+    from .engine.planning.shared import MergeOptions
     from .io.lora_cache import lora_merge_settings
 
     taken = mergekit_flags.take(command, kw)
@@ -242,7 +242,7 @@ def _options(kw: dict[str, Any], command: str = "merge", echo: Callable[[str], N
     # Ray workers, not this driver, need the device
     device = resolve_device(device, check=executor != "ray", what="--device")
     if executor == "ray":
-        from .engine.ray_executor import RayExecutor  # noqa: F401 - fail before planning when Ray is not installed
+        from .engine.execution.ray_executor import RayExecutor  # noqa: F401 - fail before planning when Ray is not installed
     options = MergeOptions(
         out_shard_size=parse_size(kw["out_shard_size"], "--out-shard-size"),
         random_seed=kw.get("random_seed"),

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from mergekit.merge_methods.karcher import karcher_merge_tensors
 
-from mergesmith.methods import karcher, reductions
+from mergesmith.kernels import reductions
+from mergesmith.methods import karcher
 
 
 def _dot_rounding_each_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -228,7 +228,7 @@ def measure_reductions(trials: int = 20) -> dict:
     """mergesmith's blocked float32 sum, norm and dot product against torch's (what mergekit calls) on
     1M-entry tensors: the largest relative error of each against float64, and how often ours is worse."""
     sys.path.insert(0, str(REPO / "src"))
-    from mergesmith.methods import reductions as r
+    from mergesmith.kernels import reductions as r
 
     g = torch.Generator().manual_seed(0)
     out = {k: {"ours_max_rel_err": 0.0, "torch_max_rel_err": 0.0, "ours_worse": 0} for k in ("sum", "norm", "dot")}

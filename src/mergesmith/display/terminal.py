@@ -29,7 +29,7 @@ from rich.progress import (
 from rich.table import Column, Table
 from rich.text import Text
 
-from ..engine.executor import ProgressEvent
+from ..engine.execution.local_executor import ProgressEvent
 from ..engine.plan import Plan
 from .guard import Guarded
 from .plain import PlainProgress, progress_interval

@@ -14,7 +14,7 @@ from ..errors import OutputError
 from ..io.checkpoint import Checkpoint
 from ..sizes import human_size
 from .plan import Plan
-from .planning import MergeOptions
+from .planning.shared import MergeOptions
 from .time_estimate import estimate_seconds
 
 PROBE_BYTES = 256 << 20

@@ -60,10 +60,10 @@ from ..io.safetensors_writer import file_checksum, write_file_atomic
 from ..methods import require_method
 from ..sizes import human_size
 from .downloads import check_download_space, pending_downloads
-from .executor import ExecutionSettings, Executor, LocalExecutor, ProgressEvent
+from .execution.local_executor import ExecutionSettings, Executor, LocalExecutor, ProgressEvent
 from .plan import CONFIG_NAME, MOE_CONFIG_NAME, OWN_CONFIG_NAME, Plan
-from .planner import Planner
-from .planning import MergeOptions
+from .planning.merge_planner import Planner
+from .planning.shared import MergeOptions
 from .report import over_budget_warning
 
 try:
@@ -140,7 +140,7 @@ def build_plan(
     checkpoints = open_checkpoints(cfg, options)
     planner_cls: type[Planner] = Planner
     if cfg.modules:
-        from .module_planner import (
+        from .planning.module_planner import (
             ModulePlanner,  # mergekit's `modules:` form: each module merged by its own definition
         )
 
@@ -520,7 +520,7 @@ def _write_plan(
     _check_space(out, plan, journal, force)
     executor_cls: type[Executor] = LocalExecutor
     if options.executor == "ray":
-        from .ray_executor import RayExecutor  # Ray is optional: imported only when asked for
+        from .execution.ray_executor import RayExecutor  # Ray is optional: imported only when asked for
 
         executor_cls = RayExecutor
     settings = ExecutionSettings.of(options)

@@ -14,9 +14,9 @@ TIES merge's time (TIES is CPU-bound, not disk-bound). Now:
 - compute: for each merged tensor, its entries times its inputs times the method's rate, measured as wall time per
   input entry beyond start-up on the bench's 1b merges (3 inputs a tensor, bfloat16, 2 workers on the bench VM's
   2 cores), scaled by the workers this merge will have.
-- first compile: where numba's cache lacks the compiled loops the merge will start (executor.kernel_groups), what
-  compiling them beside the merge cost the first bench merge (the merge does not wait for them, but shares the
-  cores with the compile and runs uncompiled meanwhile).
+- first compile: where numba's cache lacks the compiled loops the merge will start
+  (execution.kernel_warmup.kernel_groups), what compiling them beside the merge cost the first bench merge (the
+  merge does not wait for them, but shares the cores with the compile and runs uncompiled meanwhile).
 
 The constants come from bench/README.md's runs on the shared 2-core VM; another machine will differ, and
 `python bench/plan_accuracy.py` prints estimate against measured wall time to check them (issue 29 asks for 2x).
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import os
 
-from ..methods.introsort_replay import IDS_MAX_ENTRIES
-from .executor import kernel_groups
+from ..kernels.introsort_replay import IDS_MAX_ENTRIES
+from .execution.kernel_warmup import kernel_groups
 from .plan import Plan
 
 STARTUP_S = 2.2

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from ..config import parse_config
-from ..engine.executor import compute
+from ..engine.execution.local_executor import compute
 from ..engine.plan import Plan
-from ..engine.planner import Planner
-from ..engine.planning import MergeOptions
+from ..engine.planning.merge_planner import Planner
+from ..engine.planning.shared import MergeOptions
 from ..errors import ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import to_torch

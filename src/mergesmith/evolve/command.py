@@ -69,7 +69,7 @@ def run_evolve_command(genome_file: Path, storage_path: Path, kw: dict[str, Any]
     click.echo(f"wrote {result.storage / 'best_config.yml'}, history.jsonl, summary.json, search.png")
     if merge_best is not None:
         from ..config import parse_config
-        from ..engine.planning import MergeOptions
+        from ..engine.planning.shared import MergeOptions
         from ..engine.run import run_merge
 
         cfg = parse_config(best["config"], str(result.storage / "best_config.yml"))

@@ -1,6 +1,6 @@
 """How fast the disk under an input file reads, measured with a short O_DIRECT read.
 
-Why: a method with a totals pass reads a row-blocked tensor twice (engine/input_feed.py). A second read from
+Why: a method with a totals pass reads a row-blocked tensor twice (engine/execution/input_feed.py). A second read from
 the disk costs no CPU; a second read through the page cache costs the page cache's first touch, 2.3-4.9 ns a
 bf16 entry on our 2-core VM. Which is cheaper depends on the disk. Cold 1 B dare_ties bench merge, one run each:
 at the VM's own ~1.2-2.2 GB/s, 23.4 s read twice against 27.4 s through the cache; throttled to 300 MB/s

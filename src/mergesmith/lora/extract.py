@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..engine.architecture import LM_HEAD_NAMES, embedding_for_head, find_layer_stack, ties_embeddings
+from ..engine.planning.architecture import LM_HEAD_NAMES, embedding_for_head, find_layer_stack, ties_embeddings
 from ..errors import CheckpointError, ConfigError, OutputError
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import from_torch, is_float

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels.reductions import sum_along
 from .common import check_same_shape, require_base, require_generator
-from .reductions import sum_along
 from .registry import MergeInputs, MethodSpec, register
 
 QUANTILE_SAMPLE = 1_000_000

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..kernels.reductions import dot, l2
 from .common import check_same_shape, work_dtype
-from .reductions import dot, l2
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
 

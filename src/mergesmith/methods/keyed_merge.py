@@ -42,10 +42,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import keyed_kernels
-from .compiled import CONSENSUS_CODES
-from .keyed_random import MaskStream
-from .reductions import BlockedTotal
+from ..kernels import keyed_kernels
+from ..kernels.compiled import CONSENSUS_CODES
+from ..kernels.keyed_random import MaskStream
+from ..kernels.reductions import BlockedTotal
 
 F32 = torch.float32
 L1_EPS = 1e-7

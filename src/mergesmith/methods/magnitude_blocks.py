@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import sort_select
-from .bf16_mix import keep_masked, subtract
+from ..kernels import sort_select
+from ..kernels.bf16_mix import keep_masked, subtract
+from ..kernels.introsort_replay import ID_BYTES
+from ..kernels.reductions import BlockedTotal, total
+from ..kernels.sort_select import sorted_window_mask
 from .common import as_bool, check_same_shape, require_base
-from .introsort_replay import ID_BYTES
-from .reductions import BlockedTotal, total
 from .registry import MERGE_WHOLE, MergeInputs, TotalsPass
-from .sort_select import sorted_window_mask
 from .sparsify import L1_EPS, ZEROS, Selection, Window
 
 Rule = Callable[[dict[str, Any], int], Selection]

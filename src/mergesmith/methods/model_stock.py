@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.reductions import norm_along, sum_along
 from .common import as_bool, check_same_shape, require_base
-from .reductions import norm_along, sum_along
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
 

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..kernels.reductions import l2, norm_along, sum_along
 from .common import as_bool, check_same_shape, non_base_values
-from .reductions import l2, norm_along, sum_along
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
 

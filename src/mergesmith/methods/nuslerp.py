@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.reductions import norm_along, sum_along
 from .common import as_bool, check_same_shape, non_base_values
-from .reductions import norm_along, sum_along
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .keyed_random import MaskStream
+from ..kernels.keyed_random import MaskStream
 
 _SWITCH_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0", "t", "f", "y", "n"}
 
@@ -118,7 +118,7 @@ class TotalsPass:
     writes each block exactly as the whole-tensor merge would have written those rows. `memory(n_inputs, numel,
     compute dtype size)`, where given, is (the bytes the pass holds at its peak, the bytes its result keeps
     through the merge pass) over a tensor of `numel` entries (TIES' magnitudes, then its packed masks): see
-    engine.planning.recipe_memory.
+    engine.planning.shared.recipe_memory.
     """
 
     needed: Callable[[dict[str, Any]], bool]
@@ -139,7 +139,7 @@ class MethodSpec:
     - `elementwise`: the output row block depends only on the same row block of the inputs, so
       huge tensors may be merged in row blocks to cap memory;
     - `totals`: a first pass (see TotalsPass) after which the method is elementwise: such a method also runs
-      in row blocks, reading each block's inputs twice (engine/input_feed.py: from the disk, once per pass);
+      in row blocks, reading each block's inputs twice (engine/execution/input_feed.py: from the disk, once per pass);
     - `keyed_random`: a randomised method that draws only from `MergeInputs.stream`, by entry position, so
       its row blocks draw what the whole tensor would (randomised methods without it run whole);
     - `uses_base_in_models`: whether the base model contributes even when not listed in `models`;
@@ -152,7 +152,7 @@ class MethodSpec:
       c the compute dtype's size: the inputs (read or converted), the method's stacked copies and
       temporaries, and dtype-independent ones (int64 sort indices, float32 magnitudes). Measured peaks of
       the allocations (torch profiler) plus the inputs at the compute width, with a margin; see
-      `engine.planning.recipe_memory` and tests/test_planner_checks2.py.
+      `engine.planning.shared.recipe_memory` and tests/test_planner_checks2.py.
     - `memory_chunked`, `memory_chunk_elements`: for a method that does part of its work in chunks of at
       most `memory_chunk_elements` entries (the task-vector family mixes in chunks), that part's temporaries
       are (per input, fixed) compute-dtype copies over min(e, chunk) entries, not over the whole tensor.

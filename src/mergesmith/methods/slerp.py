@@ -28,8 +28,8 @@ from collections.abc import Iterator
 
 import torch
 
+from ..kernels.reductions import norm_along, sum_along
 from .common import check_same_shape, require_base, work_dtype
-from .reductions import norm_along, sum_along
 from .registry import MergeInputs, MethodSpec, ParamSpec, register
 
 BLOCK_ELEMENTS = 1 << 20

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .bf16_mix import keep_masked
-from .reductions import total
-from .sort_select import sorted_window_mask
+from ..kernels.bf16_mix import keep_masked
+from ..kernels.reductions import total
+from ..kernels.sort_select import sorted_window_mask
 
 L1_EPS = 1e-7
 """Below this L1 norm (before or after masking) a task vector is not rescaled."""

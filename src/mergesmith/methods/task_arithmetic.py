@@ -36,9 +36,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import bf16_mix, keyed_merge, magnitude_blocks, sparsify
+from ..kernels import bf16_mix
+from ..kernels.compiled import CONSENSUS_CODES
+from . import keyed_merge, magnitude_blocks, sparsify
 from .common import as_bool, check_same_shape, require_base, require_generator
-from .compiled import CONSENSUS_CODES
 from .registry import MergeInputs, MethodSpec, ParamSpec, TotalsPass, register
 
 CONSENSUS_METHODS = ("sum", "count")

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..engine.executor import ProgressEvent
+from ..engine.execution.local_executor import ProgressEvent
 from ..engine.plan import Plan
-from ..engine.planning import MergeOptions
+from ..engine.planning.shared import MergeOptions
 from ..engine.run import MergeResult, RunControls, reuse_or_draw_seed, run_planned
 from ..errors import OutputError
 from ..io.checkpoint import Checkpoint

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..engine.architecture import (
+from ..engine.plan import MOE_CONFIG_NAME, Estimate, InputRef, Plan, TensorRecipe
+from ..engine.planning.architecture import (
     LM_HEAD_NAMES,
     LayerStack,
     embedding_for_head,
@@ -29,8 +30,7 @@ from ..engine.architecture import (
     rewrite_config,
     ties_embeddings,
 )
-from ..engine.plan import MOE_CONFIG_NAME, Estimate, InputRef, Plan, TensorRecipe
-from ..engine.planning import MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
+from ..engine.planning.shared import MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import dtype_size, is_float, parse_config_dtype

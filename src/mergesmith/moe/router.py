@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..engine.planning import tensor_seed
+from ..engine.planning.shared import tensor_seed
 from ..errors import CheckpointError
 from ..io import safe_fs
 from ..io.checkpoint import Checkpoint, TensorInfo, read_safetensors_header

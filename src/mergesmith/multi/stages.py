@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import parse_config, read_yaml
-from ..engine.executor import ProgressEvent
+from ..engine.execution.local_executor import ProgressEvent
 from ..engine.plan import Plan
-from ..engine.planning import MergeOptions
+from ..engine.planning.shared import MergeOptions
 from ..engine.run import MergeResult, build_plan, execute_plan
 from ..errors import CheckpointError, ConfigError, MergesmithError
 from ..io import safe_fs
@@ -325,7 +325,7 @@ def _one_ray_for_all_stages(options: MergeOptions) -> AbstractContextManager[Non
     if options.executor != "ray":
         return nullcontext()
     try:
-        from ..engine.ray_executor import shared_local_ray
+        from ..engine.execution.ray_executor import shared_local_ray
     except ConfigError:  # Ray is not installed: the first stage that needs it says so
         return nullcontext()
     return shared_local_ray()

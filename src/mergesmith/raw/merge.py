@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConditionalParameter, MergeConfiguration, Parameters, load_config
-from ..engine.executor import ProgressEvent
+from ..engine.execution.local_executor import ProgressEvent
 from ..engine.plan import InputRef, Plan, TensorRecipe
-from ..engine.planner import NormalizedSlice, Planner, SourceRange
-from ..engine.planning import MergeOptions
+from ..engine.planning.merge_planner import NormalizedSlice, Planner, SourceRange
+from ..engine.planning.shared import MergeOptions
 from ..engine.run import MergeResult, RunControls, choose_random_seed, open_checkpoints, run_planned
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint

@@ -11,7 +11,7 @@ torch changed.
 
 torch keeps one process-wide thread count, which a thread reads when it first runs a parallel operation; the
 executor's workers are new threads, so setting it before they start is enough. Reductions here do not depend on
-it (methods/reductions.py), so the merged bytes are the same either way.
+it (kernels/reductions.py), so the merged bytes are the same either way.
 """
 
 from __future__ import annotations

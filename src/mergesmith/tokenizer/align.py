@@ -297,8 +297,8 @@ def merge_rows(recipe: Any, aligned: list[torch.Tensor], params: dict[str, Any])
     """Run the recipe's merge method over inputs already brought onto the output's rows (the first of them
     when the recipe copies), seeded as the executor seeds it: a generator, and the keyed stream DARE/DELLA
     draw from by position. Shared by the vocabulary-aligned merge and the tokenizer transplant's merge."""
+    from ..kernels.keyed_random import MaskStream
     from ..methods import MergeInputs, require_method
-    from ..methods.keyed_random import MaskStream
 
     if recipe.method is None:
         return aligned[0]

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..engine.architecture import LM_HEAD_NAMES, embedding_for_head
 from ..engine.plan import InputRef, TensorRecipe
+from ..engine.planning.architecture import LM_HEAD_NAMES, embedding_for_head
 from ..errors import CheckpointError, ConfigError
 from .align import (
     DTYPE_PARAM,
@@ -43,14 +43,15 @@ from .templates import resolve_chat_template
 
 if TYPE_CHECKING:
     from ..config import MergeConfiguration
-    from ..engine.architecture import LayerStack
-    from ..engine.planning import MergeOptions
+    from ..engine.planning.architecture import LayerStack
+    from ..engine.planning.shared import MergeOptions
     from ..io.checkpoint import Checkpoint
 
 
 class Planner(Protocol):
     """What a vocabulary step (this one, tokensurgeon/merge.py's transplant) reads from the merge planner
-    that calls it (engine/planner.py), described here so the steps need not import the planner above them."""
+    that calls it (engine/planning/merge_planner.py), described here so the steps need not import the planner
+    above them."""
 
     config: MergeConfiguration
     options: MergeOptions

@@ -10,9 +10,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..engine.executor import ProgressEvent
+from ..engine.execution.local_executor import ProgressEvent
 from ..engine.plan import Plan
-from ..engine.planning import MergeOptions
+from ..engine.planning.shared import MergeOptions
 from ..engine.run import MergeResult, RunControls, reuse_or_draw_seed, run_planned
 from ..io.checkpoint import Checkpoint
 from ..io.journal import refuse_non_directory

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..engine.architecture import LM_HEAD_NAMES, embedding_for_head
 from ..engine.plan import InputRef, TensorRecipe
+from ..engine.planning.architecture import LM_HEAD_NAMES, embedding_for_head
 from ..errors import CheckpointError, ConfigError
 from ..tokenizer.planning import Planner, TokenizerPlan
 from .planner import _tokenizer_root, staged_generation_config

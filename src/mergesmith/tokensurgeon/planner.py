@@ -25,9 +25,9 @@ from typing import Any
 
 import yaml
 
-from ..engine.architecture import LM_HEAD_NAMES, embedding_for_head, find_layer_stack, ties_embeddings
 from ..engine.plan import OWN_CONFIG_NAME, InputRef, Plan, TensorRecipe
-from ..engine.planning import MergeOptions, cut_shards, estimate_plan, tensor_seed
+from ..engine.planning.architecture import LM_HEAD_NAMES, embedding_for_head, find_layer_stack, ties_embeddings
+from ..engine.planning.shared import MergeOptions, cut_shards, estimate_plan, tensor_seed
 from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.model_files import TOKENIZER_FILES

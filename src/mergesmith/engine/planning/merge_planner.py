@@ -11,14 +11,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import MergeConfiguration, Parameters, dump_config
-from ..errors import CheckpointError, ConfigError
-from ..io.checkpoint import Checkpoint
-from ..io.dtypes import is_float, parse_config_dtype
-from ..io.model_files import TOKENIZER_FILES
-from ..io.references import tokenizer_root
-from ..methods import MethodSpec, require_method
-from ..methods.keyed_random import STREAM_NAME as KEYED_STREAM
+from ...config import MergeConfiguration, Parameters, dump_config
+from ...errors import CheckpointError, ConfigError
+from ...io.checkpoint import Checkpoint
+from ...io.dtypes import is_float, parse_config_dtype
+from ...io.model_files import TOKENIZER_FILES
+from ...io.references import tokenizer_root
+from ...kernels.keyed_random import STREAM_NAME as KEYED_STREAM
+from ...methods import MethodSpec, require_method
+from ..plan import Estimate, InputRef, Plan, ShardPlan, TensorRecipe
 from .architecture import (
     LM_HEAD_NAMES,
     LayerMapError,
@@ -33,8 +34,7 @@ from .architecture import (
     ties_embeddings,
 )
 from .parameters import is_missing, resolve
-from .plan import Estimate, InputRef, Plan, ShardPlan, TensorRecipe
-from .planning import MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
+from .shared import MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Planner(ModelPlanner):
             self._check_architectures()
         self.compute_dtype = parse_config_dtype(config.dtype, "dtype") if config.dtype else "F32"
         self.out_dtype = self._out_dtype()
-        from ..config.parameter_values import check_parameter_values
+        from ...config.parameter_values import check_parameter_values
 
         # what reading the config ignored, then parameter values worth a warning (the refusals ran at parsing)
         self.warnings: list[str] = list(config.warnings) + check_parameter_values(config, config_source)
@@ -193,7 +193,7 @@ class Planner(ModelPlanner):
             value = resolve(p.name, levels, tensor, t)
             if is_missing(value):
                 if p.required:
-                    from ..config.compat import ignored_near_miss
+                    from ...config.compat import ignored_near_miss
 
                     message = (
                         f"{self.source}: `parameters.{p.name}` is required by method {self.spec.name!r} "
@@ -567,13 +567,13 @@ class Planner(ModelPlanner):
         tokenizer_plan = None
         transplant = self._transplant_source()  # `transplant:<donor>` (tokensurgeon/merge.py)
         if transplant is not None:
-            from ..tokensurgeon.merge import plan_transplant
+            from ...tokensurgeon.merge import plan_transplant
 
             tokenizer_plan = plan_transplant(self, recipes, transplant)
             recipes = tokenizer_plan.recipes
             self._vocab_rows = tokenizer_plan.vocab_rows
         elif self.config.tokenizer is not None or self.config.tokenizer_source or self.config.chat_template:
-            from ..tokenizer.planning import plan_tokenizer  # imports transformers only for such configs
+            from ...tokenizer.planning import plan_tokenizer  # imports transformers only for such configs
 
             tokenizer_plan = plan_tokenizer(self, recipes)
             recipes = tokenizer_plan.recipes
@@ -598,7 +598,7 @@ class Planner(ModelPlanner):
             raise ConfigError(f"{self.source}: `slices`: model {self.base_ref!r}: {exc}") from None
         if tokenizer_plan is not None:
             tokenizer_plan.finish_config(output_config)
-        from .card import model_card
+        from ..card import model_card
 
         config_yaml = dump_config(self.config)
         if self.spec.randomized and self.options.random_seed is not None:

@@ -8,8 +8,8 @@ intermediate through RAM. The output bytes are identical whatever the block size
 
 from __future__ import annotations
 
-from ..methods import get_method
-from .plan import TensorRecipe
+from ...methods import get_method
+from ..plan import TensorRecipe
 
 BLOCK_ELEMENTS = 1 << 20
 

@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
-from ..io.checkpoint import Checkpoint
-from ..io.direct_read import pool_bytes
-from ..io.dtypes import dtype_size, is_float, parse_config_dtype
-from ..io.lora_cache import LoraMerge
-from ..runtime.devices import resolve_device
-from .plan import Estimate, InputRef, ShardPlan, TensorRecipe
+from ...errors import ConfigError
+from ...io.checkpoint import Checkpoint
+from ...io.direct_read import pool_bytes
+from ...io.dtypes import dtype_size, is_float, parse_config_dtype
+from ...io.lora_cache import LoraMerge
+from ...runtime.devices import resolve_device
+from ..plan import Estimate, InputRef, ShardPlan, TensorRecipe
 
 DEFAULT_SHARD_SIZE = 5_000_000_000
 
@@ -50,11 +50,11 @@ class MergeOptions:
 
     def open_input(self, ref: str) -> Checkpoint:
         """Open one input as these options say (a `model+lora` one merged into the LoRA cache when asked)."""
-        from ..io.references import open_checkpoint
+        from ...io.references import open_checkpoint
 
         if self.lora_merge is None or not self.lora_merge.materialise:
             return open_checkpoint(ref)
-        from ..runtime.cache_root import cache_root
+        from ...runtime.cache_root import cache_root
 
         return open_checkpoint(ref, self.lora_merge, cache_root())
 
@@ -186,8 +186,8 @@ def recipe_memory(recipe: TensorRecipe, compute_dtype: str) -> int:
     how many recipes may run at once. Inputs stored wider than the compute dtype map more pages than
     counted here (page cache the kernel may reclaim).
     """
-    from ..methods import get_method
-    from .blocks import block_numel, two_pass
+    from ...methods import get_method
+    from ..execution.blocks import block_numel, two_pass
 
     numel = block_numel(recipe)
     if recipe.op == "copy":

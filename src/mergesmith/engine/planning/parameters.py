@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import ConditionalParameter, Parameters
+from ...config import ConditionalParameter, Parameters
 
 _MISSING = object()
 

@@ -22,7 +22,7 @@ import threading
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, MergesmithError
+from ...errors import CheckpointError, MergesmithError
 
 ENV_SWITCH = "MERGESMITH_NONFINITE_CHECK"
 SHOWN = 5

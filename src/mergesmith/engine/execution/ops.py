@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from .plan import InputRef, TensorRecipe
+from ..plan import InputRef, TensorRecipe
 
 Loader = Callable[[InputRef], torch.Tensor]
 OpFn = Callable[[TensorRecipe, Loader], torch.Tensor]
@@ -96,7 +96,7 @@ def vocab_merge_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
     """Embedding/lm_head rows re-indexed to the output vocabulary, then merged (tokenizer/align.py).
 
     Imported lazily so registering it costs nothing for merges that keep their vocabulary."""
-    from ..tokenizer.align import merge_vocabulary
+    from ...tokenizer.align import merge_vocabulary
 
     return merge_vocabulary(recipe, load)
 
@@ -106,7 +106,7 @@ register_op("vocab_merge", vocab_merge_op)
 
 def transplant_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
     """An embedding/lm_head rebuilt for another tokenizer (tokensurgeon/table.py), imported lazily."""
-    from ..tokensurgeon.table import transplant_op as run
+    from ...tokensurgeon.table import transplant_op as run
 
     return run(recipe, load)
 
@@ -116,7 +116,7 @@ register_op("transplant", transplant_op)
 
 def transplant_merge_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
     """Inputs transplanted onto a donor's vocabulary, then merged (`tokenizer_source: transplant:<donor>`)."""
-    from ..tokensurgeon.merge import transplant_merge_op as run
+    from ...tokensurgeon.merge import transplant_merge_op as run
 
     return run(recipe, load)
 

@@ -28,12 +28,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, ConfigError, MergeInterrupted, MergesmithError, OutputError
-from ..io.checkpoint import Checkpoint, resolve_model_path
-from ..io.journal import Journal
-from ..io.references import open_checkpoint
-from .executor import ExecutionSettings, Executor, LocalExecutor, ProgressEvent
-from .plan import Plan, ShardPlan
+from ...errors import CheckpointError, ConfigError, MergeInterrupted, MergesmithError, OutputError
+from ...io.checkpoint import Checkpoint, resolve_model_path
+from ...io.journal import Journal
+from ...io.references import open_checkpoint
+from ..plan import Plan, ShardPlan
+from .local_executor import ExecutionSettings, Executor, LocalExecutor, ProgressEvent
 
 try:
     import ray
@@ -150,7 +150,7 @@ def _input_path(ckpt: Checkpoint) -> str:
     (for `model+lora`, both parts)."""
     ref = ckpt.ref
     if "+" in ref and not Path(ref).expanduser().exists():
-        from ..io.lora_adapter import split_lora_ref
+        from ...io.lora_adapter import split_lora_ref
 
         model, adapter_dir = split_lora_ref(ref)
         return f"{resolve_model_path(model).resolve()}+{adapter_dir.resolve()}"

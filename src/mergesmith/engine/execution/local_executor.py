@@ -10,7 +10,6 @@ last tensor lands; progress inside a shard is journaled every second, so a kill 
 from __future__ import annotations
 
 import functools
-import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,27 +20,27 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, ConfigError, MemoryShortage, MergeInterrupted
-from ..io.checkpoint import Checkpoint
-from ..io.direct_read import pool_bytes
-from ..io.dtypes import to_torch
-from ..io.journal import Journal, partial_path
-from ..io.safetensors_writer import ShardWriter
-from ..methods import MergeInputs, bf16_mix, get_method, introsort_replay, keyed_kernels, require_method
-from ..methods.compiled import START_ENTRIES, KernelGroup, waits
-from ..methods.keyed_random import MaskStream
-from ..methods.registry import MERGE_WHOLE
-from ..methods.task_arithmetic import FAMILY, KEYED, RANKED
-from ..runtime import intra_op_threads
-from ..runtime.devices import resolve_device
-from ..runtime.memory_limits import MemoryWatch, memory_room
-from ..runtime.memory_release import release_free_heap
-from ..sizes import human_size
+from ...errors import CheckpointError, ConfigError, MemoryShortage, MergeInterrupted
+from ...io.checkpoint import Checkpoint
+from ...io.direct_read import pool_bytes
+from ...io.dtypes import to_torch
+from ...io.journal import Journal, partial_path
+from ...io.safetensors_writer import ShardWriter
+from ...kernels.compiled import KernelGroup, waits
+from ...kernels.keyed_random import MaskStream
+from ...methods import MergeInputs, require_method
+from ...methods.registry import MERGE_WHOLE
+from ...runtime import intra_op_threads
+from ...runtime.devices import resolve_device
+from ...runtime.memory_limits import MemoryWatch, memory_room
+from ...runtime.memory_release import release_free_heap
+from ...sizes import human_size
+from ..plan import InputRef, Plan, ShardPlan, TensorRecipe
+from ..planning.shared import MergeOptions, automatic_budget, distinct_input_bytes, recipe_memory
 from .blocks import row_blocks, two_pass
 from .input_feed import MERGE, TOTALS, InputFeed, open_feed
+from .kernel_warmup import kernel_groups
 from .nonfinite import NonFiniteMonitor
-from .plan import InputRef, Plan, ShardPlan, TensorRecipe
-from .planning import MergeOptions, automatic_budget, distinct_input_bytes, recipe_memory
 
 JOURNAL_INTERVAL_S = 1.0
 PREFETCH_BYTES = 512 << 20
@@ -52,28 +51,6 @@ ADMISSION_WINDOW = 16
 """How far past a recipe that does not fit the budget the executor looks for one that does (so a thread
 is not idle while, say, lm_head waits for embed_tokens to finish); after this many recipes have gone past
 it, the waiting one is admitted next, as soon as it fits."""
-
-
-TASK_VECTOR_METHODS = frozenset(member.name for member in FAMILY)
-"""The methods whose merges use bf16_mix's loops (and, the ranking ones, introsort_replay's)."""
-
-
-def kernel_groups(recipes: Sequence[TensorRecipe]) -> list[KernelGroup]:
-    """The compiled loops a CPU merge of `recipes` starts: DARE's and DELLA's (keyed_kernels), the other task-vector
-    methods' bf16 steps and, for those that rank magnitudes (TIES, breadcrumbs), the replay; only for merges with a
-    tensor large enough for them to pay (compiled.START_ENTRIES). Only those: a compile the merge will not use
-    only takes a core from it. `plan`'s time estimate asks it too (a first compile costs the merge time)."""
-    if not keyed_kernels.AVAILABLE:
-        return []
-    merges = [r for r in recipes if r.op == "merge" and math.prod(r.shape) >= START_ENTRIES]
-    keyed = [r for r in merges if r.seed is not None and getattr(get_method(r.method or ""), "keyed_random", False)]
-    mixed = [r for r in merges if r.method in TASK_VECTOR_METHODS and not (r.seed is not None and r.method in KEYED)]
-    groups = [keyed_kernels.KERNELS] if keyed else []
-    if mixed:
-        groups.append(bf16_mix.KERNELS)
-    if any(r.method in RANKED for r in mixed):
-        groups.append(introsort_replay.KERNELS)
-    return groups
 
 
 @dataclass
@@ -204,7 +181,7 @@ def compute(
     the others (None) are read from their checkpoint's memory map. `spent(index)` is called once a loaded
     input will not be read again (converted to the compute dtype, or done with by the method), so that
     its memory can go back early, as a mapped input's pages are dropped. `monitor` counts the non-finite values
-    of every input as it is loaded and of the output before it is returned (engine/nonfinite.py).
+    of every input as it is loaded and of the output before it is returned (engine/execution/nonfinite.py).
 
     Two-pass methods (blocks.two_pass): with `gather` the rows are folded into `gather.state` by the method's
     totals pass and nothing is returned; `totals` hands the finished totals to the second pass."""

@@ -42,13 +42,13 @@ from pathlib import Path
 
 import torch
 
-from ..io.checkpoint import Checkpoint
-from ..io.direct_read import BufferPool, DirectReader, ReadBuffer, capacity_for
-from ..io.direct_write import direct_io_supported
-from ..io.dtypes import SAFETENSORS_TO_TORCH
-from ..io.read_rate import direct_read_rate
+from ...io.checkpoint import Checkpoint
+from ...io.direct_read import BufferPool, DirectReader, ReadBuffer, capacity_for
+from ...io.direct_write import direct_io_supported
+from ...io.dtypes import SAFETENSORS_TO_TORCH
+from ...io.read_rate import direct_read_rate
+from ..plan import InputRef, TensorRecipe
 from .blocks import row_blocks, two_pass
-from .plan import InputRef, TensorRecipe
 
 STREAMED_OPS = frozenset({"copy", "merge"})
 """Operations whose inputs are read whole or by the same rows as their output (others index freely)."""

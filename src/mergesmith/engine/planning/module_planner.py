@@ -7,7 +7,7 @@ table for (llava), modules named after the prefixes of the layer stacks it finds
 module its own `models` or `slices` and `parameters` (between a slice's and the top level's in
 precedence); a plain `models:` config merges every module with the same models.
 
-Here modules are found the way engine/architecture.py finds the layers, without tables: the text stack is
+Here modules are found the way engine/planning/architecture.py finds the layers, without tables: the text stack is
 the one whose depth the config names; every other stack (`<prefix>.<N>.`) is a module of its own, a
 vision tower when its prefix says `vision`/`visual`; loose tensors belong to the module whose prefix
 they share (`vision_tower.embeddings...`), to `multi_modal_projector` when their name says projector or
@@ -27,12 +27,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import OutputModuleDefinition
-from ..errors import CheckpointError, ConfigError
-from ..io.dtypes import is_float
+from ...config import OutputModuleDefinition
+from ...errors import CheckpointError, ConfigError
+from ...io.dtypes import is_float
+from ..plan import InputRef, Plan, TensorRecipe
 from .architecture import LM_HEAD_NAMES, LayerStack, find_layer_stack, is_embedding, ties_embeddings
-from .plan import InputRef, Plan, TensorRecipe
-from .planner import NormalizedSlice, Planner, SourceRange
+from .merge_planner import NormalizedSlice, Planner, SourceRange
 
 _LAYER_RE = re.compile(r"^(?P<prefix>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")
 _PROJECTOR_MARKERS = ("projector", "merger")
