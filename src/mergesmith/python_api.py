@@ -43,12 +43,12 @@ def command_options(name: str, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     return api_defaults(name, exclude)
 
 
-def _resolve(function: str, command: str, given: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+def _resolve(function: str, command: str, given: dict[str, Any]) -> dict[str, Any]:
     """The command's defaults updated with `given`; an unknown name is a TypeError (as for any Python
     function), a value the command would refuse is its ConfigError naming the option."""
     from .options import api_values
 
-    resolved = api_values(function, command, given, exclude)
+    resolved = api_values(function, command, given)
     if "transformers_cache" in resolved:  # the command line sets these as it parses them (families.Hub)
         from .io import hub
 
@@ -167,7 +167,7 @@ def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> Plan
     from .engine.downloads import plan_before_download
     from .engine.report import check_plan_out_dir, plan_report
 
-    kw = _resolve("plan", "plan", options, exclude=("as_json", "tensors"))
+    kw = _resolve("plan", "plan", options)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         check_plan_out_dir(out)
@@ -397,7 +397,7 @@ def multi(
     from .display.terminal import StageProgress
     from .multi.stages import run_multi
 
-    kw = _resolve("multi", "multi", options, exclude=("out_dir",))
+    kw = _resolve("multi", "multi", options)
     merge_options = _merge_options(kw, "multi")
     shown = progress is True
     display = StageProgress(lambda: choose_display(progress if not kw["quiet"] else None))  # a display per stage
@@ -428,7 +428,7 @@ def extract_lora(model: str, base: str, out: str | Path, **options: Any) -> Extr
     from .lora.extract import extract_lora as run_extract
     from .runtime.devices import resolve_device
 
-    kw = _resolve("extract_lora", "extract-lora", options, exclude=("model", "base", "out"))
+    kw = _resolve("extract_lora", "extract-lora", options)
     taken = mergekit_flags.take("extract-lora", kw)
     taken.say_notes(lambda line: log.info("%s", line))
     return run_extract(

@@ -3,6 +3,7 @@ RunControls, sizes read as mergekit reads them, the device and Ray checked befor
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -53,7 +54,7 @@ def to_merge_options(kw: dict[str, Any], command: str = "merge", echo: Callable[
     device = resolve_device(device, check=executor != "ray", what="--device")
     if executor == "ray":
         from ..engine.execution.ray_executor import RayExecutor  # noqa: F401 - fail before planning without Ray
-    options = MergeOptions(
+    values: dict[str, Any] = dict(
         out_shard_size=parse_size(kw["out_shard_size"], "--out-shard-size"),
         random_seed=kw.get("random_seed"),
         copy_tokenizer=kw.get("copy_tokenizer", True),
@@ -72,8 +73,33 @@ def to_merge_options(kw: dict[str, Any], command: str = "merge", echo: Callable[
         if command == "plan"
         else lora_merge_settings(taken.get("lora_merge_cache"), taken.get("lora_merge_dtype")),
     )
+    extra = _passed_on(kw, values)  # adds to `values` the fields it finds by name
+    options = MergeOptions(**values, extra=extra)
     taken.say_notes(echo)  # the options are checked: a refused command line printed no note
     return options
+
+
+_CONVERTED_ABOVE = ("cuda",)  # read into `device` by to_merge_options
+
+
+def _passed_on(kw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The shared merge options to_merge_options does not convert itself, by name: into the MergeOptions field
+    of that name, else into `MergeOptions.extra` (where the code that uses a new option reads it). So an option
+    declared in families.SharedMerge reaches the engine without a line here."""
+    from ..engine.planning.shared import MergeOptions
+    from .families import SharedMerge
+    from .spec import options_of
+
+    fields = {f.name for f in dataclasses.fields(MergeOptions)}
+    extra: dict[str, Any] = {}
+    for opt in options_of(SharedMerge):
+        if opt.face_only or opt.name in values or opt.name in _CONVERTED_ABOVE or opt.name not in kw:
+            continue
+        if opt.name in fields:
+            values[opt.name] = kw[opt.name]
+        else:
+            extra[opt.name] = kw[opt.name]
+    return extra
 
 
 def to_run_controls(kw: Mapping[str, Any], **callbacks: Any) -> Any:

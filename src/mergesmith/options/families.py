@@ -1,8 +1,9 @@
 """Every command's options, declared once: one dataclass per family, each field one option (see spec.py).
 
-To add an option: add a field to the family whose commands take it (`SharedMerge` for every merging command),
-then read its value where the value is used (`convert.to_merge_options` for MergeOptions). The click option,
-the Python API's keyword argument, its check and docs/options.md all follow (README: "Adding an option").
+To add an option: add a field to the family whose commands take it (`SharedMerge` for every merging command).
+The click option, the Python API's keyword argument, its check and docs/options.md all follow, and a
+`SharedMerge` value reaches the engine's MergeOptions by its name (a MergeOptions field of that name, else
+`MergeOptions.extra[name]`; convert.to_merge_options). README: "Adding an option".
 mergekit's own flags stay in mergekit_flags.py's table and join each command's list through `LAYOUTS`.
 """
 
@@ -151,7 +152,7 @@ class SharedMerge:
         default=None,
         help="Ray cluster to join (`auto`, `HOST:6379`, `ray://HOST:10001`); default: RAY_ADDRESS or a local Ray.",
     )
-    verbose: bool = option("-v", "--verbose", is_flag=True, help="Show tracebacks and details.")
+    verbose: bool = option("-v", "--verbose", is_flag=True, help="Show tracebacks and details.", face_only=True)
 
 
 @dataclass
@@ -459,4 +460,20 @@ MERGEKIT_NAMES = {
     "tokensurgeon": "mergekit-tokensurgeon",
     "extract-lora": "mergekit-extract-lora",
     "evolve": "mergekit-evolve",
+}
+
+# The Python API's function for each command that has one (python_api.py), and the options it does not take as
+# keywords (positional there, or about printing the report it returns instead).
+API_FUNCTIONS: dict[str, str] = {
+    "merge": "merge",
+    "plan": "plan",
+    "merge-raw": "merge_raw",
+    "multi": "multi",
+    "moe": "moe",
+    "extract-lora": "extract_lora",
+}
+API_EXCLUDE: dict[str, tuple[str, ...]] = {
+    "plan": ("as_json", "tensors"),
+    "multi": ("out_dir",),
+    "extract-lora": ("model", "base", "out"),
 }

@@ -16,7 +16,7 @@ import click
 
 from .. import mergekit_flags
 from ..errors import ConfigError
-from .families import LAYOUTS, MERGEKIT_NAMES
+from .families import API_EXCLUDE, LAYOUTS, MERGEKIT_NAMES
 from .spec import Opt, options_of
 
 
@@ -74,9 +74,12 @@ def _checker(command: str) -> click.Command:
     return click.Command(command, params=click_params(command))
 
 
-def api_defaults(command: str, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+def api_defaults(command: str, exclude: tuple[str, ...] | None = None) -> dict[str, Any]:
     """{keyword: default} of `command`'s options as the Python API takes them: what the command function
-    receives when the command line does not give the option."""
+    receives when the command line does not give the option (less `exclude`; None: those its API function
+    takes otherwise, families.API_EXCLUDE)."""
+    if exclude is None:
+        exclude = API_EXCLUDE.get(command, ())
     checker = _checker(command)
     ctx = click.Context(checker)
     return {p.name: _default(p, ctx) for p in checker.params if p.name and p.name not in exclude}
@@ -92,7 +95,7 @@ def _default(param: Any, ctx: click.Context) -> Any:
 
 
 def api_values(
-    function: str, command: str, given: Mapping[str, Any], exclude: tuple[str, ...] = ()
+    function: str, command: str, given: Mapping[str, Any], exclude: tuple[str, ...] | None = None
 ) -> dict[str, Any]:
     """The command's defaults updated with `given`: an unknown name is a TypeError (as for any Python
     function), a value the command would refuse is its ConfigError naming the option."""

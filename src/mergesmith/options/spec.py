@@ -23,7 +23,8 @@ class Opt:
     `decls`: click's declarations without the parameter name (`("--quiet/--no-quiet", "-q")`); the name is the
     dataclass field's. `help` is one text, or {command: text} with "*" for the others. `omit`: commands of the
     family that do not declare it (mergekit_flags.py may declare it there, with a note saying why it does
-    nothing). `attrs`: click.Option keywords beyond these (`callback`, `expose_value`, `metavar`, ...)."""
+    nothing). `face_only`: the value only changes what is printed, so convert.to_merge_options leaves it out.
+    `attrs`: click.Option keywords beyond these (`callback`, `expose_value`, `metavar`, ...)."""
 
     decls: tuple[str, ...]
     default: Any = NOT_GIVEN
@@ -35,6 +36,7 @@ class Opt:
     show_default: bool = False
     required: bool = False
     omit: tuple[str, ...] = ()
+    face_only: bool = False  # what is printed (-v, -q): never reaches the engine's MergeOptions
     attrs: Mapping[str, Any] = field(default_factory=dict)
     name: str = ""  # set from the field (or the mergekit flag) that holds it
 
