@@ -430,7 +430,8 @@ def extract_lora(model: str, base: str, out: str | Path, **options: Any) -> Extr
 
     kw = _resolve("extract_lora", "extract-lora", options)
     taken = mergekit_flags.take("extract-lora", kw)
-    taken.say_notes(lambda line: log.info("%s", line))
+    device = resolve_device(kw["device"], what="device")
+    taken.say_notes(lambda line: log.info("%s", line))  # once the options are checked, as the command does
     return run_extract(
         str(model),
         str(base),
@@ -438,7 +439,7 @@ def extract_lora(model: str, base: str, out: str | Path, **options: Any) -> Extr
         kw["max_rank"],
         sv_epsilon=kw["sv_epsilon"],
         embed_lora=kw["embed_lora"],
-        device=resolve_device(kw["device"], what="device"),
+        device=device,
         overwrite=kw["overwrite"],
         include=kw["include_regex"],
         exclude=kw["exclude_regex"],
