@@ -102,7 +102,7 @@ def test_lm_eval_task_scores_equal_simple_evaluate(tmp_path, task_dir, in_memory
     `limit` and `num_fewshot` passed through: each journaled score is what simple_evaluate says."""
     from mergesmith.config import parse_config
     from mergesmith.engine.planning.shared import MergeOptions
-    from mergesmith.engine.run import run_merge
+    from mergesmith.engine.run import RunControls, run_merge
 
     result = run_search(genome(tmp_path), tmp_path / "s", SearchOptions(
         max_fevals=2, popsize=2, random_seed=1, sigma0=1.0, batch_size=8, in_memory=in_memory,
@@ -113,7 +113,7 @@ def test_lm_eval_task_scores_equal_simple_evaluate(tmp_path, task_dir, in_memory
         assert set(scores) >= {"acc,none", "acc_norm,none"}
         assert row["fitness"] == scores["acc_norm,none"]  # the genome's `acc_norm` is lm-eval's `acc_norm,none`
         merged = run_merge(parse_config(row["config"], "row"), tmp_path / f"m{row['evaluation']}",
-                           MergeOptions(), overwrite=True).out_dir
+                           MergeOptions(), controls=RunControls(overwrite=True)).out_dir
         direct = lm_eval_direct(merged, task_dir, **harness)
         assert {k: scores[k] for k in direct} == pytest.approx(direct, abs=1e-9)
     # another model (the reversal parent, weak at addition) scores differently, so equal scores above are not

@@ -10,7 +10,7 @@ import yaml
 
 from mergesmith.engine.execution.local_executor import ProgressEvent
 from mergesmith.engine.planning.shared import MergeOptions
-from mergesmith.engine.run import run_merge
+from mergesmith.engine.run import RunControls, run_merge
 from mergesmith.errors import MergeInterrupted
 
 
@@ -51,7 +51,7 @@ def test_a_resumed_run_starts_its_counters_at_what_is_already_finished(tmp_path:
     first_shard = plan_probe.shards[0].recipes
     stop_after = len(first_shard) + 2  # one finished shard and two tensors of the next
     try:
-        run_merge(cfg, out, options, on_progress=interrupt, stop=stop)
+        run_merge(cfg, out, options, controls=RunControls(on_progress=interrupt, stop=stop))
     except MergeInterrupted:
         pass
     else:
@@ -60,7 +60,8 @@ def test_a_resumed_run_starts_its_counters_at_what_is_already_finished(tmp_path:
     assert saved.tensors_done == stop_after and 0 < saved.bytes_written < plan_probe.total_size
 
     second: list[ProgressEvent] = []
-    result = run_merge(cfg, out, MergeOptions(out_shard_size=60_000, threads=1), on_progress=second.append)
+    options = MergeOptions(out_shard_size=60_000, threads=1)
+    result = run_merge(cfg, out, options, controls=RunControls(on_progress=second.append))
     total, total_bytes = len(result.plan.recipes), result.plan.total_size
     start = second[0]
     assert (start.tensors_done, start.bytes_written) == (saved.tensors_done, saved.bytes_written)

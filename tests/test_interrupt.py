@@ -22,7 +22,7 @@ import yaml
 from mergesmith.cli import main
 from mergesmith.engine.execution.local_executor import ProgressEvent
 from mergesmith.engine.planning.shared import MergeOptions
-from mergesmith.engine.run import build_plan, run_merge
+from mergesmith.engine.run import RunControls, build_plan, run_merge
 from mergesmith.errors import MergeInterrupted
 from mergesmith.io.journal import STATE_DIR, STATE_TOP, Journal
 
@@ -153,7 +153,8 @@ def test_stop_request_in_process_journals_and_resumes(
             stop.set()
 
     with pytest.raises(MergeInterrupted, match="run the same command again to resume") as exc:
-        run_merge(config, out, MergeOptions(out_shard_size=50_000, threads=1), on_progress=on_progress, stop=stop)
+        options = MergeOptions(out_shard_size=50_000, threads=1)
+        run_merge(config, out, options, controls=RunControls(on_progress=on_progress, stop=stop))
     assert exc.value.exit_code == 130
     del exc  # its traceback holds the executor and its unfinished writers
     assert _open_files_under(out) == [], "an interrupted merge must not keep its partial files open"
@@ -191,7 +192,8 @@ def test_ctrl_c_while_verifying_finished_shards_stops_between_shards(
 
     monkeypatch.setattr(mergesmith.engine.run, "file_checksum", checksum_then_ctrl_c)
     with pytest.raises(MergeInterrupted, match="nothing was changed"):
-        run_merge(config, out, MergeOptions(out_shard_size=50_000, threads=1), stop=stop, verify=True)
+        options = MergeOptions(out_shard_size=50_000, threads=1)
+        run_merge(config, out, options, controls=RunControls(stop=stop, verify=True))
     assert len(checked) == 1
     assert _files(out) == ref
     journal = Journal.load(out)

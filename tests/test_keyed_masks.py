@@ -183,7 +183,7 @@ def three_models(tiny_models):
 def _run(method, models, out: Path, *, threads=1, max_memory=None, stop_after=None, shard=40_000):
     from mergesmith.config import parse_config
     from mergesmith.engine.planning.shared import MergeOptions
-    from mergesmith.engine.run import run_merge
+    from mergesmith.engine.run import RunControls, run_merge
 
     base, a, b = models
     eps = method.startswith("della")
@@ -210,7 +210,7 @@ def _run(method, models, out: Path, *, threads=1, max_memory=None, stop_after=No
             if stop_after is not None and done[0] >= stop_after:
                 stop.set()
 
-    run_merge(cfg, out, options, on_progress=progress, stop=stop)
+    run_merge(cfg, out, options, controls=RunControls(on_progress=progress, stop=stop))
     return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
 
 

@@ -21,8 +21,8 @@ PACKAGE_DIR = Path(mergesmith.__file__).parent
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     (
         "face",
-        ("mergesmith", "__main__", "python_api", "cli", "mergekit_flags", "display"),
-        "argument handling (mergekit's flags included), the public API, progress displays",
+        ("mergesmith", "__main__", "python_api", "cli", "options", "mergekit_flags", "display"),
+        "argument handling (the options model, mergekit's flags included), the public API, progress displays",
     ),
     (
         "commands",

@@ -22,9 +22,10 @@ import torch
 from safetensors import safe_open
 
 from mergesmith import mergekit_flags
-from mergesmith.cli import _options, cli
+from mergesmith.cli import cli
 from mergesmith.errors import ConfigError
 from mergesmith.lora.extract import extract_lora
+from mergesmith.options import to_merge_options
 from tests.helpers import assert_one_line_error, read_state_dict, run_cli, write_config
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -40,7 +41,7 @@ def _parsed_options(command: str, *args: str) -> Any:
     """MergeOptions as `mergesmith <command> <args>` would build them (the real parser and mapping)."""
     ctx = cli.commands[command].make_context(command, ["config.yml", "out", *args])
     with ctx:
-        return _options(dict(ctx.params), command)
+        return to_merge_options(dict(ctx.params), command)
 
 
 def test_num_threads_is_threads(capsys: Any, linear_cfg: Path) -> None:

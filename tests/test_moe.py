@@ -17,6 +17,7 @@ import yaml
 
 from mergesmith.cli import main
 from mergesmith.engine.planning.shared import MergeOptions
+from mergesmith.engine.run import RunControls
 from mergesmith.errors import MergeInterrupted
 from mergesmith.moe import build_moe_plan, run_moe
 from tests.helpers import finite_logits, load_causal_lm, read_state_dict
@@ -510,7 +511,8 @@ def test_an_interrupted_assembly_resumes_without_recomputing_the_router(tmp_path
             stop.set()
 
     with pytest.raises(MergeInterrupted):
-        run_moe(cfg, tmp_path / "out", MergeOptions(**options), on_progress=stop_after_some, stop=stop)
+        controls = RunControls(on_progress=stop_after_some, stop=stop)
+        run_moe(cfg, tmp_path / "out", MergeOptions(**options), controls=controls)
     assert not (tmp_path / "out" / "config.json").exists()
     calls: list[int] = []
     result = run_moe(cfg, tmp_path / "out", MergeOptions(**options), on_gate_progress=lambda d, t: calls.append(d))

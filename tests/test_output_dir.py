@@ -32,7 +32,7 @@ import mergesmith
 from mergesmith.engine.card import front_matter
 from mergesmith.engine.execution.local_executor import ProgressEvent
 from mergesmith.engine.planning.shared import MergeOptions
-from mergesmith.engine.run import build_plan, run_merge
+from mergesmith.engine.run import RunControls, build_plan, run_merge
 from mergesmith.errors import MergeInterrupted
 from mergesmith.io.journal import LEGACY_STATE_DIR, STATE_DIR, STATE_TOP, Journal
 from tests.helpers import run_cli
@@ -79,7 +79,7 @@ def _interrupt(config: Path, out: Path, after: int, shard_size: int | None = Non
 
     options = MergeOptions(threads=1, out_shard_size=shard_size) if shard_size else MergeOptions(threads=1)
     with pytest.raises(MergeInterrupted):
-        run_merge(config, out, options, on_progress=on_progress, stop=stop)
+        run_merge(config, out, options, controls=RunControls(on_progress=on_progress, stop=stop))
     journal = Journal.load(out)
     assert journal is not None
     return journal
@@ -264,7 +264,7 @@ def test_raw_merge_resume_is_reported(tmp_path: Path, models: Any) -> None:
             stop.set()
 
     with pytest.raises(MergeInterrupted):
-        run_raw_merge(config, out, MergeOptions(threads=1), on_progress=on_progress, stop=stop)
+        run_raw_merge(config, out, MergeOptions(threads=1), controls=RunControls(on_progress=on_progress, stop=stop))
     journal = Journal.load(out)
     assert journal is not None
     reused = sum(len(t) for t in journal.partial.values())
@@ -325,7 +325,7 @@ def test_moe_resume_is_reported_by_the_cli(tmp_path: Path, capsys: Any, tiny_mod
     stop, on_progress = _stopper(10)
     options = MergeOptions(threads=1, out_shard_size=60_000, random_seed=3)
     with pytest.raises(MergeInterrupted):
-        run_moe(config, out, options, on_progress=on_progress, stop=stop)
+        run_moe(config, out, options, controls=RunControls(on_progress=on_progress, stop=stop))
     journal = Journal.load(out)
     assert journal is not None
     args = ("--out-shard-size", SHARD, "--threads", "1", "--random-seed", "3", "-q")
@@ -352,8 +352,7 @@ def test_tokensurgeon_resume_is_reported_by_the_cli(tmp_path: Path, capsys: Any)
             out,
             SurgeryOptions(k=16),
             MergeOptions(threads=1, out_shard_size=20_000),
-            on_progress=on_progress,
-            stop=stop,
+            controls=RunControls(on_progress=on_progress, stop=stop),
         )
     journal = Journal.load(out)
     assert journal is not None

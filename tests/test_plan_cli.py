@@ -10,8 +10,9 @@ import sys
 import pytest
 import yaml
 
-from mergesmith.cli import main, parse_size
+from mergesmith.cli import main
 from mergesmith.errors import ConfigError
+from mergesmith.options import parse_size
 
 
 def _config(tmp_path, tiny_models):

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from mergesmith import cli
+from mergesmith.display.command_output import warn_then
 from mergesmith.runtime import process_tuning
 
 
@@ -42,7 +43,7 @@ def test_importing_the_library_changes_nothing() -> None:
 
 def test_the_plan_callback_freezes_what_is_alive() -> None:
     started: list[object] = []
-    on_plan = cli._warn_then(started.append)
+    on_plan = warn_then(started.append)
     try:
         on_plan(type("Plan", (), {"warnings": []})())
         assert started and gc.get_freeze_count() > 0

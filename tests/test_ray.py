@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'merg
 from mergesmith.cli import main  # noqa: E402
 from mergesmith.engine.execution.ray_executor import KILL_ONCE_ENV  # noqa: E402
 from mergesmith.engine.planning.shared import MergeOptions  # noqa: E402
-from mergesmith.engine.run import build_plan, execute_plan, run_merge  # noqa: E402
+from mergesmith.engine.run import RunControls, build_plan, execute_plan, run_merge  # noqa: E402
 from mergesmith.errors import CheckpointError, MergeInterrupted, MergesmithError  # noqa: E402
 from mergesmith.io.journal import Journal  # noqa: E402
 
@@ -167,7 +167,10 @@ def test_a_stop_request_drains_the_tasks_and_a_rerun_finishes_the_same_bytes(loc
 
     with pytest.raises(MergeInterrupted, match="run the same command again to resume"):
         run_merge(
-            merge_config, out, MergeOptions(executor="ray", **small), on_progress=stop_after_first_shard, stop=stop
+            merge_config,
+            out,
+            MergeOptions(executor="ray", **small),
+            controls=RunControls(on_progress=stop_after_first_shard, stop=stop),
         )
     journal = Journal.load(out)
     assert 1 <= len(journal.finished) < len(local.plan.shards)

@@ -28,7 +28,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from mergesmith.engine.planning.shared import MergeOptions
-from mergesmith.engine.run import INDEX_NAME, run_merge
+from mergesmith.engine.run import INDEX_NAME, RunControls, run_merge
 from mergesmith.io.journal import STATE_DIR, STATE_TOP, Journal
 from mergesmith.methods import method_names
 
@@ -166,7 +166,7 @@ def linear_case(tiny_models: Any, tmp_path_factory: pytest.TempPathFactory) -> t
 
 
 def _reference(config: Path, out: Path, seed: int | None = None) -> dict[str, bytes]:
-    from mergesmith.cli import parse_size
+    from mergesmith.options import parse_size
 
     run_merge(config, out, MergeOptions(out_shard_size=parse_size(SHARD_SIZE, "x"), threads=1, random_seed=seed))
     files = _top_files(out)
@@ -527,7 +527,7 @@ def _count_checksums(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def _complete_copy(linear_case: tuple[Path, dict[str, bytes]], out: Path) -> list[str]:
-    from mergesmith.cli import parse_size
+    from mergesmith.options import parse_size
 
     config, _ref = linear_case
     run_merge(config, out, MergeOptions(out_shard_size=parse_size(SHARD_SIZE, "x"), threads=1))
@@ -535,9 +535,10 @@ def _complete_copy(linear_case: tuple[Path, dict[str, bytes]], out: Path) -> lis
 
 
 def _rerun(linear_case: tuple[Path, dict[str, bytes]], out: Path, verify: bool = False) -> Any:
-    from mergesmith.cli import parse_size
+    from mergesmith.options import parse_size
 
-    return run_merge(linear_case[0], out, MergeOptions(out_shard_size=parse_size(SHARD_SIZE, "x")), verify=verify)
+    options = MergeOptions(out_shard_size=parse_size(SHARD_SIZE, "x"))
+    return run_merge(linear_case[0], out, options, controls=RunControls(verify=verify))
 
 
 def test_rerun_of_a_complete_merge_reads_no_shard_bytes(

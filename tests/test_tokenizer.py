@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from mergesmith.config import parse_config
-from mergesmith.engine.run import build_plan, run_merge
+from mergesmith.engine.run import RunControls, build_plan, run_merge
 from mergesmith.errors import CheckpointError, ConfigError
 from mergesmith.tokenizer.templates import BUILTIN_TEMPLATES, resolve_chat_template
 from tests.helpers import finite_logits, load_causal_lm, read_state_dict
@@ -77,7 +77,7 @@ def _rows(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _merge(config: dict[str, Any], out: Path) -> Any:
-    return run_merge(parse_config(config), out, overwrite=True)
+    return run_merge(parse_config(config), out, controls=RunControls(overwrite=True))
 
 
 def _linear(models: dict[str, Path], names: list[str], **extra: Any) -> dict[str, Any]:

@@ -50,6 +50,7 @@ def perplexity(model_dir: Path, text: str, seq: int = 128) -> tuple[float, float
 
 def transplant(base: Path, donor: Path, out: Path, method: str, k: int) -> float:
     from mergesmith.engine.planning.shared import MergeOptions
+    from mergesmith.engine.run import RunControls
     from mergesmith.tokensurgeon import SurgeryOptions, run_tokensurgeon
 
     started = time.monotonic()
@@ -59,7 +60,7 @@ def transplant(base: Path, donor: Path, out: Path, method: str, k: int) -> float
         out,
         SurgeryOptions(approximation_method=method, k=k),
         MergeOptions(threads=1, random_seed=0, write_model_card=False),
-        overwrite=True,
+        controls=RunControls(overwrite=True),
     )
     return time.monotonic() - started
 

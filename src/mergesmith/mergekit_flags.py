@@ -3,9 +3,10 @@
 Why: a mergekit user's command line (a notebook cell, a model card) must run with `mergekit-yaml` swapped
 for `mergesmith merge`, so every flag mergekit's commands take is accepted by the counterpart
 (tests/fixtures/mergekit_flags.json lists them, read from mergekit's own parser by scripts/mergekit_flags.py).
-Flags mergesmith already has (`--out-shard-size`, `--allow-crimes/--no-allow-crimes`, ...) are declared with
-the commands in cli.py; this module declares the rest, per command, and turns what was given into what the
-command understands:
+Flags mergesmith already has (`--out-shard-size`, `--allow-crimes/--no-allow-crimes`, ...) are declared in
+the options model (options/families.py); this module declares the rest, per command (options/generate.py
+attaches them to each command's options, for the command line and the Python API alike), and turns what was
+given into what the command understands:
 
 - a flag with a meaning here is mapped onto it (`-j` is `--threads`, `--gpu-rich` is `--device cuda`, ...);
 - a flag that changes nothing here prints ONE `note:` line on stderr saying why (writes are already
@@ -410,25 +411,9 @@ def flags_for(command: str) -> list[Flag]:
     return [f for f in FLAGS if command in f.commands]
 
 
-def names_for(command: str) -> set[str]:
-    """Their parameter names (what the command's function receives and `take` removes)."""
-    return {f.name for f in flags_for(command)}
-
-
 def hidden_names(command: str) -> list[str]:
     """The first spelling of each flag left out of `command`'s --help (named in its epilog instead)."""
     return [f.decls[0].split("/")[0] for f in flags_for(command) if f.hidden]
-
-
-def add_flags(command: str) -> Callable[[Any], Any]:
-    """A decorator adding `command`'s mergekit flags as click options."""
-
-    def apply(function: Any) -> Any:
-        for flag in reversed(flags_for(command)):
-            function = click.option(*flag.decls, help=flag.help, hidden=flag.hidden, **flag.attrs)(function)
-        return function
-
-    return apply
 
 
 def epilog(command: str, mergekit_name: str) -> str:

@@ -1,9 +1,10 @@
 """The documented Python API behind `import mergesmith`: the commands as functions.
 
 Each function takes the command's options as keyword arguments with the command's names and defaults.
-Those are read from the click command itself (`command_options`), so the API cannot drift from the
-CLI, and the values go through the CLI's own conversion (`cli._options`: sizes like "8GB", devices,
-the Ray checks), so a bad value is the same ConfigError the command prints. Resume is the command's:
+Those come from the options model (options/, which the command line is generated from too:
+`command_options`), so the API cannot drift from the CLI, and the values go through the same conversion
+(`options.to_merge_options`: sizes like "8GB", devices, the Ray checks), so a bad value is the same
+ConfigError the command prints; docs/options.md lists every command's options. Resume is the command's:
 the same output directory, config and options continue an interrupted merge, whichever of the two
 started it.
 
@@ -35,56 +36,20 @@ if not log.handlers:  # a library prints nothing unless the program configures l
     log.addHandler(logging.NullHandler())
 
 
-def _command(name: str) -> Any:
-    from .cli import cli
-
-    return cli.commands[name]
-
-
 def command_options(name: str, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
-    """{option name: default} of the CLI command `name` (e.g. "merge"), as Python keyword names."""
-    import click
+    """{option name: default} of the command `name` (e.g. "merge"), as Python keyword names (options/)."""
+    from .options import api_defaults
 
-    command = _command(name)
-    ctx = click.Context(command)
-    return {
-        p.name: _default(p, ctx)
-        for p in command.params
-        if isinstance(p, click.Option) and p.name and p.name not in exclude
-    }
+    return api_defaults(name, exclude)
 
 
-def _default(param: Any, ctx: Any) -> Any:
-    """What the command receives for `param` when the command line does not give it: click 8.2+ reports an
-    option without a default as its UNSET marker, and passes `()` for a repeatable one, None otherwise."""
-    value = param.get_default(ctx)
-    if param.value_is_missing(value):
-        return () if param.multiple else None
-    return value
-
-
-def _resolve(function: str, command: str, given: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+def _resolve(function: str, command: str, given: dict[str, Any]) -> dict[str, Any]:
     """The command's defaults updated with `given`; an unknown name is a TypeError (as for any Python
     function), a value the command would refuse is its ConfigError naming the option."""
-    import click
+    from .options import api_values
 
-    defaults = command_options(command, exclude)
-    unknown = [k for k in given if k not in defaults]
-    if unknown:
-        names = ", ".join(sorted(defaults))
-        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r} (options: {names})")
-    command_obj = _command(command)
-    ctx = click.Context(command_obj)
-    params = {p.name: p for p in command_obj.params}
-    resolved = dict(defaults)
-    for key, value in given.items():
-        if value is not None:
-            try:
-                value = params[key].type_cast_value(ctx, value)
-            except click.BadParameter as exc:
-                raise ConfigError(f"`{key}`: {exc.message}") from None
-        resolved[key] = value
-    if "transformers_cache" in resolved:  # the command line sets these as it parses them (cli._hub_options)
+    resolved = api_values(function, command, given)
+    if "transformers_cache" in resolved:  # the command line sets these as it parses them (families.Hub)
         from .io import hub
 
         cache = resolved["transformers_cache"]
@@ -94,9 +59,16 @@ def _resolve(function: str, command: str, given: dict[str, Any], exclude: tuple[
 
 def _merge_options(kw: dict[str, Any], command: str = "merge") -> Any:
     """The command's MergeOptions; notes about mergekit flags without effect go to the logger, as warnings do."""
-    from .cli import _options
+    from .options import to_merge_options
 
-    return _options(kw, command, echo=lambda line: log.info("%s", line))
+    return to_merge_options(kw, command, echo=lambda line: log.info("%s", line))
+
+
+def _controls(kw: dict[str, Any], display: Any, on_plan: Any, stop: threading.Event | None) -> Any:
+    """The RunControls of an API run: the output options' values, the display's callbacks and `stop`."""
+    from .options import to_run_controls
+
+    return to_run_controls(kw, on_plan=on_plan, on_progress=display.update, stop=stop)
 
 
 def as_merge_config(config: Any, what: str = "merge") -> tuple[Any, str]:
@@ -195,7 +167,7 @@ def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> Plan
     from .engine.downloads import plan_before_download
     from .engine.report import check_plan_out_dir, plan_report
 
-    kw = _resolve("plan", "plan", options, exclude=("as_json", "tensors"))
+    kw = _resolve("plan", "plan", options)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         check_plan_out_dir(out)
@@ -293,12 +265,7 @@ def merge(
             source,
             out_dir,
             merge_options,
-            overwrite=kw["overwrite"],
-            force=kw["force"],
-            verify=kw["verify"],
-            on_plan=_show_warnings(display, shown),
-            on_progress=display.update,
-            stop=stop,
+            controls=_controls(kw, display, _show_warnings(display, shown), stop),
         ),
     )
 
@@ -379,12 +346,7 @@ def merge_raw(
             out_dir,
             merge_options,
             tensor_set=tensor_set,
-            overwrite=kw["overwrite"],
-            force=kw["force"],
-            verify=kw["verify"],
-            on_plan=_show_warnings(display, shown),
-            on_progress=display.update,
-            stop=stop,
+            controls=_controls(kw, display, _show_warnings(display, shown), stop),
         ),
     )
 
@@ -414,13 +376,9 @@ def moe(
             cfg,
             out_dir,
             merge_options,
-            overwrite=kw["overwrite"],
-            force=kw["force"],
+            controls=_controls(kw, display, display.start, stop),
             allow_all_same=kw["allow_all_same"],
-            on_plan=display.start,
-            on_progress=display.update,
             on_warning=lambda message: _warn(message, shown),
-            stop=stop,
         ),
     )
 
@@ -439,7 +397,7 @@ def multi(
     from .display.terminal import StageProgress
     from .multi.stages import run_multi
 
-    kw = _resolve("multi", "multi", options, exclude=("out_dir",))
+    kw = _resolve("multi", "multi", options)
     merge_options = _merge_options(kw, "multi")
     shown = progress is True
     display = StageProgress(lambda: choose_display(progress if not kw["quiet"] else None))  # a display per stage
@@ -454,12 +412,7 @@ def multi(
             merge_options,
             out_path=kw["out_path"],
             lazy=kw["lazy"],
-            overwrite=kw["overwrite"],
-            force=kw["force"],
-            verify=kw["verify"],
-            on_plan=_show_warnings(display, shown),
-            on_progress=display.update,
-            stop=stop,
+            controls=_controls(kw, display, _show_warnings(display, shown), stop),
         )
     for r in results:  # per stage, as `mergesmith multi` reports them
         _report(r.out_dir, r.result, shown, prefix=f"{r.name or '(final)'}: ")
@@ -475,9 +428,10 @@ def extract_lora(model: str, base: str, out: str | Path, **options: Any) -> Extr
     from .lora.extract import extract_lora as run_extract
     from .runtime.devices import resolve_device
 
-    kw = _resolve("extract_lora", "extract-lora", options, exclude=("model", "base", "out"))
+    kw = _resolve("extract_lora", "extract-lora", options)
     taken = mergekit_flags.take("extract-lora", kw)
-    taken.say_notes(lambda line: log.info("%s", line))
+    device = resolve_device(kw["device"], what="device")
+    taken.say_notes(lambda line: log.info("%s", line))  # once the options are checked, as the command does
     return run_extract(
         str(model),
         str(base),
@@ -485,7 +439,7 @@ def extract_lora(model: str, base: str, out: str | Path, **options: Any) -> Extr
         kw["max_rank"],
         sv_epsilon=kw["sv_epsilon"],
         embed_lora=kw["embed_lora"],
-        device=resolve_device(kw["device"], what="device"),
+        device=device,
         overwrite=kw["overwrite"],
         include=kw["include_regex"],
         exclude=kw["exclude_regex"],

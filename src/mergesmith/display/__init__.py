@@ -1,1 +1,2 @@
-"""Progress displays: the terminal bar and plain lines (`terminal`), and the notebook bar (`notebook`)."""
+"""Progress displays: the terminal bar and plain lines (`terminal`), the notebook bar (`notebook`), what a
+command that writes a model shows around its run (`command_output`) and Ctrl-C handling (`interrupts`)."""

@@ -380,9 +380,13 @@ def _write_index_and_config(out_dir: Path, plan: Plan) -> None:
         write_file_atomic(out_dir / "config.json", (json.dumps(plan.output_config, indent=2) + "\n").encode())
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunControls:
-    """How a run into a directory is driven, the same for every command: `execute_plan`'s keywords."""
+    """How a run into a directory is driven, the same for every command that writes a model: whether it may
+    replace a different output (`overwrite`) or start on a disk that looks too small (`force`), the plan and
+    progress callbacks, the event that stops it at a resumable point, and whether a complete output is
+    checksummed (`verify`). The run functions (`run_merge`, `execute_plan`, the features' `run_*`) take it as
+    one `controls` argument; frozen, so the default instance is safe to share."""
 
     overwrite: bool = False
     force: bool = False
@@ -406,19 +410,7 @@ def run_planned(
     options = options or MergeOptions()
     with hub.forcing(controls.force):  # hub models downloaded while planning: --force covers their disk check
         plan, inputs = plan_into(options, out)
-    return execute_plan(
-        plan,
-        inputs,
-        out,
-        options,
-        overwrite=controls.overwrite,
-        force=controls.force,
-        on_plan=controls.on_plan,
-        on_progress=controls.on_progress,
-        stop=controls.stop,
-        started=started,
-        verify=controls.verify,
-    )
+    return execute_plan(plan, inputs, out, options, controls=controls, started=started)
 
 
 def run_merge(
@@ -426,27 +418,21 @@ def run_merge(
     out_dir: str | Path,
     options: MergeOptions | None = None,
     *,
-    overwrite: bool = False,
-    force: bool = False,
-    on_plan: Callable[[Plan], None] | None = None,
-    on_progress: Callable[[ProgressEvent], None] | None = None,
-    stop: threading.Event | None = None,
-    verify: bool = False,
+    controls: RunControls = RunControls(),
 ) -> MergeResult:
-    """Merge into `out_dir`; rerunning after an interruption resumes where it stopped (`verify`: see
+    """Merge into `out_dir`; rerunning after an interruption resumes where it stopped (`controls.verify`: see
     `execute_plan`)."""
 
     def plan_into(options: MergeOptions, out: Path) -> tuple[Plan, dict[str, Checkpoint]]:
         refuse_non_directory(out)
         cfg, source = as_config(config, options.strict)
-        check_download_space(pending_downloads(cfg.referenced_models()), out, force)
+        check_download_space(pending_downloads(cfg.referenced_models()), out, controls.force)
         plan, checkpoints = build_plan(cfg, options, out, source)
         over_budget = over_budget_warning(plan, options.max_memory)  # as `plan` says it, at the merge's start
         if over_budget is not None and over_budget not in plan.warnings:
             plan.warnings.append(over_budget)
         return plan, checkpoints
 
-    controls = RunControls(overwrite, force, on_plan, on_progress, stop, verify)
     return run_planned(plan_into, out_dir, options, controls)
 
 
@@ -456,32 +442,30 @@ def execute_plan(
     out_dir: str | Path,
     options: MergeOptions,
     *,
-    overwrite: bool = False,
-    force: bool = False,
-    on_plan: Callable[[Plan], None] | None = None,
-    on_progress: Callable[[ProgressEvent], None] | None = None,
-    stop: threading.Event | None = None,
+    controls: RunControls = RunControls(),
     started: float | None = None,
-    verify: bool = False,
 ) -> MergeResult:
     """Write any plan (a merge, an MoE assembly, ...) into `out_dir` with the journaled protocol.
 
     Every planner ends here, so resume, the disk check, progress and crash-consistency come for free.
-    A rerun of a complete merge trusts shards whose size and mtime are unchanged unless `verify`,
+    A rerun of a complete merge trusts shards whose size and mtime are unchanged unless `controls.verify`,
     which re-reads and checksums every shard (see `_untouched_since_complete`).
     """
     started = time.monotonic() if started is None else started
     out = Path(out_dir)
     refuse_non_directory(out)
     _refuse_input_directory(out, checkpoints)
-    if on_plan is not None:
-        on_plan(plan)
+    if controls.on_plan is not None:
+        controls.on_plan(plan)
     fingerprint = plan.fingerprint()
     try:
         with _exclusive(out):
-            journal = _prepare_out_dir(out, fingerprint, overwrite)
+            journal = _prepare_out_dir(out, fingerprint, controls.overwrite)
             journal.random_seed = plan.random_seed
-            return _write_plan(out, plan, checkpoints, options, journal, force, on_progress, stop, started, verify)
+            return _write_plan(
+                out, plan, checkpoints, options, journal, controls.force, controls.on_progress, controls.stop,
+                started, controls.verify,
+            )
     except OSError as exc:  # a full or read-only disk, a quota: the user's environment, not a bug
         if exc.filename:
             raise OutputError(f"{exc.filename}: {exc.strerror or exc}") from None

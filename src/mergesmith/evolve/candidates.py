@@ -136,12 +136,12 @@ class CandidateLoader:
     def _load_from_disk(self, plan: Plan) -> Any:
         from transformers import AutoModelForCausalLM
 
-        from ..engine.run import execute_plan
+        from ..engine.run import RunControls, execute_plan
 
         out = self.candidate_dir
         self.cleanup()
         options = MergeOptions(copy_tokenizer=False, write_model_card=False, device=self.settings.merge_device)
-        execute_plan(plan, self.checkpoints, out, options, overwrite=True)
+        execute_plan(plan, self.checkpoints, out, options, controls=RunControls(overwrite=True))
         model = AutoModelForCausalLM.from_pretrained(
             out, dtype=eval_dtype(self.settings.device), trust_remote_code=self.settings.trust_remote_code
         )

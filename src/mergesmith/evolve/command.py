@@ -70,7 +70,7 @@ def run_evolve_command(genome_file: Path, storage_path: Path, kw: dict[str, Any]
     if merge_best is not None:
         from ..config import parse_config
         from ..engine.planning.shared import MergeOptions
-        from ..engine.run import run_merge
+        from ..engine.run import RunControls, run_merge
 
         cfg = parse_config(best["config"], str(result.storage / "best_config.yml"))
 
@@ -78,9 +78,8 @@ def run_evolve_command(genome_file: Path, storage_path: Path, kw: dict[str, Any]
             for warning in plan.warnings:
                 click.echo(f"warning: {warning}", err=True)
 
-        merged = run_merge(
-            cfg, merge_best, MergeOptions(random_seed=options.random_seed), overwrite=kw["overwrite"], on_plan=warn
-        )
+        controls = RunControls(overwrite=kw["overwrite"], on_plan=warn)
+        merged = run_merge(cfg, merge_best, MergeOptions(random_seed=options.random_seed), controls=controls)
         for warning in merged.warnings:  # found while merging: NaN/inf
             click.echo(f"warning: {warning}", err=True)
         click.echo(f"wrote the best merge to {merged.out_dir}")

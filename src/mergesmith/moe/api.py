@@ -6,12 +6,10 @@ assembly resumes after an interruption, checks the disk and reports progress lik
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..engine.execution.local_executor import ProgressEvent
 from ..engine.plan import Plan
 from ..engine.planning.shared import MergeOptions
 from ..engine.run import MergeResult, RunControls, reuse_or_draw_seed, run_planned
@@ -67,20 +65,16 @@ def run_moe(
     out_dir: str | Path,
     options: MergeOptions | None = None,
     *,
-    overwrite: bool = False,
-    force: bool = False,
+    controls: RunControls = RunControls(),
     allow_all_same: bool = False,
-    on_plan: Callable[[Plan], None] | None = None,
-    on_progress: Callable[[ProgressEvent], None] | None = None,
     on_gate_progress: GateProgress | None = None,
     on_warning: Callable[[str], None] | None = None,
-    stop: threading.Event | None = None,
 ) -> MergeResult:
     """Assemble the MoE model into `out_dir`; rerunning after an interruption resumes where it stopped."""
 
     def plan_into(options: MergeOptions, out: Path) -> tuple[Plan, dict[str, Any]]:
         plan, checkpoints, gates = build_moe_plan(config, options, out, allow_all_same=allow_all_same)
-        _refuse_early(out, plan, overwrite)
+        _refuse_early(out, plan, controls.overwrite)
         # the planner's warnings (e.g. a router pass over --max-memory) before that pass, its own after
         for warning in plan.warnings:
             if on_warning is not None:
@@ -92,4 +86,4 @@ def run_moe(
                 on_warning(warning)
         return plan, {**checkpoints, ROUTER_MODEL: router}
 
-    return run_planned(plan_into, out_dir, options, RunControls(overwrite, force, on_plan, on_progress, stop))
+    return run_planned(plan_into, out_dir, options, controls)

@@ -21,10 +21,10 @@ delete files wherever the link points.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import os
 import re
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -32,10 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import parse_config, read_yaml
-from ..engine.execution.local_executor import ProgressEvent
-from ..engine.plan import Plan
 from ..engine.planning.shared import MergeOptions
-from ..engine.run import MergeResult, build_plan, execute_plan
+from ..engine.run import MergeResult, RunControls, build_plan, execute_plan
 from ..errors import CheckpointError, ConfigError, MergesmithError
 from ..io import safe_fs
 from ..io.checkpoint import resolve_model_path
@@ -273,18 +271,14 @@ def run_multi(
     *,
     out_path: str | Path | None = None,
     lazy: bool = True,
-    overwrite: bool = False,
-    force: bool = False,
+    controls: RunControls = RunControls(),
     on_stage: Callable[[Stage, Path], None] | None = None,
-    on_plan: Callable[[Plan], None] | None = None,
-    on_progress: Callable[[ProgressEvent], None] | None = None,
-    stop: threading.Event | None = None,
-    verify: bool = False,
 ) -> list[StageResult]:
     """Run every stage of a multi-stage file in dependency order; returns one result per stage, in run order.
 
     `lazy=False` reruns stages even when their output is complete (mergekit-multi's `--no-lazy`);
-    `verify=True` checksums a complete stage's shards before skipping it (see `engine.run.execute_plan`).
+    `controls.verify` checksums a complete stage's shards before skipping it (see `engine.run.execute_plan`);
+    `controls.overwrite` lets a stage replace model files mergesmith did not write.
     """
     source = str(config_path)
     stages = load_stages(config_path, strict=bool(options and options.strict))
@@ -308,13 +302,8 @@ def run_multi(
                     out_path,
                     options,
                     lazy,
-                    overwrite,
-                    force,
-                    verify,
+                    controls,
                     on_stage,
-                    on_plan,
-                    on_progress,
-                    stop,
                 )
             )
     return results
@@ -338,13 +327,8 @@ def _run_stage(
     out_path: str | Path | None,
     options: MergeOptions,
     lazy: bool,
-    overwrite: bool,
-    force: bool,
-    verify: bool,
+    controls: RunControls,
     on_stage: Callable[[Stage, Path], None] | None,
-    on_plan: Callable[[Plan], None] | None,
-    on_progress: Callable[[ProgressEvent], None] | None,
-    stop: threading.Event | None,
 ) -> StageResult:
     """Run (or skip, when complete) one stage into its directory."""
     target = outputs[stage.name] if stage.name is not None else Path(out_path or "")
@@ -359,19 +343,9 @@ def _run_stage(
         plan, checkpoints = build_plan(config, stage_options, target, source=where)
         previous = Journal.load(target) if target.is_dir() else None
         if previous is None:
-            replace = overwrite  # not a mergesmith output: only with the user's say-so
+            replace = controls.overwrite  # not a mergesmith output: only with the user's say-so
         else:
             replace = not lazy or previous.fingerprint != plan.fingerprint()
-        result = execute_plan(
-            plan,
-            checkpoints,
-            target,
-            stage_options,
-            overwrite=replace,
-            force=force,
-            on_plan=on_plan,
-            on_progress=on_progress,
-            stop=stop,
-            verify=verify,
-        )
+        stage_controls = dataclasses.replace(controls, overwrite=replace)
+        result = execute_plan(plan, checkpoints, target, stage_options, controls=stage_controls)
     return StageResult(stage.name, target, not result.already_complete, result)

@@ -16,13 +16,10 @@ see `engine.run.completion_marker` for what marks it complete when there is no c
 from __future__ import annotations
 
 import copy
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..config import ConditionalParameter, MergeConfiguration, Parameters, load_config
-from ..engine.execution.local_executor import ProgressEvent
 from ..engine.plan import InputRef, Plan, TensorRecipe
 from ..engine.planning.merge_planner import NormalizedSlice, Planner, SourceRange
 from ..engine.planning.shared import MergeOptions
@@ -191,18 +188,12 @@ def run_raw_merge(
     options: MergeOptions | None = None,
     *,
     tensor_set: str = "exact",
-    overwrite: bool = False,
-    force: bool = False,
-    on_plan: Callable[[Plan], None] | None = None,
-    on_progress: Callable[[ProgressEvent], None] | None = None,
-    stop: threading.Event | None = None,
-    verify: bool = False,
+    controls: RunControls = RunControls(),
 ) -> MergeResult:
     """Merge state dicts into `out_dir`; rerunning after an interruption resumes where it stopped
-    (`verify`: see `engine.run.execute_plan`)."""
+    (`controls.verify`: see `engine.run.execute_plan`)."""
 
     def plan_into(options: MergeOptions, out: Path) -> tuple[Plan, dict[str, Checkpoint]]:
         return build_raw_plan(config, options, out, tensor_set)
 
-    controls = RunControls(overwrite, force, on_plan, on_progress, stop, verify)
     return run_planned(plan_into, out_dir, options, controls)

@@ -6,11 +6,8 @@ interruption, checks the disk and reports progress like a merge.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
-from ..engine.execution.local_executor import ProgressEvent
 from ..engine.plan import Plan
 from ..engine.planning.shared import MergeOptions
 from ..engine.run import MergeResult, RunControls, reuse_or_draw_seed, run_planned
@@ -51,11 +48,7 @@ def run_tokensurgeon(
     surgery: SurgeryOptions | None = None,
     options: MergeOptions | None = None,
     *,
-    overwrite: bool = False,
-    force: bool = False,
-    on_plan: Callable[[Plan], None] | None = None,
-    on_progress: Callable[[ProgressEvent], None] | None = None,
-    stop: threading.Event | None = None,
+    controls: RunControls = RunControls(),
 ) -> tuple[MergeResult, dict[str, dict[str, int]]]:
     """Write BASE with DONOR's tokenizer into `out_dir`; rerunning after an interruption resumes."""
     counts: dict[str, dict[str, int]] = {}
@@ -66,5 +59,5 @@ def run_tokensurgeon(
         counts.update(found)
         return plan, checkpoints
 
-    result = run_planned(plan_into, out_dir, options, RunControls(overwrite, force, on_plan, on_progress, stop))
+    result = run_planned(plan_into, out_dir, options, controls)
     return result, counts
