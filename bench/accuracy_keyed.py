@@ -17,12 +17,12 @@ import math
 
 import torch
 
+from mergesmith.kernels.keyed_merge import Vector, keep_flags
 from mergesmith.kernels.keyed_random import MaskStream
 from mergesmith.kernels.reductions import total
+from mergesmith.kernels.task_vector_mix import merge_task_vectors
 from mergesmith.methods import get_method
-from mergesmith.methods.keyed_merge import Vector, keep_flags
 from mergesmith.methods.registry import MergeInputs
-from mergesmith.methods.task_arithmetic import merge_task_vectors
 
 
 def reference(models, masks, weights, consensus: bool) -> torch.Tensor:

@@ -4,7 +4,7 @@ Why a separate script: the merge benchmarks time whole merges; this one times ea
 torch/numpy code it stands in for, through the module switches the tests use, on one row block of bench-like
 data: keyed_merge's totals and merge passes (dare_ties, 2 task vectors, rescale), keyed_random's Philox draws,
 sort_select's replay (TIES' selection of half of a task vector of bf16 magnitudes), bf16_mix's subtraction and
-masking of a bf16 task vector, and task_arithmetic's bf16 mix (TIES, sum consensus, normalize). Process CPU
+masking of a bf16 task vector, and task_vector_mix's bf16 mix (TIES, sum consensus, normalize). Process CPU
 time, one torch thread, after a warm-up call (which compiles or loads the loops).
 
 Usage::
@@ -23,9 +23,8 @@ os.environ.setdefault("MERGESMITH_KERNELS", "wait")  # the compiled column must 
 import torch  # noqa: E402
 from profile_task_vectors import per_entry  # bench/ is on the path when a script here runs
 
-from mergesmith.kernels import bf16_mix, keyed_random, sort_select
+from mergesmith.kernels import bf16_mix, keyed_merge, keyed_random, sort_select, task_vector_mix
 from mergesmith.kernels.keyed_random import MaskStream
-from mergesmith.methods import keyed_merge, task_arithmetic
 
 
 def main() -> None:
@@ -66,7 +65,7 @@ def main() -> None:
             ),
             "bf16 subtract + mask, one vector": per_entry(subtract_and_mask, n, args.reps),
             "bf16 mix, TIES (2 vectors)": per_entry(
-                lambda: task_arithmetic.merge_task_vectors(base, deltas, [0.5, 0.5], consensus="sum", normalize=True),
+                lambda: task_vector_mix.merge_task_vectors(base, deltas, [0.5, 0.5], consensus="sum", normalize=True),
                 n,
                 args.reps,
             ),
@@ -76,7 +75,7 @@ def main() -> None:
         (keyed_merge, "FUSED"),
         (keyed_random, "COMPILED"),
         (sort_select, "COMPILED"),
-        (task_arithmetic, "COMPILED_MIX"),
+        (task_vector_mix, "COMPILED_MIX"),
         (bf16_mix, "ELEMENTWISE"),
     )
     results = {}

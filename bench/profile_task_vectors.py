@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 import torch
 
+from mergesmith.kernels import keyed_merge as km
 from mergesmith.kernels.keyed_random import MaskStream
 from mergesmith.kernels.reductions import BlockedTotal
+from mergesmith.kernels.task_vector_mix import merge_task_vectors
 from mergesmith.methods import get_method
-from mergesmith.methods import keyed_merge as km
 from mergesmith.methods.registry import MergeInputs
-from mergesmith.methods.task_arithmetic import merge_task_vectors
 
 METHODS = ("dare_ties", "dare_linear", "della", "della_linear")
 

@@ -1,4 +1,4 @@
-"""bf16_mix's compiled loop gives task_arithmetic._mix's torch bytes (mergekit's stepwise bfloat16 rounding).
+"""bf16_mix's compiled loop gives task_vector_mix._mix's torch bytes (mergekit's stepwise bfloat16 rounding).
 
 TIES stays bit-equal to mergekit only if every operation of the mix rounds where torch rounds; the loop must
 agree with the torch operations on every consensus, with and without normalize and lambda, for 1-4 task
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mergesmith.kernels import bf16_mix
-from mergesmith.methods import task_arithmetic
+from mergesmith.kernels import task_vector_mix as task_arithmetic
 
 pytestmark = pytest.mark.skipif(not bf16_mix.AVAILABLE, reason="numba is not installed")
 
@@ -115,9 +115,11 @@ def test_keep_masked_gives_torch_bytes(monkeypatch):
 def test_warm_loads_the_loops_a_ties_merge_uses():
     """The executor warms these on a thread of its own for task-vector merges; the calls must be consistent
     inputs (a table replay given positions that do not hold the followed key would never end)."""
-    from mergesmith.engine.execution.kernel_warmup import TASK_VECTOR_METHODS
     from mergesmith.kernels import introsort_replay
+    from mergesmith.methods import get_method
 
     bf16_mix.warm()
     introsort_replay.warm()
-    assert {"ties", "task_arithmetic", "breadcrumbs_ties"} <= TASK_VECTOR_METHODS
+    for name in ("ties", "task_arithmetic", "breadcrumbs_ties"):  # the methods announce the loops they use
+        assert bf16_mix.KERNELS in get_method(name).kernel_groups({}, seeded=False), name
+    assert introsort_replay.KERNELS in get_method("ties").kernel_groups({}, seeded=False)

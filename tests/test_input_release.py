@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from mergesmith.engine.execution.local_executor import compute
 from mergesmith.engine.plan import InputRef, TensorRecipe
 from mergesmith.io.checkpoint import Checkpoint
-from mergesmith.methods import task_arithmetic
+from mergesmith.kernels import task_vector_mix as task_arithmetic
 
 
 def _models(tmp_path: Path) -> dict[str, Checkpoint]:

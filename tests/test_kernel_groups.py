@@ -121,3 +121,35 @@ def _int_of(t):
     import torch
 
     return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+
+
+def test_the_executor_starts_what_each_method_announces(monkeypatch):
+    """kernel_warmup names no method: it starts the groups each recipe's spec announces (MethodSpec.warm_up), once
+    each, only for tensors large enough to pay for a compile."""
+    from mergesmith.engine.execution import kernel_warmup
+    from mergesmith.engine.plan import TensorRecipe
+    from mergesmith.methods import MethodSpec, registry
+
+    own = compiled.KernelGroup("own", lambda: None)
+    asked = []
+
+    def warm_up(params, seeded):
+        asked.append((params, seeded))
+        return [own]
+
+    spec = MethodSpec(name="announcing", merge=lambda inputs: inputs.tensors[0], warm_up=warm_up)
+    monkeypatch.setitem(registry._REGISTRY, "announcing", spec)
+
+    def recipe(method, entries, seed=None):
+        name = f"{method}.{entries}"
+        return TensorRecipe(name, (entries,), "bfloat16", "merge", (), method, 0, (), (("x", 1),), seed)
+
+    big, small = compiled.START_ENTRIES, compiled.START_ENTRIES - 1
+    assert kernel_warmup.kernel_groups([recipe("announcing", small)]) == [] and asked == []
+    assert kernel_warmup.kernel_groups([recipe("announcing", big, 3), recipe("announcing", big)]) == [own]
+    assert asked == [({"x": 1}, True), ({"x": 1}, False)]
+    # the task-vector family's announcements: what its merges call
+    assert kernel_warmup.kernel_groups([recipe("ties", big)]) == [bf16_mix.KERNELS, introsort_replay.KERNELS]
+    assert kernel_warmup.kernel_groups([recipe("dare_ties", big, 3)]) == [keyed_kernels.KERNELS]
+    assert kernel_warmup.kernel_groups([recipe("dare_ties", big)]) == [bf16_mix.KERNELS]
+    assert kernel_warmup.kernel_groups([recipe("linear", big), recipe("sce", big)]) == []

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from mergesmith.kernels import keyed_kernels
+from mergesmith.kernels import keyed_kernels, keyed_merge
 from mergesmith.kernels.keyed_random import MaskStream
-from mergesmith.methods import keyed_merge
 
 pytestmark = pytest.mark.skipif(not keyed_kernels.AVAILABLE, reason="numba is not installed")
 

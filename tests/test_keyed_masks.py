@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from mergesmith.engine.execution import blocks
+from mergesmith.kernels import keyed_merge
 from mergesmith.kernels.keyed_random import CHUNK, MaskStream
 from mergesmith.kernels.reductions import BlockedTotal, total
-from mergesmith.methods import get_method, keyed_merge
+from mergesmith.methods import get_method
 from mergesmith.methods.registry import MergeInputs
 
 KEYED = ("dare_ties", "dare_linear", "della", "della_linear")

@@ -1,4 +1,4 @@
-"""TIES and Breadcrumbs in row blocks (methods/magnitude_blocks.py) write the whole-tensor merge's bytes.
+"""TIES and Breadcrumbs in row blocks (kernels/magnitude_blocks.py) write the whole-tensor merge's bytes.
 
 The selection of each whole task vector's top-k (or middle band of) magnitudes moved into a totals pass, so a
 large tensor merges block by block (issue 17: TIES under `--max-memory 300MB`). The whole-tensor path is bit-equal
@@ -172,7 +172,7 @@ def test_executor_blocks_ranked_tensors_with_the_same_bytes(method, dtype, three
 def test_zero_magnitudes_at_the_cut_are_left_out_with_the_same_bytes(monkeypatch):
     """A bf16 task vector is often mostly exact zeros, and TIES' cut then lies among them: sort_select leaves the
     zeros' choice free there (no replay to follow them), which changes the mask but not one output byte."""
-    from mergesmith.methods import sparsify
+    from mergesmith.kernels import selection as sparsify
 
     g = torch.Generator().manual_seed(9)
     base = torch.randn(400, 400, generator=g).bfloat16()

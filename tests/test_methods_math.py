@@ -19,7 +19,7 @@ from mergesmith.config import parse_config
 from mergesmith.errors import ConfigError
 from mergesmith.methods import get_method, method_names
 from mergesmith.methods.registry import MergeInputs
-from mergesmith.methods.sparsify import della_magprune, magnitude, magnitude_outliers, random_drop
+from mergesmith.methods.task_arithmetic import della_magprune, magnitude, magnitude_outliers, random_drop
 
 SETTINGS = settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -739,7 +739,7 @@ def test_methods_run_on_cuda(method):
 def test_task_vector_mix_in_chunks_is_bit_equal_to_one_pass(monkeypatch, consensus):
     """Large tensors are mixed in chunks to cap the temporaries; the mix is elementwise across models, so
     every entry must come out with the same bits as from one pass."""
-    from mergesmith.methods import task_arithmetic
+    from mergesmith.kernels import task_vector_mix as task_arithmetic
 
     generator = torch.Generator().manual_seed(5)
     base = torch.randn(37, 53, generator=generator).bfloat16()

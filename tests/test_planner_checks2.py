@@ -194,8 +194,7 @@ def _peak_allocated(fn: Any) -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from mergesmith.kernels import keyed_kernels
-    from mergesmith.methods import keyed_merge
+    from mergesmith.kernels import keyed_kernels, keyed_merge
     keyed_merge._BUFFERS.pool.clear()  # DARE/DELLA's reused work buffers: allocated afresh, as by a new worker
     keyed_kernels.warm()  # their compiled loops loaded before, not inside, the measurement (numba's own objects)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -309,7 +308,7 @@ def large_memory_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     from safetensors.torch import save_file
 
     from mergesmith.io.checkpoint import Checkpoint
-    from mergesmith.methods.task_arithmetic import MIX_CHUNK
+    from mergesmith.kernels.task_vector_mix import MIX_CHUNK
 
     root = tmp_path_factory.mktemp("large-memory")
     shape = (2048, MIX_CHUNK // 2048 + 512)  # one full chunk and part of another

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from mergesmith.methods import arcee_fusion, sparsify
+from mergesmith.kernels import selection
+from mergesmith.methods import arcee_fusion, task_arithmetic
 from mergesmith.methods.registry import MergeInputs, MethodSpec
 
 
@@ -29,8 +30,8 @@ def test_dare_equals_a_pure_cpu_reference(dtype, rescale):
     delta = _delta(dtype=dtype)
     work = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     mask = torch.bernoulli(torch.full(delta.shape, 0.3, dtype=work), generator=_gen(7))
-    expected = sparsify.keep_l1_norm(delta.to(work), mask, rescale).to(dtype)
-    assert torch.equal(sparsify.random_drop(delta, 0.3, _gen(7), rescale), expected)
+    expected = selection.keep_l1_norm(delta.to(work), mask, rescale).to(dtype)
+    assert torch.equal(task_arithmetic.random_drop(delta, 0.3, _gen(7), rescale), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -40,8 +41,8 @@ def test_dare_masks_for_another_device_are_drawn_from_the_cpu_generator(dtype):
     needs a real device: test_methods_math.py::test_methods_run_on_cuda compares it with the CPU's.)"""
     delta = _delta(dtype=dtype)
     on_cpu, elsewhere = _gen(11), _gen(11)
-    out = sparsify.random_drop(delta, 0.3, on_cpu, rescale=False)
-    moved = sparsify.random_drop(delta.to("meta"), 0.3, elsewhere, rescale=False)
+    out = task_arithmetic.random_drop(delta, 0.3, on_cpu, rescale=False)
+    moved = task_arithmetic.random_drop(delta.to("meta"), 0.3, elsewhere, rescale=False)
     assert moved.device.type == "meta" and moved.shape == out.shape and moved.dtype == out.dtype
     assert torch.equal(on_cpu.get_state(), elsewhere.get_state())  # the CPU generator made the same draws
     assert not torch.equal(on_cpu.get_state(), _gen(11).get_state())  # and it did draw

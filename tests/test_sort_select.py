@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mergesmith.kernels import sort_select
-from mergesmith.methods.sparsify import magnitude, magnitude_outliers
+from mergesmith.methods.task_arithmetic import magnitude, magnitude_outliers
 
 
 def sorted_window_reference(values: torch.Tensor, lo: int, hi: int, descending: bool) -> torch.Tensor:

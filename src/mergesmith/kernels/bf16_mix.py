@@ -2,12 +2,12 @@
 
 Why: with `dtype: bfloat16` mergekit computes the mix (weight the sparsified task vectors, elect the sign, sum,
 normalise, scale, add the base) with torch operations in bfloat16, each of which computes in float32 and
-rounds to bfloat16; TIES stays bit-equal to mergekit only by doing exactly that (task_arithmetic._mix). Those ~15
+rounds to bfloat16; TIES stays bit-equal to mergekit only by doing exactly that (task_vector_mix._mix). Those ~15
 operations over the chunk were ~25% of the 1 B TIES bench merge's worker time, each a pass over memory and each
 taking the GIL (bench/README.md, "Fourth round"). This loop makes the same roundings entry by entry, without the
 GIL: every product, sum and quotient is formed in float32 and rounded to nearest-even bfloat16 where torch
 rounds it, sums over the task vectors are accumulated in float32 in their order and rounded once, as torch's
-reduction over dim 0 does. tests/test_bf16_mix.py compares it with task_arithmetic._mix byte for byte; the torch
+reduction over dim 0 does. tests/test_bf16_mix.py compares it with task_vector_mix._mix byte for byte; the torch
 path stays for other dtypes and devices, and where numba is missing. The two elementwise steps before the mix
 (the task vector's subtraction, and its masking by the magnitude selection) are here too, for the same reason.
 """
@@ -47,7 +47,7 @@ def _round(value):
 
 @compiled
 def mix(base, deltas, weights, consensus, normalize, lam, scale, out):
-    """out (bf16 bits) = task_arithmetic._mix of base (bf16 bits, n) and deltas (bf16 bits, k x n) with the
+    """out (bf16 bits) = task_vector_mix._mix of base (bf16 bits, n) and deltas (bf16 bits, k x n) with the
     weights already rounded to bfloat16 (float32 values); lam a float32 (torch multiplies by the scalar in
     float32)."""
     count = deltas.shape[0]
@@ -185,7 +185,7 @@ def _compile_all() -> None:
 
 
 KERNELS = KernelGroup("bf16_mix", _compile_all)
-"""The loops above, used (by this module and task_arithmetic) only once compiled: see compiled.KernelGroup."""
+"""The loops above, used (by this module and task_vector_mix) only once compiled: see compiled.KernelGroup."""
 
 
 def warm() -> bool:

@@ -1,8 +1,9 @@
-"""Merge methods: pure tensor math, one module per family, registered once with their parameters.
+"""Merge methods: pure tensor math, one module per family, registered once, here, with their parameters.
 
-Importing this package registers every built-in method, then the methods of installed third-party
-packages: each entry point of the `mergesmith.methods` group names a function, called without arguments,
-that returns a MethodSpec or a sequence of them (see the README, "Adding a merge method as a package").
+A method module only defines its MethodSpecs (a `METHODS` tuple); importing it registers nothing. BUILT_IN below
+is the one list of the built-in families, registered in that order; then come the methods of installed
+third-party packages: each entry point of the `mergesmith.methods` group names a function, called without
+arguments, that returns a MethodSpec or a sequence of them (see the README, "Adding a merge method as a package").
 Entry points are the packaging standard's plugin mechanism (importlib.metadata reads them); a plugin
 that fails to load, returns something else, or takes a name already registered is skipped, and the
 reason is given if its method is asked for: a broken plugin never stops a merge that does not use it.
@@ -15,7 +16,7 @@ from collections.abc import Iterable
 from importlib.metadata import entry_points
 
 from ..errors import ConfigError
-from . import (  # noqa: F401  (registration side effect)
+from . import (
     arcee_fusion,
     karcher,
     linear,
@@ -29,19 +30,51 @@ from . import (  # noqa: F401  (registration side effect)
     slerp,
     task_arithmetic,
 )
-from .registry import MergeFn, MergeInputs, MethodSpec, ParamSpec, get_method, method_names, register
+from .registry import (
+    MergeFn,
+    MergeInputs,
+    MethodSpec,
+    ModelCount,
+    ParamSpec,
+    WorkingMemory,
+    get_method,
+    method_names,
+    register,
+)
 
 __all__ = [
+    "BUILT_IN",
     "MergeFn",
     "MergeInputs",
     "MethodSpec",
+    "ModelCount",
     "ParamSpec",
+    "WorkingMemory",
     "get_method",
     "method_names",
     "register",
     "require_method",
     "all_parameter_names",
 ]
+
+BUILT_IN: tuple[MethodSpec, ...] = (
+    *linear.METHODS,  # linear
+    *task_arithmetic.METHODS,  # task_arithmetic, ties, dare_linear, dare_ties, breadcrumbs(_ties), della(_linear)
+    *sce.METHODS,  # sce
+    *slerp.METHODS,  # slerp
+    *nuslerp.METHODS,  # nuslerp
+    *multislerp.METHODS,  # multislerp
+    *karcher.METHODS,  # karcher
+    *model_stock.METHODS,  # model_stock
+    *nearswap.METHODS,  # nearswap
+    *arcee_fusion.METHODS,  # arcee_fusion
+    *ram.METHODS,  # ram, ramplus_tl
+    *passthrough.METHODS,  # passthrough
+)
+"""Every built-in method: a new family's module adds its METHODS here."""
+
+for _spec in BUILT_IN:
+    register(_spec)
 
 
 PLUGIN_GROUP = "mergesmith.methods"

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..kernels.reductions import sum_along
 from .common import check_same_shape, require_base, require_generator
-from .registry import MergeInputs, MethodSpec, register
+from .registry import MergeInputs, MethodSpec, ModelCount, WorkingMemory
 
 QUANTILE_SAMPLE = 1_000_000
 """Above this many entries the quantiles are estimated from a sample of this size."""
@@ -73,18 +73,15 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
     return arcee_fusion(inputs.tensors[base], inputs.tensors[others[0]], inputs.generator, inputs.tensor_name)
 
 
-register(
+METHODS = (
     MethodSpec(
         name="arcee_fusion",
-        memory_per_input=2,
-        memory_fixed=1,
-        memory_bytes=20,
+        description="take the other model's changes where their importance passes a Tukey fence",
         merge=_merge,
         requires_base=True,
-        min_models=2,
-        max_models=2,
+        models=ModelCount(min_models=2, max_models=2),
         randomized=True,
         elementwise=False,
-        description="take the other model's changes where their importance passes a Tukey fence",
-    )
+        memory=WorkingMemory(per_input=2, fixed=1, bytes=20),
+    ),
 )

@@ -1,8 +1,6 @@
-"""Checks and small helpers shared by the merge methods.
-
-Every method merges tensors of one shape; the planner aligns vocabulary rows before a method runs, so
-any other mismatch is a real error and is reported with the tensor's name rather than as a broadcast
-error deep inside torch.
+"""Checks and small helpers shared by the merge methods: parameters read as switches or lists, the work dtype,
+the generator a randomised method needs. (The shape and base checks live with MergeInputs, in
+kernels.merge_inputs, since the blocked machinery makes them too; they are re-exported here.)
 """
 
 from __future__ import annotations
@@ -12,22 +10,17 @@ from typing import Any
 
 import torch
 
-from .registry import MergeInputs
+from ..kernels.merge_inputs import MergeInputs, check_same_shape, require_base
 
-
-def check_same_shape(inputs: MergeInputs, method: str) -> None:
-    """Raise ValueError naming the tensor when the inputs' shapes differ."""
-    shapes = [tuple(t.shape) for t in inputs.tensors]
-    if any(s != shapes[0] for s in shapes[1:]):
-        name = inputs.tensor_name or "<unnamed tensor>"
-        raise ValueError(f"{method}: tensor {name!r}: the models' shapes differ: {shapes}")
-
-
-def require_base(inputs: MergeInputs, method: str) -> int:
-    """The base's index; a missing base reaching a method is a planner bug, reported clearly."""
-    if inputs.base_index is None:
-        raise ValueError(f"{method}: tensor {inputs.tensor_name!r}: this method requires a base model")
-    return inputs.base_index
+__all__ = [
+    "as_bool",
+    "as_float_list",
+    "check_same_shape",
+    "non_base_values",
+    "require_base",
+    "require_generator",
+    "work_dtype",
+]
 
 
 def non_base_values(inputs: MergeInputs, name: str) -> list[Any]:

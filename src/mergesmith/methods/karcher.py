@@ -24,7 +24,7 @@ import torch
 
 from ..kernels.reductions import dot, l2
 from .common import check_same_shape, work_dtype
-from .registry import MergeInputs, MethodSpec, ParamSpec, register
+from .registry import MergeInputs, MethodSpec, ParamSpec, WorkingMemory
 
 
 def karcher_mean(
@@ -81,16 +81,13 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
     )
 
 
-register(
+METHODS = (
     MethodSpec(
         name="karcher",
-        memory_per_input=3,
-        memory_fixed=1,
-        memory_bytes=12,
+        description="Riemannian (Karcher) mean of the models' directions, scaled by their mean norm",
         merge=_merge,
         params=(ParamSpec("max_iter", 10), ParamSpec("tol", 1e-5)),
-        min_models=1,
         elementwise=False,
-        description="Riemannian (Karcher) mean of the models' directions, scaled by their mean norm",
-    )
+        memory=WorkingMemory(per_input=3, fixed=1, bytes=12),
+    ),
 )

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from .common import as_bool, check_same_shape, work_dtype
-from .registry import MergeInputs, MethodSpec, ParamSpec, register
+from .registry import MergeInputs, MethodSpec, ParamSpec
 
 
 def linear_average(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool) -> torch.Tensor:
@@ -47,12 +47,12 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
     return linear_average(inputs.tensors, weights, as_bool(inputs.params["normalize"], "normalize"))
 
 
-register(
+METHODS = (
     MethodSpec(
         name="linear",
+        description="weighted average of the models' tensors",
         merge=_merge,
         params=(ParamSpec("normalize", True),),
         model_params=(ParamSpec("weight", required=True),),
-        description="weighted average of the models' tensors",
-    )
+    ),
 )

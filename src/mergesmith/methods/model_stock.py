@@ -17,7 +17,7 @@ import torch
 
 from ..kernels.reductions import norm_along, sum_along
 from .common import as_bool, check_same_shape, require_base
-from .registry import MergeInputs, MethodSpec, ParamSpec, register
+from .registry import MergeInputs, MethodSpec, ModelCount, ParamSpec, WorkingMemory
 
 
 def model_stock(base: torch.Tensor, models: list[torch.Tensor], filter_wise: bool = False) -> torch.Tensor:
@@ -58,17 +58,15 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
     )
 
 
-register(
+METHODS = (
     MethodSpec(
         name="model_stock",
-        memory_per_input=3.5,
-        memory_fixed=1,
-        memory_bytes=4,
+        description="Model Stock: base-to-average interpolation from the task vectors' mean angle",
         merge=_merge,
         params=(ParamSpec("filter_wise", False),),
         requires_base=True,
-        min_models=3,
+        models=ModelCount(min_models=3),
         elementwise=False,
-        description="Model Stock: base-to-average interpolation from the task vectors' mean angle",
-    )
+        memory=WorkingMemory(per_input=3.5, fixed=1, bytes=4),
+    ),
 )

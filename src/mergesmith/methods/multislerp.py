@@ -24,7 +24,7 @@ import torch
 
 from ..kernels.reductions import l2, norm_along, sum_along
 from .common import as_bool, check_same_shape, non_base_values
-from .registry import MergeInputs, MethodSpec, ParamSpec, register
+from .registry import MergeInputs, MethodSpec, ModelCount, ParamSpec, WorkingMemory
 
 
 def multislerp(
@@ -85,18 +85,15 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
     )
 
 
-register(
+METHODS = (
     MethodSpec(
         name="multislerp",
-        memory_per_input=6.5,
-        memory_fixed=1,
-        memory_bytes=0,
+        description="weighted spherical barycentre of the models (of their task vectors over an optional base)",
         merge=_merge,
         params=(ParamSpec("normalize_weights", True), ParamSpec("eps", 1e-8)),
         model_params=(ParamSpec("weight", required=True, non_base=True),),
-        min_models=1,
-        min_non_base=1,
+        models=ModelCount(min_models=1, min_non_base=1),
         elementwise=False,
-        description="weighted spherical barycentre of the models (of their task vectors over an optional base)",
-    )
+        memory=WorkingMemory(per_input=6.5, fixed=1, bytes=0),
+    ),
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .common import check_same_shape, require_base
-from .registry import MergeInputs, MethodSpec, ParamSpec, register
+from .registry import MergeInputs, MethodSpec, ModelCount, ParamSpec, WorkingMemory
 
 
 def nearswap(base: torch.Tensor, other: torch.Tensor, t: float) -> torch.Tensor:
@@ -34,18 +34,15 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
     return nearswap(inputs.tensors[base], inputs.tensors[others[0]], float(inputs.params["t"]))
 
 
-register(
+METHODS = (
     MethodSpec(
         name="nearswap",
-        memory_per_input=2,
-        memory_fixed=2,
-        memory_bytes=4,
+        description="swap in the other model's entries where they lie within t of the base's",
         merge=_merge,
         params=(ParamSpec("t", required=True),),
         requires_base=True,
-        min_models=2,
-        max_models=2,
+        models=ModelCount(min_models=2, max_models=2),
         elementwise=True,
-        description="swap in the other model's entries where they lie within t of the base's",
-    )
+        memory=WorkingMemory(per_input=2, fixed=2, bytes=4),
+    ),
 )

@@ -21,7 +21,7 @@ import torch
 
 from ..kernels.reductions import norm_along, sum_along
 from .common import as_bool, check_same_shape, non_base_values
-from .registry import MergeInputs, MethodSpec, ParamSpec, register
+from .registry import MergeInputs, MethodSpec, ModelCount, ParamSpec, WorkingMemory
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -73,20 +73,15 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
     return base + nuslerp(t, x1 - base, x2 - base, flatten=flatten, row_wise=row_wise)
 
 
-register(
+METHODS = (
     MethodSpec(
         name="nuslerp",
-        memory_per_input=2,
-        memory_fixed=2,
-        memory_bytes=4,
+        description="slerp of two models (or of their task vectors over an optional base) weighted by `weight`",
         merge=_merge,
         params=(ParamSpec("nuslerp_flatten", True), ParamSpec("nuslerp_row_wise", False)),
         model_params=(ParamSpec("weight", required=True, non_base=True),),
-        min_models=2,
-        max_models=3,
-        min_non_base=2,
-        max_non_base=2,
+        models=ModelCount(min_models=2, max_models=3, min_non_base=2, max_non_base=2),
         elementwise=False,
-        description="slerp of two models (or of their task vectors over an optional base) weighted by `weight`",
-    )
+        memory=WorkingMemory(per_input=2, fixed=2, bytes=4),
+    ),
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import MergeInputs, MethodSpec, ParamSpec, register
+from .registry import MergeInputs, MethodSpec, ModelCount, ParamSpec
 
 
 def scaled(tensor: torch.Tensor, scale: float | None) -> torch.Tensor:
@@ -23,14 +23,13 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
     return scaled(inputs.tensors[0], inputs.model_params[0].get("scale"))
 
 
-register(
+METHODS = (
     MethodSpec(
         name="passthrough",
+        description="copy one source's tensors (frankenmerges)",
         merge=_merge,
         model_params=(ParamSpec("scale", None),),
-        min_models=1,
-        max_models=1,
         uses_base_in_models=False,
-        description="copy one source's tensors (frankenmerges)",
-    )
+        models=ModelCount(min_models=1, max_models=1),
+    ),
 )

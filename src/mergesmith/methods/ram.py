@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .common import check_same_shape, require_base
-from .registry import MergeInputs, MethodSpec, ParamSpec, register
+from .registry import MergeInputs, MethodSpec, ParamSpec, WorkingMemory
 
 
 def _changes(base: torch.Tensor, models: list[torch.Tensor], epsilon: float):
@@ -74,31 +74,23 @@ def _merge_ramplus(inputs: MergeInputs) -> torch.Tensor:
     return ramplus_tl(base, models, float(p["r"]), float(p["alpha"]), float(p["epsilon"]))
 
 
-register(
+METHODS = (
     MethodSpec(
         name="ram",
-        memory_per_input=8.5,
-        memory_fixed=1,
-        memory_bytes=4,
+        description="RAM: unique task-vector changes kept whole, shared ones averaged",
         merge=_merge_ram,
         params=(ParamSpec("epsilon", 1e-5),),
         requires_base=True,
-        min_models=1,
         elementwise=True,
-        description="RAM: unique task-vector changes kept whole, shared ones averaged",
-    )
-)
-register(
+        memory=WorkingMemory(per_input=8.5, fixed=1, bytes=4),
+    ),
     MethodSpec(
         name="ramplus_tl",
-        memory_per_input=10,
-        memory_fixed=1,
-        memory_bytes=32,
+        description="RAM+ (tensor-local): RAM with unique changes boosted by each model's overlap ratio",
         merge=_merge_ramplus,
         params=(ParamSpec("r", 0.1), ParamSpec("alpha", 0.2), ParamSpec("epsilon", 1e-5)),
         requires_base=True,
-        min_models=1,
         elementwise=False,
-        description="RAM+ (tensor-local): RAM with unique changes boosted by each model's overlap ratio",
-    )
+        memory=WorkingMemory(per_input=10, fixed=1, bytes=32),
+    ),
 )

@@ -8,8 +8,8 @@ vectors d_i = x_i - base stacked over the N models:
    every d_i. `select_topk: 1` (the default) keeps everything.
 2. Calculate: one coefficient per model and tensor, eta_i = mean(d_i^2) / sum_j mean(d_j^2) (uniform 1/N when
    the sum is ~0).
-3. Erase: TIES sign election by sum (see task_arithmetic.py): entries whose sign disagrees with the sign of
-   sum_i d_i are dropped.
+3. Erase: TIES sign election by sum (see task_arithmetic.py; kernels/task_vector_mix.py computes it): entries
+   whose sign disagrees with the sign of sum_i d_i are dropped.
 
 out = base + sum_i eta_i m_i d_i / max(sum_i eta_i m_i, 1e-6), m_i the election mask. Models have no
 `weight` in SCE: the coefficients come from the task vectors themselves. `int8_mask` only changes the mask's
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.task_vector_mix import sign_consensus_mask
 from .common import as_bool, check_same_shape, require_base
-from .registry import MergeInputs, MethodSpec, ParamSpec, register
-from .task_arithmetic import sign_consensus_mask
+from .registry import MergeInputs, MethodSpec, ParamSpec, WorkingMemory
 
 
 def variance_mask(deltas: torch.Tensor, fraction: float, dtype: torch.dtype) -> torch.Tensor:
@@ -75,17 +75,14 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
     )
 
 
-register(
+METHODS = (
     MethodSpec(
         name="sce",
-        memory_per_input=6.5,
-        memory_fixed=1,
-        memory_bytes=0,
+        description="SCE (FuseChat): variance selection, energy coefficients, sign election",
         merge=_merge,
         params=(ParamSpec("select_topk", 1.0), ParamSpec("int8_mask", False)),
         requires_base=True,
-        min_models=1,
         elementwise=False,
-        description="SCE (FuseChat): variance selection, energy coefficients, sign election",
-    )
+        memory=WorkingMemory(per_input=6.5, fixed=1, bytes=0),
+    ),
 )

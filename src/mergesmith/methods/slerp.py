@@ -30,7 +30,7 @@ import torch
 
 from ..kernels.reductions import norm_along, sum_along
 from .common import check_same_shape, require_base, work_dtype
-from .registry import MergeInputs, MethodSpec, ParamSpec, register
+from .registry import MergeInputs, MethodSpec, ModelCount, ParamSpec, WorkingMemory
 
 BLOCK_ELEMENTS = 1 << 20
 """Elements per reduction block; mergekit reduces norms and dots in blocks of this size."""
@@ -133,18 +133,15 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
     return slerp(float(inputs.params["t"]), inputs.tensors[base], inputs.tensors[others[0]])
 
 
-register(
+METHODS = (
     MethodSpec(
         name="slerp",
-        memory_per_input=2,
-        memory_fixed=1,
-        memory_bytes=16,
+        description="spherical interpolation from the base (t=0) to the other model (t=1)",
         merge=_merge,
         params=(ParamSpec("t", required=True),),
         requires_base=True,
-        min_models=2,
-        max_models=2,
+        models=ModelCount(min_models=2, max_models=2),
         elementwise=False,
-        description="spherical interpolation from the base (t=0) to the other model (t=1)",
-    )
+        memory=WorkingMemory(per_input=2, fixed=1, bytes=16),
+    ),
 )

@@ -17,7 +17,7 @@ What stays as it was: the keep mask of entry j is decided by the keyed draw of (
 flat position j) (keyed_random.MaskStream), so outputs do not depend on threads, order, blocks, the device
 or a resume; the L1 norms of the rescale are BlockedTotal sums, which do not depend on how rows are cut.
 
-The arithmetic (task_arithmetic.py states the method): per task vector d = x - base (exact in float32 for
+The arithmetic (methods/task_arithmetic.py states the method): per task vector d = x - base (exact in float32 for
 16-bit inputs), W = d * keep * (weight * |d|_1 / |d * keep|_1) (the rescale factor where `rescale` and both
 norms are >= L1_EPS, folded with the weight into one float32 multiplier). With sign consensus, P = sum of the
 positive W, N = sum of the negative W; the elected sign is + where the votes (P + N for `sum`, the sum of
@@ -42,14 +42,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels import keyed_kernels
-from ..kernels.compiled import CONSENSUS_CODES
-from ..kernels.keyed_random import MaskStream
-from ..kernels.reductions import BlockedTotal
+from . import keyed_kernels
+from .compiled import CONSENSUS_CODES
+from .keyed_random import MaskStream
+from .reductions import BlockedTotal
 
 F32 = torch.float32
 L1_EPS = 1e-7
-"""Below this L1 norm (before or after masking) a task vector is not rescaled (sparsify.L1_EPS)."""
+"""Below this L1 norm (before or after masking) a task vector is not rescaled (selection.L1_EPS)."""
 
 CHUNK_ELEMENTS = 1 << 18
 """Entries computed at a time: ~20 float32 operations per chunk run over buffers of 1 MB that stay in the
@@ -71,7 +71,7 @@ class Vector:
 
 @dataclass(frozen=True)
 class Mix:
-    """How the task vectors are combined (task_arithmetic._Family's switches, resolved)."""
+    """How the task vectors are combined (methods/task_arithmetic.py's switches, resolved)."""
 
     consensus: str | None
     normalize: bool

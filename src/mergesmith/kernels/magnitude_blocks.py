@@ -6,7 +6,7 @@ sign-election temporaries: ~30 bytes an entry with bf16 and two task vectors) di
 `--max-memory` (issue 17: 1 GB for a 300 MB budget on the 0.25b bench set). But only the selection needs the
 whole tensor; everything after it (the kept entries, the rescale, the sign election, the mix) is elementwise.
 
-So, like DARE's L1 norms, the selection is a totals pass (registry.TotalsPass):
+So, like DARE's L1 norms, the selection is a totals pass (merge_inputs.TotalsPass):
 - `gather`, per row block: each task vector's magnitudes |x_i - base| in the compute dtype, written into one
   buffer per task vector (2 bytes an entry for bf16/fp16, the sort_select replay's own keys);
 - `finish`: per task vector in turn, `sorted_window_mask` over that buffer, the very call the whole-tensor path
@@ -28,17 +28,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kernels import sort_select
-from ..kernels.bf16_mix import keep_masked, subtract
-from ..kernels.introsort_replay import ID_BYTES
-from ..kernels.reductions import BlockedTotal, total
-from ..kernels.sort_select import sorted_window_mask
-from .common import as_bool, check_same_shape, require_base
-from .registry import MERGE_WHOLE, MergeInputs, TotalsPass
-from .sparsify import L1_EPS, ZEROS, Selection, Window
+from . import sort_select
+from .bf16_mix import keep_masked, subtract
+from .introsort_replay import ID_BYTES
+from .merge_inputs import MERGE_WHOLE, MergeInputs, TotalsPass, check_same_shape, require_base
+from .reductions import BlockedTotal, total
+from .selection import L1_EPS, ZEROS, Selection, Window
+from .sort_select import sorted_window_mask
 
 Rule = Callable[[dict[str, Any], int], Selection]
 """(one task vector's model parameters, entries of the whole tensor) -> what of it survives."""
+
+RescaleOf = Callable[[dict[str, Any]], bool]
+"""(a recipe's global parameters) -> whether the survivors are rescaled (the method resolves its `rescale`)."""
 
 _CHUNK = 1 << 20
 """Entries per step of finish's rescale sum: its temporaries stay a few MB."""
@@ -64,7 +66,7 @@ class Selected:
     factors: list[torch.Tensor | None] = field(default_factory=list)
 
 
-def gather(rule: Rule, default_rescale: bool, state: _Gathering | None, inputs: MergeInputs) -> _Gathering:
+def gather(rule: Rule, rescale_of: RescaleOf, state: _Gathering | None, inputs: MergeInputs) -> _Gathering:
     """Fold one row block: write each ranked task vector's magnitudes where its entries lie in the tensor."""
     check_same_shape(inputs, "magnitude selection")
     base = inputs.tensors[require_base(inputs, "magnitude selection")]
@@ -77,7 +79,7 @@ def gather(rule: Rule, default_rescale: bool, state: _Gathering | None, inputs: 
         keys: list[torch.Tensor | list[torch.Tensor] | None] = [
             (base.new_empty(whole) if whole else []) if r else None for r in ranked
         ]
-        state = _Gathering(params, as_bool(inputs.params.get("rescale", default_rescale), "rescale"), keys)
+        state = _Gathering(params, rescale_of(inputs.params), keys)
     for row, i in enumerate(others):
         buffer = state.keys[row]
         if buffer is None:
@@ -195,11 +197,11 @@ def totals_memory(n_inputs: int, numel: int, compute_size: int) -> tuple[int, in
     return numel * compute_size * tasks + select + kept, kept
 
 
-def totals_pass(rule: Rule, default_rescale: bool) -> TotalsPass:
+def totals_pass(rule: Rule, rescale_of: RescaleOf) -> TotalsPass:
     """The TotalsPass of a method that ranks magnitudes by `rule` (needed whenever the tensor is cut in blocks)."""
     return TotalsPass(
         needed=lambda params: True,
-        gather=lambda state, inputs: gather(rule, default_rescale, state, inputs),
+        gather=lambda state, inputs: gather(rule, rescale_of, state, inputs),
         finish=lambda state: finish(rule, state),
         memory=totals_memory,
     )
