@@ -39,9 +39,14 @@ def cli() -> None:
     """Merge language-model checkpoints (mergekit configs, streamed, resumable)."""
 
 
+
+def _config_and_out_dir(command: Any) -> Any:
+    """CONFIG_FILE OUT_DIR: the arguments of the commands that merge one config into one directory."""
+    command = click.argument("out_dir", type=click.Path(path_type=Path))(command)
+    return click.argument("config_file", type=click.Path(path_type=Path))(command)
+
 @cli.command(short_help="Merge a mergekit config into OUT_DIR (resumable).", epilog=epilog("merge"))
-@click.argument("config_file", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@_config_and_out_dir
 @click_options("merge")
 def merge(config_file: Path, out_dir: Path, overwrite: bool, force: bool, quiet: bool, verify: bool, **kw: Any) -> None:
     """Merge the models of CONFIG_FILE into OUT_DIR (rerun to resume an interrupted merge)."""
@@ -141,8 +146,7 @@ def _config_refs(config_file: Path, options: Any) -> list[str]:
 @cli.command(
     "merge-raw", short_help="Merge bare state dicts (no config.json) into OUT_DIR.", epilog=epilog("merge-raw")
 )
-@click.argument("config_file", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@_config_and_out_dir
 @click_options("merge-raw")
 def merge_raw(
     config_file: Path,
@@ -240,8 +244,7 @@ def multi_cmd(
 
 
 @cli.command("moe", short_help="Build a mixture of experts from dense models.", epilog=epilog("moe"))
-@click.argument("config_file", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@_config_and_out_dir
 @click_options("moe")
 def moe_cmd(
     config_file: Path,
@@ -307,37 +310,25 @@ def moe_cmd(
     "extract-lora", short_help="Extract a LoRA adapter approximating MODEL - BASE.", epilog=epilog("extract-lora")
 )
 @click_options("extract-lora")
-def extract_lora_cmd(model: str, base: str, out: Path, max_rank: int, sv_epsilon: float, **kw: Any) -> None:
+def extract_lora_cmd(model: str, base: str, out: Path, **kw: Any) -> None:
     """Write a PEFT LoRA adapter approximating MODEL - BASE (truncated SVD per linear weight)."""
     from .display.terminal import count_progress
-    from .io.lora_cache import lora_merge_settings
     from .lora.extract import extract_lora
-    from .runtime.devices import resolve_device
+    from .options.convert import to_extract_arguments
 
-    taken = mergekit_flags.take("extract-lora", kw)
-    device = resolve_device(kw["device"], what="--device")
-    taken.say_notes()
+    quiet = bool(kw.get("quiet"))  # mergekit-extract-lora's -q (a mergekit flag: `kw` loses it below)
+    arguments = to_extract_arguments(kw)
     if kw.get("threads"):  # -j/--num-threads: the SVDs' torch threads, as in mergekit
         import torch
 
         torch.set_num_threads(kw["threads"])
 
-    with count_progress("extracting", "modules", enabled=not taken.get("quiet")) as progress:  # -v: lines above it
+    with count_progress("extracting", "modules", enabled=not quiet) as progress:  # -v: lines above it
         result = extract_lora(
             model,
             base,
             out,
-            max_rank,
-            sv_epsilon=sv_epsilon,
-            embed_lora=kw["embed_lora"],
-            device=device,
-            overwrite=kw["overwrite"],
-            include=kw["include_regex"],
-            exclude=kw["exclude_regex"],
-            save_modules=kw["save_module"],
-            skip_undecomposable=kw["skip_undecomposable"],
-            distribute_scale=kw["distribute_scale"],
-            lora_merge=lora_merge_settings(taken.get("lora_merge_cache"), taken.get("lora_merge_dtype")),
+            **arguments,
             on_module=(lambda m: click.echo(f"  {m}", err=True)) if kw["verbose"] else None,
             on_progress=progress.update,
         )

@@ -51,6 +51,15 @@ class Flag:
         return self.decls[-1]
 
 
+def ignored(
+    decls: tuple[str, ...], commands: tuple[str, ...], note: str, help: str | None = None, when: str = "on",
+    **attrs: Any,
+) -> Flag:
+    """A mergekit flag that changes nothing here: hidden from --help (the epilog names it), its `note` printed
+    when given (`when`), its help "No effect: <note>." unless worded otherwise; `attrs` are click's."""
+    return Flag(decls, help or f"No effect: {note}.", commands, note=note, when=when, hidden=True, attrs=attrs)
+
+
 _DTYPES = click.Choice(["bfloat16", "float16", "float32"], case_sensitive=False)
 
 FLAGS: tuple[Flag, ...] = (
@@ -106,56 +115,45 @@ FLAGS: tuple[Flag, ...] = (
         attrs={"default": False},
     ),
     # ----- mergekit's MergeOptions, no effect here ---------------------------------------------------------------
-    Flag(
+    ignored(
         ("--low-cpu-memory/--no-low-cpu-memory", "low_cpu_memory"),
-        "No effect: only the tensors in flight are held in memory (bound them with --max-memory).",
         MERGING,
-        note="only the tensors in flight are held in memory anyway (bound them with --max-memory)",
-        hidden=True,
-        attrs={"default": False},
+        "only the tensors in flight are held in memory anyway (bound them with --max-memory)",
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--clone-tensors/--no-clone-tensors", "clone_tensors"),
-        "No effect: every output tensor is always written as its own bytes.",
         MERGING,
-        note="every output tensor is always written as its own bytes",
-        hidden=True,
-        attrs={"default": False},
+        "every output tensor is always written as its own bytes",
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--lazy-unpickle/--no-lazy-unpickle", "lazy_unpickle"),
-        "No effect: inputs are always read lazily (memory-mapped, .bin files included).",
         MERGING,
-        note="inputs are always read lazily (memory-mapped, .bin files included)",
+        "inputs are always read lazily (memory-mapped, .bin files included)",
         when="any",
-        hidden=True,
-        attrs={"default": False},
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--safe-serialization/--no-safe-serialization", "safe_serialization"),
-        "No effect: output is always safetensors.",
         MERGING,
-        note="output is always safetensors",
+        "output is always safetensors",
         when="off",
-        hidden=True,
-        attrs={"default": True},
+        default=True,
     ),
-    Flag(
+    ignored(
         ("--async-write/--no-async-write", "async_write"),
-        "No effect: tensors are always written as they are computed, by the worker threads.",
         MERGING,
-        note="tensors are always written as they are computed, by the worker threads (--threads)",
-        hidden=True,
-        attrs={"default": False},
+        "tensors are always written as they are computed, by the worker threads (--threads)",
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--write-threads", "write_threads"),
-        "No effect: the worker threads (--threads) write each tensor as they compute it.",
         MERGING,
-        note="the worker threads (--threads) write each tensor as they compute it",
+        "the worker threads (--threads) write each tensor as they compute it",
         when="any",
-        hidden=True,
-        attrs={"type": click.IntRange(min=1), "default": None},
+        type=click.IntRange(min=1),
+        default=None,
     ),
     # ----- mergekit-extract-lora's merge options that do not apply to an adapter ----------------------------
     Flag(
@@ -164,63 +162,50 @@ FLAGS: tuple[Flag, ...] = (
         ("extract-lora",),
         attrs={"default": False},
     ),
-    Flag(
+    ignored(
         ("--out-shard-size", "out_shard_size"),
-        "No effect: the adapter is one adapter_model.safetensors.",
         ("extract-lora",),
-        note="the adapter is written as one adapter_model.safetensors",
+        "the adapter is written as one adapter_model.safetensors",
         when="any",
-        hidden=True,
-        attrs={"default": None},
+        default=None,
     ),
-    Flag(
+    ignored(
         ("--random-seed", "random_seed"),
-        "No effect: extraction (an SVD) draws no random numbers.",
         ("extract-lora",),
-        note="extraction (an SVD) draws no random numbers",
+        "extraction (an SVD) draws no random numbers",
         when="any",
-        hidden=True,
-        attrs={"type": int, "default": None},
+        type=int,
+        default=None,
     ),
-    Flag(
+    ignored(
         ("--copy-tokenizer/--no-copy-tokenizer", "copy_tokenizer"),
-        "No effect: an adapter carries no tokenizer.",
         ("extract-lora",),
-        note="an adapter carries no tokenizer",
-        hidden=True,
-        attrs={"default": False},
+        "an adapter carries no tokenizer",
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--write-model-card/--no-write-model-card", "write_model_card"),
-        "No effect: the adapter directory holds adapter_config.json and adapter_model.safetensors only.",
         ("extract-lora",),
-        note="the adapter directory holds adapter_config.json and adapter_model.safetensors only",
-        hidden=True,
-        attrs={"default": False},
+        "the adapter directory holds adapter_config.json and adapter_model.safetensors only",
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--allow-crimes/--no-allow-crimes", "allow_crimes"),
-        "No effect: the model and base must have the same tensors and shapes.",
         ("extract-lora",),
-        note="the model and base must have the same tensors and shapes",
-        hidden=True,
-        attrs={"default": False},
+        "the model and base must have the same tensors and shapes",
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--trust-remote-code/--no-trust-remote-code", "trust_remote_code"),
-        "No effect: extraction reads weights only and runs no model code.",
         ("extract-lora",),
-        note="extraction reads weights only and runs no model code",
-        hidden=True,
-        attrs={"default": False},
+        "extraction reads weights only and runs no model code",
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--unsafe-truncate-embeddings/--no-unsafe-truncate-embeddings", "unsafe_truncate_embeddings"),
-        "No effect: the model and base must have the same vocabulary.",
         ("extract-lora", "moe", "tokensurgeon"),
-        note="no embeddings of different sizes are merged by this command",
-        hidden=True,
-        attrs={"default": False},
+        "no embeddings of different sizes are merged by this command",
+        default=False,
     ),
     Flag(
         ("--quiet/--no-quiet", "-q", "quiet"),
@@ -229,75 +214,61 @@ FLAGS: tuple[Flag, ...] = (
         attrs={"default": False},
     ),
     # ----- merge options that do nothing in merge-raw and tokensurgeon -------------------------------------------
-    Flag(
+    ignored(
         ("--copy-tokenizer/--no-copy-tokenizer", "copy_tokenizer"),
-        "No effect: bare state dicts have no tokenizer.",
         ("merge-raw",),
-        note="bare state dicts have no tokenizer to copy",
-        hidden=True,
-        attrs={"default": False},
+        "bare state dicts have no tokenizer to copy",
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--write-model-card/--no-write-model-card", "write_model_card"),
-        "No effect: merge-raw writes the weights and mergesmith_config.yml only.",
         ("merge-raw",),
-        note="merge-raw writes the weights and mergesmith_config.yml only",
-        hidden=True,
-        attrs={"default": False},
+        "merge-raw writes the weights and mergesmith_config.yml only",
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--trust-remote-code/--no-trust-remote-code", "trust_remote_code"),
-        "No effect: merge-raw reads weights only and runs no model code.",
         ("merge-raw",),
-        note="merge-raw reads weights only and runs no model code",
-        hidden=True,
-        attrs={"default": False},
+        "merge-raw reads weights only and runs no model code",
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--copy-tokenizer/--no-copy-tokenizer", "copy_tokenizer"),
-        "No effect: the donor's tokenizer is always written (it is what the surgery gives BASE).",
         ("tokensurgeon",),
-        note="the donor's tokenizer is always written (it is what the surgery gives BASE)",
+        "the donor's tokenizer is always written (it is what the surgery gives BASE)",
         when="off",
-        hidden=True,
-        attrs={"default": True},
+        default=True,
     ),
-    Flag(
+    ignored(
         ("--allow-crimes/--no-allow-crimes", "allow_crimes"),
-        "No effect: mergesmith moe has no architecture check to lift.",
         ("moe",),
-        note="mergesmith moe has no architecture check to lift (each expert's MLP tensors must have base_model's "
+        "mergesmith moe has no architecture check to lift (each expert's MLP tensors must have base_model's "
         "names and shapes)",
-        hidden=True,
-        attrs={"default": False},
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--allow-crimes/--no-allow-crimes", "allow_crimes"),
-        "No effect: BASE and DONOR may have different architectures anyway.",
         ("tokensurgeon",),
-        note="BASE and DONOR may have different architectures anyway (only the donor's tokenizer and embeddings "
+        "BASE and DONOR may have different architectures anyway (only the donor's tokenizer and embeddings "
         "are read)",
-        hidden=True,
-        attrs={"default": False},
+        default=False,
     ),
     # ----- mergekit-moe ------------------------------------------------------------------------------------------
-    Flag(
+    ignored(
         ("--load-in-4bit", "load_in_4bit"),
-        "No effect: gate_mode hidden runs the base model in its own dtype (no bitsandbytes).",
         ("moe",),
-        note="gate_mode hidden runs the base model in its own dtype, not quantized (use --device cuda to move it "
+        "gate_mode hidden runs the base model in its own dtype, not quantized (use --device cuda to move it "
         "off the CPU)",
-        hidden=True,
-        attrs={"is_flag": True, "default": False},
+        is_flag=True,
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--load-in-8bit", "load_in_8bit"),
-        "No effect: gate_mode hidden runs the base model in its own dtype (no bitsandbytes).",
         ("moe",),
-        note="gate_mode hidden runs the base model in its own dtype, not quantized (use --device cuda to move it "
+        "gate_mode hidden runs the base model in its own dtype, not quantized (use --device cuda to move it "
         "off the CPU)",
-        hidden=True,
-        attrs={"is_flag": True, "default": False},
+        is_flag=True,
+        default=False,
     ),
     # ----- mergekit-evolve ----------------------------------------------------------------------------------------
     Flag(
@@ -312,31 +283,27 @@ FLAGS: tuple[Flag, ...] = (
         ("evolve",),
         attrs={"default": False},
     ),
-    Flag(
+    ignored(
         ("--strategy", "-s", "strategy"),
-        "No effect: candidates are scored one after another here, or as Ray tasks with --executor ray.",
         ("evolve",),
-        note="candidates are scored one after another here, or as Ray tasks with --executor ray",
+        "candidates are scored one after another here, or as Ray tasks with --executor ray",
         when="any",
-        hidden=True,
-        attrs={"type": click.Choice(["pool", "buffered", "serial"]), "default": None},
+        type=click.Choice(["pool", "buffered", "serial"]),
+        default=None,
     ),
-    Flag(
+    ignored(
         ("--num-gpus", "num_gpus"),
-        "No effect: evaluation runs on --device (one device), or on Ray's GPUs with --executor ray.",
         ("evolve",),
-        note="evaluation runs on --device (one device), or on the Ray cluster's GPUs with --executor ray",
+        "evaluation runs on --device (one device), or on the Ray cluster's GPUs with --executor ray",
         when="any",
-        hidden=True,
-        attrs={"type": int, "default": None},
+        type=int,
+        default=None,
     ),
-    Flag(
+    ignored(
         ("--reshard/--no-reshard", "reshard"),
-        "No effect: inputs are read tensor by tensor wherever they are, so none is rewritten first.",
         ("evolve",),
-        note="inputs are read tensor by tensor wherever they are, so none is rewritten first",
-        hidden=True,
-        attrs={"default": False},
+        "inputs are read tensor by tensor wherever they are, so none is rewritten first",
+        default=False,
     ),
     Flag(
         ("--timeout", "timeout"),
@@ -345,63 +312,54 @@ FLAGS: tuple[Flag, ...] = (
         ("evolve",),
         attrs={"type": click.FloatRange(min=0), "default": None},
     ),
-    Flag(
+    ignored(
         ("--wandb/--no-wandb", "wandb"),
-        "No effect: the history is written to STORAGE_PATH/history.jsonl and search.png, not to Weights & Biases.",
         ("evolve",),
-        note="the history is written to STORAGE_PATH/history.jsonl and search.png, not to Weights & Biases",
-        hidden=True,
-        attrs={"default": False},
+        "the history is written to STORAGE_PATH/history.jsonl and search.png, not to Weights & Biases",
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--wandb-project", "wandb_project"),
-        "No effect (see --wandb).",
         ("evolve",),
-        note="the history is written to STORAGE_PATH/history.jsonl, not to Weights & Biases",
+        "the history is written to STORAGE_PATH/history.jsonl, not to Weights & Biases",
+        help="No effect (see --wandb).",
         when="any",
-        hidden=True,
-        attrs={"default": None},
+        default=None,
     ),
-    Flag(
+    ignored(
         ("--wandb-entity", "wandb_entity"),
-        "No effect (see --wandb).",
         ("evolve",),
-        note="the history is written to STORAGE_PATH/history.jsonl, not to Weights & Biases",
+        "the history is written to STORAGE_PATH/history.jsonl, not to Weights & Biases",
+        help="No effect (see --wandb).",
         when="any",
-        hidden=True,
-        attrs={"default": None},
+        default=None,
     ),
-    Flag(
+    ignored(
         ("--load-in-4bit", "load_in_4bit"),
-        "No effect: candidates are evaluated in --dtype (no bitsandbytes).",
         ("evolve",),
-        note="candidates are evaluated in --dtype, not quantized",
-        hidden=True,
-        attrs={"is_flag": True, "default": False},
+        "candidates are evaluated in --dtype, not quantized",
+        is_flag=True,
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--load-in-8bit", "load_in_8bit"),
-        "No effect: candidates are evaluated in --dtype (no bitsandbytes).",
         ("evolve",),
-        note="candidates are evaluated in --dtype, not quantized",
-        hidden=True,
-        attrs={"is_flag": True, "default": False},
+        "candidates are evaluated in --dtype, not quantized",
+        is_flag=True,
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--vllm/--no-vllm", "vllm"),
-        "No effect: candidates are scored with transformers (lm-eval's hf model), not vLLM.",
         ("evolve",),
-        note="candidates are scored with transformers (lm-eval's hf model), not vLLM",
-        hidden=True,
-        attrs={"default": False},
+        "candidates are scored with transformers (lm-eval's hf model), not vLLM",
+        default=False,
     ),
-    Flag(
+    ignored(
         ("--i-understand-the-depths-of-the-evils-i-am-unleashing", "allow_benchmark_tasks"),
-        "No effect: mergesmith does not refuse benchmark tasks as objectives.",
         ("evolve",),
-        note="mergesmith does not refuse benchmark tasks as objectives",
-        hidden=True,
-        attrs={"is_flag": True, "default": False},
+        "mergesmith does not refuse benchmark tasks as objectives",
+        is_flag=True,
+        default=False,
     ),
 )
 

@@ -423,28 +423,9 @@ def extract_lora(model: str, base: str, out: str | Path, **options: Any) -> Extr
     """`mergesmith extract-lora` as a function: write a PEFT LoRA adapter approximating `model - base`
     into `out` (`max_rank=128`, `sv_epsilon`, `embed_lora`, `device`, `overwrite`). Returns an
     ExtractResult (`out_dir`, `ranks`, `modules_to_save`, `seconds`, `notes`)."""
-    from . import mergekit_flags
-    from .io.lora_cache import lora_merge_settings
     from .lora.extract import extract_lora as run_extract
-    from .runtime.devices import resolve_device
+    from .options.convert import to_extract_arguments
 
     kw = _resolve("extract_lora", "extract-lora", options)
-    taken = mergekit_flags.take("extract-lora", kw)
-    device = resolve_device(kw["device"], what="device")
-    taken.say_notes(lambda line: log.info("%s", line))  # once the options are checked, as the command does
-    return run_extract(
-        str(model),
-        str(base),
-        out,
-        kw["max_rank"],
-        sv_epsilon=kw["sv_epsilon"],
-        embed_lora=kw["embed_lora"],
-        device=device,
-        overwrite=kw["overwrite"],
-        include=kw["include_regex"],
-        exclude=kw["exclude_regex"],
-        save_modules=kw["save_module"],
-        skip_undecomposable=kw["skip_undecomposable"],
-        distribute_scale=kw["distribute_scale"],
-        lora_merge=lora_merge_settings(taken.get("lora_merge_cache"), taken.get("lora_merge_dtype")),
-    )
+    arguments = to_extract_arguments(kw, "device", echo=lambda line: log.info("%s", line))
+    return run_extract(str(model), str(base), out, **arguments)

@@ -300,16 +300,25 @@ def _remote_files(
     return sizes, small, weights
 
 
-def pending_download(ref: str, repo: str, revision: str | None) -> Download | None:
-    """What `repo` still needs from the Hub (None when complete in the cache); asks the Hub for its files'
-    sizes, and fetches the small safetensors index to know the shards. Raises one line when offline or when
-    the Hub does not answer with the model."""
+def _files_to_fetch(ref: str, repo: str, revision: str | None) -> tuple[dict[str, int], list[str], list[str]] | None:
+    """None when `repo` is complete in the cache; else its files as _remote_files lists them (one line when
+    offline, where they cannot be asked for)."""
     root = cached_snapshot(repo, revision)
     if root is not None and is_complete(root):
         return None
     if offline():
         raise _offline_failure(ref, repo, revision)
-    sizes, small, weights = _remote_files(ref, repo, revision)
+    return _remote_files(ref, repo, revision)
+
+
+def pending_download(ref: str, repo: str, revision: str | None) -> Download | None:
+    """What `repo` still needs from the Hub (None when complete in the cache); asks the Hub for its files'
+    sizes, and fetches the small safetensors index to know the shards. Raises one line when offline or when
+    the Hub does not answer with the model."""
+    remote = _files_to_fetch(ref, repo, revision)
+    if remote is None:
+        return None
+    sizes, small, weights = remote
     missing = [(f, sizes.get(f, 0)) for f in [*small, *weights] if not _in_cache(repo, f, revision)]
     return Download(repo, revision, missing, sum(sizes.get(f, 0) for f in weights))
 
@@ -332,12 +341,10 @@ def remote_weights(ref: str, repo: str, revision: str | None) -> RemoteWeights |
     from the cache, or download it, as usual)."""
     if not SETTINGS.headers_only:
         return None
-    root = cached_snapshot(repo, revision)
-    if root is not None and is_complete(root):
+    remote = _files_to_fetch(ref, repo, revision)
+    if remote is None:
         return None
-    if offline():
-        raise _offline_failure(ref, repo, revision)
-    sizes, small, weights = _remote_files(ref, repo, revision)
+    sizes, small, weights = remote
     if not all(w.endswith(".safetensors") for w in weights):
         raise HeadersUnavailable(f"model {ref!r}: its `.bin` weights must be downloaded before they can be planned")
     from huggingface_hub import HfApi

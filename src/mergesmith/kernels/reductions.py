@@ -78,29 +78,27 @@ def _single_output(x: torch.Tensor, dim: int) -> bool:
     return x.numel() // max(1, x.shape[dim]) == 1 if x.dim() else True
 
 
+def _reduced_shape(x: torch.Tensor, dim: int, keepdim: bool) -> list[int]:
+    """The shape of x reduced along `dim` (kept as 1 with `keepdim`)."""
+    shape = list(x.shape)
+    if keepdim:
+        shape[dim] = 1
+    else:
+        del shape[dim]
+    return shape
+
+
 def sum_along(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
     """x.sum(dim), made thread-count independent when there is only one output."""
     if x.dim() and _single_output(x, dim):
-        out = total(x)
-        shape = list(x.shape)
-        if keepdim:
-            shape[dim] = 1
-        else:
-            del shape[dim]
-        return out.reshape(shape)
+        return total(x).reshape(_reduced_shape(x, dim, keepdim))
     return x.sum(dim=dim, keepdim=keepdim)
 
 
 def norm_along(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
     """vector_norm(x, dim), made thread-count independent when there is only one output."""
     if x.dim() and _single_output(x, dim):
-        out = l2(x)
-        shape = list(x.shape)
-        if keepdim:
-            shape[dim] = 1
-        else:
-            del shape[dim]
-        return out.reshape(shape)
+        return l2(x).reshape(_reduced_shape(x, dim, keepdim))
     return torch.linalg.vector_norm(x, dim=dim, keepdim=keepdim)
 
 

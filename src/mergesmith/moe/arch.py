@@ -140,6 +140,12 @@ MIXTRAL = OutputArchitecture(
     ),
     router="block_sparse_moe.gate.weight",
 )
+_QWEN_EXPERTS = (
+    "mlp.experts.{e}.gate_proj.weight",
+    "mlp.experts.{e}.up_proj.weight",
+    "mlp.experts.{e}.down_proj.weight",
+)
+"""Qwen2-MoE's and Qwen3-MoE's names of expert e's MLP weights."""
 QWEN2_MOE = OutputArchitecture(
     name="Qwen2-MoE",
     aliases=("qwenmoe", "qwen2moe", "qwen2moeforcausallm"),
@@ -147,11 +153,7 @@ QWEN2_MOE = OutputArchitecture(
     class_name="Qwen2MoeForCausalLM",
     input_types=("llama", "mistral", "qwen2"),
     expert_count_key="num_experts",
-    expert_names=(
-        "mlp.experts.{e}.gate_proj.weight",
-        "mlp.experts.{e}.up_proj.weight",
-        "mlp.experts.{e}.down_proj.weight",
-    ),
+    expert_names=_QWEN_EXPERTS,
     router="mlp.gate.weight",
     shared_prefix="mlp.shared_expert.",
     shared_gate="mlp.shared_expert_gate.weight",
@@ -165,11 +167,7 @@ QWEN3_MOE = OutputArchitecture(
     class_name="Qwen3MoeForCausalLM",
     input_types=("qwen3",),
     expert_count_key="num_experts",
-    expert_names=(
-        "mlp.experts.{e}.gate_proj.weight",
-        "mlp.experts.{e}.up_proj.weight",
-        "mlp.experts.{e}.down_proj.weight",
-    ),
+    expert_names=_QWEN_EXPERTS,
     router="mlp.gate.weight",
     attention_biases=None,
 )

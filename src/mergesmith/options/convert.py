@@ -110,3 +110,30 @@ def to_run_controls(kw: Mapping[str, Any], **callbacks: Any) -> Any:
     return RunControls(
         overwrite=bool(kw.get("overwrite")), force=bool(kw.get("force")), verify=bool(kw.get("verify")), **callbacks
     )
+
+
+def to_extract_arguments(
+    kw: dict[str, Any], device_option: str = "--device", echo: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """lora.extract.extract_lora's keyword arguments from extract-lora's values (the command's or the API's;
+    `kw` loses mergekit's flags, `-j` becoming `threads`): the device checked first (a refusal names
+    `device_option`), then the notes about mergekit flags without effect go to `echo` (default: stderr)."""
+    from ..io.lora_cache import lora_merge_settings
+    from ..runtime.devices import resolve_device
+
+    taken = mergekit_flags.take("extract-lora", kw)
+    device = resolve_device(kw["device"], what=device_option)
+    taken.say_notes(echo)
+    return dict(
+        max_rank=kw["max_rank"],
+        sv_epsilon=kw["sv_epsilon"],
+        embed_lora=kw["embed_lora"],
+        device=device,
+        overwrite=kw["overwrite"],
+        include=kw["include_regex"],
+        exclude=kw["exclude_regex"],
+        save_modules=kw["save_module"],
+        skip_undecomposable=kw["skip_undecomposable"],
+        distribute_scale=kw["distribute_scale"],
+        lora_merge=lora_merge_settings(taken.get("lora_merge_cache"), taken.get("lora_merge_dtype")),
+    )

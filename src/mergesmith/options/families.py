@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -286,6 +287,14 @@ class ExtractLora:
 _MATCH = click.Choice(["no", "yes", "embed", "lm_head"])
 
 
+def _match_option(long: str, short: str, what: str) -> Any:
+    """tokensurgeon's no/yes/embed/lm_head switches, where the bare flag means yes (mergekit's spelling)."""
+    return option(
+        long, short, type=_MATCH, default="no", is_flag=False, show_default=True,
+        help=f"{what} (bare flag: yes).", attrs={"flag_value": "yes"},
+    )
+
+
 @dataclass
 class Tokensurgeon:
     """`mergesmith tokensurgeon`'s own (mergekit-tokensurgeon's), which become its SurgeryOptions."""
@@ -299,26 +308,8 @@ class Tokensurgeon:
         help="How rows of tokens BASE lacks are made.",
     )
     k: int = option("--k", "-k", type=int, default=64, show_default=True, help="Shared tokens per approximation.")
-    prefix_match: str = option(
-        "--prefix-match",
-        "-pm",
-        type=_MATCH,
-        default="no",
-        is_flag=False,
-        show_default=True,
-        help="Use BASE's row of a token's longest prefix (bare flag: yes).",
-        attrs={"flag_value": "yes"},
-    )
-    byte_match: str = option(
-        "--byte-match",
-        "-bm",
-        type=_MATCH,
-        default="no",
-        is_flag=False,
-        show_default=True,
-        help="Match single characters with <0xNN> byte tokens (bare flag: yes).",
-        attrs={"flag_value": "yes"},
-    )
+    prefix_match: str = _match_option("--prefix-match", "-pm", "Use BASE's row of a token's longest prefix")
+    byte_match: str = _match_option("--byte-match", "-bm", "Match single characters with <0xNN> byte tokens")
     weight_scheme: str = option(
         "--weight-scheme",
         "-w",
