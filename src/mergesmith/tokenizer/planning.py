@@ -1,7 +1,8 @@
 """The tokenizer planning step: output tokenizer, chat template, and vocabulary recipes.
 
-Called by the merge planner only when a config has a `tokenizer` section, `tokenizer_source` or
-`chat_template` (a plain merge never imports transformers). It
+Run by the merge planner, as the vocabulary step registration.py registers with the engine, only when a
+config has a `tokenizer` section, `tokenizer_source` or `chat_template` (a plain merge never imports
+transformers). It
 - builds the output tokenizer (build.py) and sets the chat template (templates.py);
 - saves the tokenizer into a content-addressed staging directory whose files the plan copies into
   the output like any other tokenizer file;

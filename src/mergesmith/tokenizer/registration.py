@@ -12,17 +12,15 @@ from ..engine.extensions import register_op, register_vocabulary_step
 TYPE_CHECKING = False  # not `from typing import ...`: imported at start-up
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     import torch
 
     from ..config import MergeConfiguration
-    from ..engine.extensions import PlanningView
-    from ..engine.plan import InputRef, TensorRecipe
+    from ..engine.extensions import Loader, PlanningView
+    from ..engine.plan import TensorRecipe
     from .planning import TokenizerPlan
 
 
-def vocab_merge_op(recipe: TensorRecipe, load: Callable[[InputRef], torch.Tensor]) -> torch.Tensor:
+def vocab_merge_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
     """Embedding/lm_head rows re-indexed to the output vocabulary, then merged (align.py)."""
     from .align import merge_vocabulary
 

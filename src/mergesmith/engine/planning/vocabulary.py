@@ -19,7 +19,7 @@ from ..extensions import vocabulary_step
 if TYPE_CHECKING:
     from ...config import MergeConfiguration
     from ...io.checkpoint import Checkpoint
-    from ..extensions import PlanningView, VocabularyPlan
+    from ..extensions import VocabularyPlan
     from ..plan import TensorRecipe
     from .shared import MergeOptions
 
@@ -46,8 +46,7 @@ class VocabularyPlanning:
         step = vocabulary_step(self.config)
         result = None
         if step is not None:
-            view: PlanningView = self  # type: ignore[assignment]  # the planner has what a step reads
-            result = step.plan(view, recipes)
+            result = step.plan(self, recipes)  # type: ignore[arg-type]  # the planner has what a PlanningView has
             self.warnings.extend(result.warnings)
             if result.vocab_rows is not None:
                 self._vocab_rows = result.vocab_rows
