@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from mergesmith.engine.execution.compute import compute
 from mergesmith.engine.execution.input_feed import MERGE, InputFeed, open_feed, part_of
-from mergesmith.engine.execution.local_executor import compute
 from mergesmith.engine.plan import InputRef, TensorRecipe
 from mergesmith.io import direct_read, direct_write
 from mergesmith.io.checkpoint import Checkpoint

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergesmith.engine.execution.local_executor import compute
+from mergesmith.engine.execution.compute import compute
 from mergesmith.engine.plan import InputRef, TensorRecipe
 from mergesmith.io.checkpoint import Checkpoint
 from mergesmith.kernels import task_vector_mix as task_arithmetic

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from mergesmith.cli import main
 from mergesmith.errors import CheckpointError
-from mergesmith.io.checkpoint import _load_bin
+from mergesmith.io.bin_checkpoint import load_bin
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
@@ -108,7 +108,7 @@ def test_a_pickle_torch_cannot_parse_is_not_called_code_and_warns_nothing(
     path = tmp_path / "p4.bin"
     path.write_bytes(b"\x80\x04\x95" + bytes(range(200)))  # protocol-4 header, then garbage
     with pytest.raises(CheckpointError) as info:
-        _load_bin(path)
+        load_bin(path)
     message = str(info.value)
     assert message.startswith(f"{path}: cannot load PyTorch checkpoint") and "\n" not in message, message
     assert "objects other than tensors" not in message
@@ -120,7 +120,7 @@ def test_a_real_checkpoint_still_loads(tmp_path: Path) -> None:
     for legacy in (False, True):
         path = tmp_path / f"ok{legacy}.bin"
         torch.save(_state(3), path, _use_new_zipfile_serialization=not legacy)
-        loaded = _load_bin(path)
+        loaded = load_bin(path)
         assert all(torch.equal(loaded[k], v) for k, v in _state(3).items())
 
 
@@ -135,11 +135,11 @@ def test_a_real_checkpoint_still_loads(tmp_path: Path) -> None:
     )
 )
 def test_any_bytes_as_a_bin_give_a_one_line_checkpoint_error(tmp_path: Path, data: bytes) -> None:
-    """Fuzz: whatever the bytes, `_load_bin` returns tensors or raises the user-error class in one line."""
+    """Fuzz: whatever the bytes, `load_bin` returns tensors or raises the user-error class in one line."""
     path = tmp_path / "fuzz.bin"
     path.write_bytes(data)
     try:
-        state = _load_bin(path)
+        state = load_bin(path)
     except CheckpointError as exc:
         assert str(exc).startswith(f"{path}: ") and "\n" not in str(exc), str(exc)
     else:

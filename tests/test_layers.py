@@ -39,6 +39,9 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
         "execution",
         (
             "engine.execution.local_executor",
+            "engine.execution.admission",
+            "engine.execution.compute",
+            "engine.execution.writing",
             "engine.execution.ray_executor",
             "engine.execution.input_feed",
             "engine.execution.ops",
@@ -54,6 +57,8 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
             "tokensurgeon.table",
             "tokensurgeon.vocab",
             "tokensurgeon.approximate",
+            "tokensurgeon.registration",
+            "tokensurgeon.source",
         ),
         "tokenizer steps the merge planner calls and the row operations the executor runs for them",
     ),

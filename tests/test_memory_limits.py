@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mergesmith.engine.execution.local_executor import MemoryBudget
+from mergesmith.engine.execution.admission import MemoryBudget
 from mergesmith.errors import MemoryShortage
 from mergesmith.io.journal import STATE_TOP
 from mergesmith.runtime import memory_limits

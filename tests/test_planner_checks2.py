@@ -288,7 +288,7 @@ def test_recipe_memory_covers_the_measured_peak(memory_inputs, method, store, co
     stacks, sort indices, masks) plus its inputs' pages, counted at the compute width."""
     import torch
 
-    from mergesmith.engine.execution.local_executor import compute as compute_recipe
+    from mergesmith.engine.execution.compute import compute as compute_recipe
     from mergesmith.engine.planning.shared import recipe_memory
     from mergesmith.io.dtypes import dtype_size, to_torch
 
@@ -330,8 +330,8 @@ def test_recipe_memory_of_tensors_larger_than_a_mix_chunk(large_memory_inputs, m
     import torch
 
     from mergesmith.engine.execution.blocks import block_numel, row_blocks
-    from mergesmith.engine.execution.local_executor import Gathered
-    from mergesmith.engine.execution.local_executor import compute as compute_recipe
+    from mergesmith.engine.execution.compute import Gathered
+    from mergesmith.engine.execution.compute import compute as compute_recipe
     from mergesmith.engine.planning.shared import recipe_memory
     from mergesmith.io.dtypes import dtype_size, to_torch
     from mergesmith.methods import get_method

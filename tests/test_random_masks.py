@@ -61,7 +61,7 @@ def test_arcee_fusion_samples_with_the_cpu_generator(monkeypatch):
 
 def test_the_executor_hands_methods_a_cpu_generator_whatever_the_device(tmp_path, tiny_models, monkeypatch):
     from mergesmith.config import parse_config
-    from mergesmith.engine.execution import local_executor as executor
+    from mergesmith.engine.execution import compute as recipe_compute
     from mergesmith.engine.planning.shared import MergeOptions
     from mergesmith.engine.run import build_plan
 
@@ -83,9 +83,9 @@ def test_the_executor_hands_methods_a_cpu_generator_whatever_the_device(tmp_path
         return torch.zeros(recipe.shape)
 
     fake = MethodSpec(name="dare_ties", merge=record)
-    monkeypatch.setattr(executor, "require_method", lambda _name: fake)
+    monkeypatch.setattr(recipe_compute, "require_method", lambda _name: fake)
     for device in ("cpu", "meta"):
-        executor.compute(recipe, ckpts, torch.float32, False, torch.device(device))
+        recipe_compute.compute(recipe, ckpts, torch.float32, False, torch.device(device))
     (cpu_gen, cpu_devices), (meta_gen, meta_devices) = seen
     assert cpu_devices == {"cpu"} and meta_devices == {"meta"}
     assert cpu_gen.device.type == "cpu" and meta_gen.device.type == "cpu"

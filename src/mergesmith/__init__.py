@@ -17,6 +17,12 @@ import sys
 
 from ._version import __version__ as __version__  # the package version, as before
 
+# What the features add to the engine (recipe ops, vocabulary planning steps), registered here because Python
+# runs this module before any other of the package, in every process that builds or runs a plan (a Ray worker
+# too); each module is names and lazy callables, nothing heavy. See engine/extensions.py.
+from .tokenizer import registration as _tokenizer_registration  # noqa: F401
+from .tokensurgeon import registration as _tokensurgeon_registration  # noqa: F401
+
 TYPE_CHECKING = False  # not `from typing import ...`: typing alone costs more than this whole module
 
 _EXPORTS = {
@@ -31,7 +37,7 @@ _EXPORTS = {
     "MergeResult": "engine.run",
     "MergeConfiguration": "config",
     "ProgressEvent": "engine.execution.local_executor",
-    "MethodError": "engine.execution.local_executor",
+    "MethodError": "engine.execution.compute",
     "MergesmithError": "errors",
     "ConfigError": "errors",
     "CheckpointError": "errors",
@@ -66,7 +72,8 @@ __all__ = [
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time the names load lazily
     from .config import MergeConfiguration
-    from .engine.execution.local_executor import MethodError, ProgressEvent
+    from .engine.execution.compute import MethodError
+    from .engine.execution.local_executor import ProgressEvent
     from .engine.run import MergeResult
     from .errors import CheckpointError, ConfigError, MemoryShortage, MergeInterrupted, MergesmithError, OutputError
     from .python_api import PlanReport, extract_lora, merge, merge_raw, moe, multi, plan

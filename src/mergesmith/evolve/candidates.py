@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..config import parse_config
-from ..engine.execution.local_executor import compute
+from ..engine.execution.compute import compute
 from ..engine.plan import Plan
 from ..engine.planning.merge_planner import Planner
 from ..engine.planning.shared import MergeOptions

@@ -15,13 +15,9 @@ import json
 import math
 import mmap
 import os
-import pickle
-import re
 import struct
 import threading
-import warnings
 import weakref
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +26,7 @@ import torch
 
 from ..errors import CheckpointError
 from . import hub
+from .bin_checkpoint import guard_bin, load_bin
 from .dtypes import SAFETENSORS_TO_TORCH, dtype_size, from_torch
 from .map_guard import GUARD
 from .readahead import advise_in_pieces, piece_size
@@ -239,7 +236,7 @@ class Checkpoint:
                 self._sizes[info.file] = max(self._sizes.get(info.file, 0), info.data_offset + info.nbytes)
         for file, state in self._bin_state.items():
             self._sizes[file] = _size_of(file)
-            start = _guard_bin(file, state)
+            start = guard_bin(file, state)
             if start is not None:
                 weakref.finalize(self, GUARD.unregister, file, start)
 
@@ -267,7 +264,7 @@ class Checkpoint:
                 found, _meta, raw = read_safetensors_header(file)
                 hashes[file] = hashlib.sha256(raw).hexdigest()
             else:
-                state = _load_bin(file)
+                state = load_bin(file)
                 bin_state[file] = state
                 found = {n: TensorInfo(n, from_torch(t.dtype), tuple(t.shape), file) for n, t in state.items()}
                 hashes[file] = hashlib.sha256(
@@ -486,20 +483,6 @@ def _end_of_file(path: Path, size: int) -> str:
     )
 
 
-def _guard_bin(path: Path, state: dict[str, torch.Tensor]) -> int | None:
-    """Register the memory map torch.load(mmap=True) made of a `.bin` (the span of its tensors' storages);
-    its start address, or None when there is nothing to guard."""
-    spans = [
-        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in state.values() if t.device.type == "cpu"
-    ]
-    spans = [(p, n) for p, n in spans if p and n]
-    if not spans:
-        return None
-    start = min(p for p, _ in spans)
-    GUARD.register(path, start, max(p + n for p, n in spans))
-    return start
-
-
 def _read_config(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -538,73 +521,3 @@ def _weight_files(root: Path) -> list[Path]:
         f"{root}: no model weights found (expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, {BIN_SINGLE} "
         f"or {BIN_INDEX})"
     )
-
-
-def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    """A PyTorch checkpoint, memory-mapped, with `weights_only` so it can never run code.
-
-    Anything `torch.load` raises becomes one line naming the file: torch's own errors on a file that
-    is not a checkpoint at all (a text file, random bytes) are internal KeyErrors and IndexErrors of
-    its unpickler, and its warnings span several lines, so neither reaches the user as is.
-    """
-    try:
-        with open(path, "rb") as f:
-            head = f.read(512)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    is_zip = zipfile.is_zipfile(path)
-    looks_zip = is_zip or head.startswith(b"PK\x03\x04")  # a zip's first entry (a truncated one has no directory)
-    is_pickle = head.startswith(b"\x80")  # the PROTO opcode every pickle of protocol 2+ starts with
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": several lines, not actionable
-            state = torch.load(path, map_location="cpu", mmap=is_zip, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises anything on a file it cannot parse
-        raise CheckpointError(_bin_failure(path, exc, head, looks_zip, is_pickle)) from None
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: expected a dict of tensors, found {type(state).__name__}")
-    for name, value in state.items():
-        if not isinstance(name, str):
-            raise CheckpointError(f"{path}: key {name!r} is a {type(name).__name__}, not a tensor name")
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"{path}: entry {name!r} is a {type(value).__name__}, not a tensor")
-    return state
-
-
-def _bin_failure(path: Path, exc: Exception, head: bytes, is_zip: bool, is_pickle: bool) -> str:
-    """The one-line message for a `.pt`/`.bin` file torch could not load."""
-    text = str(exc)
-    if not (is_zip or is_pickle):
-        return f"{path}: not a PyTorch checkpoint ({_what_it_is(head)})"
-    operand = re.search(r"Unsupported operand (\d+)", text)
-    if isinstance(exc, pickle.UnpicklingError) and operand is None:
-        return f"{path}: refused: the file holds objects other than tensors (loaded with weights_only=True)"
-    if operand is not None:
-        detail = f"unsupported pickle opcode {operand.group(1)}: corrupt, or not written by torch.save"
-    else:
-        detail = _first_sentence(text) or exc.__class__.__name__
-    return f"{path}: cannot load PyTorch checkpoint ({detail})"
-
-
-def _what_it_is(head: bytes) -> str:
-    """What a file that is neither a zip nor a pickle seems to be, from its first bytes."""
-    if not head:
-        return "the file is empty"
-    try:
-        text = head.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        text = head[: exc.start].decode("utf-8") if exc.start >= len(head) - 3 else ""  # a character cut off?
-    if text and len(text) >= len(head) - 3 and all(c.isprintable() or c in "\t\n\r\f\v" for c in text):
-        return "it is a text file"
-    return "neither a zip archive nor a pickle"
-
-
-def _first_sentence(text: str, limit: int = 160) -> str:
-    lines = text.strip().splitlines()
-    line = lines[0].strip() if lines else ""
-    cut = line.find(". ")
-    if cut > 0:
-        line = line[:cut]
-    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -132,7 +132,7 @@ def merge_state_dicts(
     `unsafe_truncate_embeddings` (their first rows are kept, matched by position, with a warning), as
     mergekit's --unsafe-truncate-embeddings. Problems raise ConfigError/CheckpointError with one line.
     """
-    from ..engine.execution.local_executor import compute
+    from ..engine.execution.compute import compute
     from ..engine.planning.shared import MergeOptions
     from .merge import RawPlanner, check_raw_config
 

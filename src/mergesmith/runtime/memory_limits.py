@@ -15,7 +15,7 @@ The cgroup directory comes from /proc/self/cgroup (the process's path in each hi
 because inside a container the mount's root is the container's own group, not the host's root.
 
 `MemoryWatch` samples that room a few times a second during a merge. The executor's admission rule
-(executor.MemoryBudget) reads it: when another process eats into the room, fewer tensors are
+(engine/execution/admission.MemoryBudget) reads it: when another process eats into the room, fewer tensors are
 admitted; when even one tensor's working set no longer fits, the merge stops (MemoryShortage)
 between tensors, where a rerun resumes. Written by hand because no maintained library reads cgroup
 limits (psutil reports the machine's memory only).

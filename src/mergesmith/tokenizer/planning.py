@@ -1,7 +1,8 @@
 """The tokenizer planning step: output tokenizer, chat template, and vocabulary recipes.
 
-Called by the merge planner only when a config has a `tokenizer` section, `tokenizer_source` or
-`chat_template` (a plain merge never imports transformers). It
+Run by the merge planner, as the vocabulary step registration.py registers with the engine, only when a
+config has a `tokenizer` section, `tokenizer_source` or `chat_template` (a plain merge never imports
+transformers). It
 - builds the output tokenizer (build.py) and sets the chat template (templates.py);
 - saves the tokenizer into a content-addressed staging directory whose files the plan copies into
   the output like any other tokenizer file;
@@ -21,7 +22,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,26 +43,8 @@ from .build import VocabularyBuild, build_vocabulary, load_tokenizer, require_tr
 from .templates import resolve_chat_template
 
 if TYPE_CHECKING:
-    from ..config import MergeConfiguration
-    from ..engine.planning.architecture import LayerStack
-    from ..engine.planning.shared import MergeOptions
-    from ..io.checkpoint import Checkpoint
+    from ..engine.extensions import PlanningView as Planner  # what a vocabulary step reads from the planner
 
-
-class Planner(Protocol):
-    """What a vocabulary step (this one, tokensurgeon/merge.py's transplant) reads from the merge planner
-    that calls it (engine/planning/merge_planner.py), described here so the steps need not import the planner
-    above them."""
-
-    config: MergeConfiguration
-    options: MergeOptions
-    source: str  # where the config came from, for error lines
-    ckpts: dict[str, Checkpoint]
-    base: Checkpoint
-    base_ref: str
-    compute_dtype: str
-    stacks: dict[str, LayerStack | None]
-    transplant_summary: dict[str, Any]  # what a transplant did, for the plan's report
 
 # Load-time arguments transformers 5 writes back into tokenizer_config.json; a saved
 # `local_files_only: true` would make the published model refuse to load from the hub.
@@ -78,6 +61,7 @@ class TokenizerPlan:
     vocab_rows: int | None
     token_ids: dict[str, Any] = field(default_factory=dict)  # config key -> new id(s)
     warnings: list[str] = field(default_factory=list)
+    plan_options: dict[str, Any] = field(default_factory=dict)  # entries for Plan.options (a transplant's summary)
 
     def finish_config(self, config: dict[str, Any]) -> None:
         """Move special-token ids in the output config.json to the output vocabulary."""

@@ -8,37 +8,34 @@ tokens are shared, and to half the donor's hidden size when that is smaller: a k
 every token exactly and carries little over, see the README), and the merge method then runs on rows
 that mean the same token in every model. The donor's own rows pass through unchanged.
 
-The merge planner calls `plan_transplant` instead of the tokenizer step when it sees the prefix, and
-gets back the same kind of TokenizerPlan (recipes, files, vocabulary rows, token ids), so config.json,
-the copied files and `mergesmith plan` follow as for any tokenizer source.
+The merge planner runs `plan_transplant` (registered as a vocabulary step in registration.py, standing in
+for the tokenizer step) when it sees the prefix, and gets back the same kind of TokenizerPlan (recipes,
+files, vocabulary rows, token ids), so config.json, the copied files and `mergesmith plan` follow as for any
+tokenizer source.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..engine.plan import InputRef, TensorRecipe
 from ..engine.planning.architecture import LM_HEAD_NAMES, embedding_for_head
 from ..errors import CheckpointError, ConfigError
-from ..tokenizer.planning import Planner, TokenizerPlan
+from ..tokenizer.planning import TokenizerPlan
 from .planner import _tokenizer_root, staged_generation_config
+from .source import transplant_donor
 from .table import TransplantTable, register, transplant_rows
 from .vocab import Vocabulary, assign_rows, load_vocabulary
 
-PREFIX = "transplant:"
+if TYPE_CHECKING:
+    from ..engine.extensions import PlanningView as Planner
+
 MERGE_OP = "transplant_merge"
 DEFAULT_K = 64
-
-
-def transplant_donor(source: str | None) -> str | None:
-    """The donor of a `transplant:<donor>` tokenizer source, else None."""
-    if isinstance(source, str) and source.startswith(PREFIX):
-        return source[len(PREFIX) :]
-    return None
 
 
 def plan_transplant(planner: Planner, recipes: list[TensorRecipe], source: str) -> TokenizerPlan:
@@ -132,9 +129,8 @@ def plan_transplant(planner: Planner, recipes: list[TensorRecipe], source: str) 
         if k in (donor.config or {}):
             ids[k] = (donor.config or {})[k]
     files.extend(staged_generation_config(planner.base.root, ids))
-    plan = TokenizerPlan(out, files, rows, ids)
-    planner.transplant_summary = {"donor": donor_ref, "vocab_size": rows, "tensors": counts}
-    return plan
+    summary = {"donor": donor_ref, "vocab_size": rows, "tensors": counts}  # for the report (`mergesmith plan`)
+    return TokenizerPlan(out, files, rows, ids, plan_options={"tokensurgeon": summary})
 
 
 def transplant_merge_op(recipe: Any, load: Callable[[Any], torch.Tensor]) -> torch.Tensor:

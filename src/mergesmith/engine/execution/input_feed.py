@@ -103,7 +103,7 @@ def part_of(
     """What input `ref` contributes to output rows [start, end), or None when it is not streamed (`direct`:
     whether a file is read around the page cache).
 
-    As `executor.load_input` does for a whole tensor: the input's rows are cut or zero-padded to
+    As `compute.load_input` does for a whole tensor: the input's rows are cut or zero-padded to
     `ref.rows` (vocabularies of different sizes), then the block's rows are taken."""
     located = ckpt.byte_range(ref.tensor)
     if located is None or not direct(located[0]):

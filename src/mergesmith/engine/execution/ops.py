@@ -3,7 +3,8 @@
 Planners other than the merge planner (MoE assembly, ...) need to build one output tensor from
 several inputs without any merge math, e.g. stacking dense MLP weights into a fused expert tensor.
 Each op is a pure function of the recipe and a loader that returns an input tensor; registering it
-here is all the executor needs.
+(extensions.register_op) is all the executor needs. Features register their own ops the same way
+(tokenizer/registration.py, tokensurgeon/registration.py); this module holds only the engine's.
 """
 
 from __future__ import annotations
@@ -12,26 +13,15 @@ from collections.abc import Callable
 
 import torch
 
+from ..extensions import recipe_op, register_op
 from ..plan import InputRef, TensorRecipe
 
 Loader = Callable[[InputRef], torch.Tensor]
-OpFn = Callable[[TensorRecipe, Loader], torch.Tensor]
-
-_OPS: dict[str, OpFn] = {}
 
 
-def register_op(name: str, fn: OpFn) -> OpFn:
-    if name in _OPS or name in ("copy", "merge"):
-        raise ValueError(f"recipe op {name!r} registered twice")
-    _OPS[name] = fn
-    return fn
-
-
-def get_op(name: str) -> OpFn:
-    try:
-        return _OPS[name]
-    except KeyError:
-        raise ValueError(f"unknown recipe op {name!r}") from None
+def get_op(name: str) -> Callable[[TensorRecipe, Loader], torch.Tensor]:
+    """The function of recipe op `name`: the engine's own below, or one a feature registered (extensions.py)."""
+    return recipe_op(name)
 
 
 def stack_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
@@ -90,35 +80,3 @@ def zeros_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
 
 register_op("perturb", perturb_op)
 register_op("zeros", zeros_op)
-
-
-def vocab_merge_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
-    """Embedding/lm_head rows re-indexed to the output vocabulary, then merged (tokenizer/align.py).
-
-    Imported lazily so registering it costs nothing for merges that keep their vocabulary."""
-    from ...tokenizer.align import merge_vocabulary
-
-    return merge_vocabulary(recipe, load)
-
-
-register_op("vocab_merge", vocab_merge_op)
-
-
-def transplant_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
-    """An embedding/lm_head rebuilt for another tokenizer (tokensurgeon/table.py), imported lazily."""
-    from ...tokensurgeon.table import transplant_op as run
-
-    return run(recipe, load)
-
-
-register_op("transplant", transplant_op)
-
-
-def transplant_merge_op(recipe: TensorRecipe, load: Loader) -> torch.Tensor:
-    """Inputs transplanted onto a donor's vocabulary, then merged (`tokenizer_source: transplant:<donor>`)."""
-    from ...tokensurgeon.merge import transplant_merge_op as run
-
-    return run(recipe, load)
-
-
-register_op("transplant_merge", transplant_merge_op)

@@ -4,6 +4,11 @@ A transformer checkpoint names its decoder blocks `<prefix>.<N>.<rest>`. We find
 number of distinct indices equals the config's layer count; everything else is a non-layer tensor,
 either before the stack (embeddings) or after it (final norm, lm_head). That is enough to slice,
 stack and merge any decoder-only model transformers can load, including ones we have never seen.
+
+What inference cannot know is which config.json keys describe the layers one by one: those must be rewritten
+when slices change the depth. They are listed below (PER_LAYER_KEYS, LAYER_INDEX_KEYS); a new architecture with
+such a key adds it there, or, from outside the package, registers it (register_per_layer_key,
+register_layer_index_key). See the README's "Adding an architecture".
 """
 
 from __future__ import annotations
@@ -21,26 +26,36 @@ _LAYER_RE = re.compile(r"^(?P<prefix>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")
 _LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _EMBEDDING_MARKERS = ("embed", "wte", "wpe", "word_embeddings", "tok_embeddings")
 LM_HEAD_NAMES = ("lm_head.weight", "embed_out.weight", "output.weight")
-PER_LAYER_KEYS = frozenset(
-    {
-        "layer_types",  # qwen2/3, gemma2/3, gpt-oss, exaone4, ...: "full_attention" / "sliding_attention" per layer
-        "no_rope_layers",  # llama4, smollm3: 1 where a layer uses RoPE
-        "sliding_window_pattern",  # where given as a list (elsewhere an int period, which is left alone)
-        "attn_type_list",  # minimax: linear or softmax attention per layer
-        "layers_block_type",  # zamba2: "mamba" / "hybrid" per layer
-        "block_configs",  # nemotron-nas (DeciLM): one block description per layer
-    }
-)
+PER_LAYER_KEYS: set[str] = {
+    "layer_types",  # qwen2/3, gemma2/3, gpt-oss, exaone4, ...: "full_attention" / "sliding_attention" per layer
+    "no_rope_layers",  # llama4, smollm3: 1 where a layer uses RoPE
+    "sliding_window_pattern",  # where given as a list (elsewhere an int period, which is left alone)
+    "attn_type_list",  # minimax: linear or softmax attention per layer
+    "layers_block_type",  # zamba2: "mamba" / "hybrid" per layer
+    "block_configs",  # nemotron-nas (DeciLM): one block description per layer
+}
 """config.json lists with one entry per decoder layer: re-indexed when slices change the layers.
 Only these: token ids (`eos_token_id: [2, 3]`) are not per-layer lists, whatever their length; lists of
 layer *indices* are LAYER_INDEX_KEYS."""
-LAYER_INDEX_KEYS = frozenset(
-    {
-        "mlp_only_layers",  # qwen2_moe, qwen3_moe: indices of the layers with a dense MLP
-        "moe_layers",  # llama4: indices of the mixture-of-experts layers
-    }
-)
+LAYER_INDEX_KEYS: set[str] = {
+    "mlp_only_layers",  # qwen2_moe, qwen3_moe: indices of the layers with a dense MLP
+    "moe_layers",  # llama4: indices of the mixture-of-experts layers
+}
 """config.json lists of layer indices: rewritten to the output indices whose source layer was listed."""
+
+
+def register_per_layer_key(key: str) -> None:
+    """Declare config.json key `key` a list with one entry per decoder layer (as `layer_types`): a merge whose
+    slices change the layers re-indexes it with them. For an architecture whose config has such a key under a
+    name not in PER_LAYER_KEYS; without it, the list keeps the old depth and transformers may refuse the output."""
+    PER_LAYER_KEYS.add(key)
+
+
+def register_layer_index_key(key: str) -> None:
+    """Declare config.json key `key` a list of layer indices (as `mlp_only_layers`): rewritten to the output
+    layers whose source layers it listed."""
+    LAYER_INDEX_KEYS.add(key)
+
 _NON_TEXT_TOWERS = ("vision", "visual", "image", "audio", "speech")
 """Prefix words of encoder stacks beside the language model (llava's `vision_tower.encoder.layers`)."""
 

@@ -15,8 +15,6 @@ from ...config import MergeConfiguration, Parameters, dump_config
 from ...errors import CheckpointError, ConfigError
 from ...io.checkpoint import Checkpoint
 from ...io.dtypes import is_float, parse_config_dtype
-from ...io.model_files import TOKENIZER_FILES
-from ...io.references import tokenizer_root
 from ...kernels.keyed_random import STREAM_NAME as KEYED_STREAM
 from ...methods import MethodSpec, require_method
 from ..plan import Estimate, InputRef, Plan, ShardPlan, TensorRecipe
@@ -35,6 +33,7 @@ from .architecture import (
 )
 from .parameters import is_missing, resolve
 from .shared import MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
+from .vocabulary import VocabularyPlanning
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class NormalizedSlice:
         return self.sources[0].end - self.sources[0].start
 
 
-class Planner(ModelPlanner):
+class Planner(VocabularyPlanning, ModelPlanner):
     """Builds the Plan for one merge configuration over opened checkpoints."""
 
     # The base model's config.json gives the layer count and the output config; a raw merge
@@ -91,7 +90,6 @@ class Planner(ModelPlanner):
 
         # what reading the config ignored, then parameter values worth a warning (the refusals ran at parsing)
         self.warnings: list[str] = list(config.warnings) + check_parameter_values(config, config_source)
-        self.transplant_summary: dict[str, Any] = {}  # filled by tokensurgeon/merge.py for `transplant:<donor>`
         # (per-model row counts, output rows) -> embedding/head tensors cut to the smallest vocabulary
         self._truncated: dict[tuple[tuple[tuple[str, int], ...], int], list[str]] = {}
         # tensors only models other than the one the output follows have (warned about once; see _note_extras)
@@ -473,85 +471,6 @@ class Planner(ModelPlanner):
     def shards(self, recipes: list[TensorRecipe]) -> list[ShardPlan]:
         return cut_shards(recipes, self.options.out_shard_size)
 
-    def files_to_copy(self, tokenizer_files: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
-        """Small files for the output; `tokenizer_files` (a built tokenizer) replace the copied ones."""
-        files: list[tuple[str, str]] = []
-        if tokenizer_files is not None:
-            files.extend(tokenizer_files)
-        elif self.options.copy_tokenizer:
-            tok_ref = self._tokenizer_source()
-            tok_root = self.ckpts[tok_ref].root if tok_ref in self.ckpts else tokenizer_root(tok_ref)
-            for name in TOKENIZER_FILES:
-                if (tok_root / name).is_file():
-                    files.append((str(tok_root / name), name))
-        gen = self.base.root / "generation_config.json"
-        if gen.is_file() and all(name != gen.name for _src, name in files):  # the tokenizer step may rewrite it
-            files.append((str(gen), "generation_config.json"))
-        return files
-
-    def _refuse_mismatched_vocabularies(self) -> None:
-        """mergekit 0.1.5's rule, checked from headers before any tensor is read: vocabularies of different sizes
-        are merged only when the config says how to line their tokens up (`tokenizer_source` or a `tokenizer`
-        section), or with --unsafe-truncate-embeddings, which keeps the first rows of each, matched by position
-        (then a warning says so)."""
-        configured = self.config.tokenizer is not None or bool(self.config.tokenizer_source)
-        if not self._truncated or configured or self.options.unsafe_truncate_embeddings:
-            return
-        (counts, rows), names = next(iter(self._truncated.items()))
-        sizes = ", ".join(f"model {m!r} has {n}" for m, n in counts)
-        fix = (
-            "set `tokenizer_source: base` (or `union`) to build the vocabulary and re-index the rows by token, or "
-            if self.needs_model_config  # a raw merge (bare state dicts) has no tokenizer to build
-            else ""
-        )
-        raise ConfigError(
-            f"{self.source}: vocabulary sizes differ ({names[0]!r}: {sizes} rows); {fix}pass "
-            f"--unsafe-truncate-embeddings to keep the first {rows} rows of each, matched by position (right only "
-            "when the token ids agree)"
-        )
-
-    def _truncation_warnings(self) -> list[str]:
-        """One warning per distinct vocabulary mismatch the recipes cut to the smallest vocabulary.
-
-        Rows are matched by position, not by token: a model whose tokenizer has more tokens than the output
-        has rows (the base's, which is copied, when it is the larger) would index past the embedding."""
-        out = []
-        tok_ref = self._tokenizer_source()
-        for (counts, rows), names in self._truncated.items():
-            sizes = ", ".join(f"model {m!r} has {n}" for m, n in counts)
-            tok_rows = dict(counts).get(tok_ref)
-            risk = ""
-            if self.needs_model_config and self.options.copy_tokenizer and tok_rows is not None and tok_rows > rows:
-                risk = (
-                    f"; the tokenizer is copied from {tok_ref!r} ({tok_rows} rows), so its token ids from {rows} up "
-                    "would index out of range"
-                )
-            fix = (
-                "; set `tokenizer_source: base` or `tokenizer_source: union` to build the vocabulary and re-index "
-                "the rows by token"
-                if self.needs_model_config  # a raw merge (bare state dicts) has no tokenizer to build
-                else ""
-            )
-            out.append(
-                f"vocabulary sizes differ ({', '.join(names)}: {sizes} rows): the output keeps the first {rows} "
-                f"rows of each, matched by position, not by token{risk}{fix}"
-            )
-        return out
-
-    def _transplant_source(self) -> str | None:
-        """A `transplant:<donor>` tokenizer source (in `tokenizer_source` or `tokenizer.source`), else None."""
-        source = self.config.tokenizer.source if self.config.tokenizer is not None else self.config.tokenizer_source
-        return source if isinstance(source, str) and source.startswith("transplant:") else None
-
-    def _tokenizer_source(self) -> str:
-        """The model whose tokenizer files are copied when no tokenizer is built (see tokenizer/)."""
-        source = self.config.tokenizer_source
-        if self.config.tokenizer is not None:
-            source = self.config.tokenizer.source
-        if source in (None, "base", "union"):
-            return self.base_ref
-        return source
-
     def estimate(self, recipes: list[TensorRecipe]) -> Estimate:
         return estimate_plan(
             recipes,
@@ -563,23 +482,9 @@ class Planner(ModelPlanner):
 
     def build(self) -> Plan:
         recipes, layer_sources = self.recipes()
-        self._refuse_mismatched_vocabularies()
-        tokenizer_plan = None
-        transplant = self._transplant_source()  # `transplant:<donor>` (tokensurgeon/merge.py)
-        if transplant is not None:
-            from ...tokensurgeon.merge import plan_transplant
-
-            tokenizer_plan = plan_transplant(self, recipes, transplant)
+        tokenizer_plan = self.plan_vocabulary(recipes)
+        if tokenizer_plan is not None:
             recipes = tokenizer_plan.recipes
-            self._vocab_rows = tokenizer_plan.vocab_rows
-        elif self.config.tokenizer is not None or self.config.tokenizer_source or self.config.chat_template:
-            from ...tokenizer.planning import plan_tokenizer  # imports transformers only for such configs
-
-            tokenizer_plan = plan_tokenizer(self, recipes)
-            recipes = tokenizer_plan.recipes
-            self.warnings.extend(tokenizer_plan.warnings)
-            if tokenizer_plan.vocab_rows is not None:
-                self._vocab_rows = tokenizer_plan.vocab_rows
         self.warnings.extend(self._extras_warning())
         if tokenizer_plan is None or tokenizer_plan.vocab_rows is None:  # nothing re-indexes the rows by token
             self.warnings.extend(self._truncation_warnings())
@@ -621,7 +526,7 @@ class Planner(ModelPlanner):
                 "out_shard_size": self.options.out_shard_size,
                 "random_seed": self.options.random_seed if self.spec.randomized else None,
                 "explicit_dtype": self.config.dtype,
-                **({"tokensurgeon": self.transplant_summary} if transplant is not None else {}),
+                **(tokenizer_plan.plan_options if tokenizer_plan is not None else {}),
                 # the masks' generator decides the bytes: a run of an older one is not resumed with this one
                 **({"masks": KEYED_STREAM} if self.spec.randomized and self.spec.keyed_random else {}),
             },

@@ -1,0 +1,91 @@
+"""Admission: which recipes may run now, under the memory budget and the memory this process really has.
+
+The local executor admits a recipe only while the estimated bytes in flight stay under the budget (one that
+alone exceeds it runs by itself), so peak memory depends on the largest tensors in flight, never on shard or
+model size; with a memory watch it also admits less when another process takes memory, and stops with a
+one-line MemoryShortage instead of an out-of-memory kill.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from ...errors import MemoryShortage
+from ...runtime.memory_limits import MemoryWatch
+from ...sizes import human_size
+
+ADMISSION_WINDOW = 16
+"""How far past a recipe that does not fit the budget the executor looks for one that does (so a thread
+is not idle while, say, lm_head waits for embed_tokens to finish); after this many recipes have gone past
+it, the waiting one is admitted next, as soon as it fits."""
+
+
+class MemoryBudget:
+    """Admits work while the bytes in flight fit; an oversized item waits until it is alone.
+
+    With a `watch` (memory_limits.MemoryWatch), the bytes in flight must also fit what this process may
+    really use now (its cgroup's limit, the system's available memory) less `held` (the input feed's
+    buffers): when another process takes memory, less work is admitted; when even a lone item no
+    longer fits, `acquire_first` raises MemoryShortage instead of letting the kernel kill the merge."""
+
+    def __init__(self, limit: int | None, watch: MemoryWatch | None = None, held: int = 0) -> None:
+        self.limit = limit
+        self.watch = watch
+        self.held_bytes = held
+        # what of `held` is not yet in the process's memory use (which the watch's samples already count):
+        # the input feed's pool tells; None counts all of `held`
+        self.held_unmapped: Callable[[], int] | None = None
+        self.in_flight = 0
+        self.peak = 0  # the most bytes ever admitted at once: a statistic for tests and reports
+        self._cond = threading.Condition()
+
+    @property
+    def held(self) -> int:
+        """Bytes set aside beside the work in flight that are not counted in the watch's samples yet."""
+        return self.held_bytes if self.held_unmapped is None else min(self.held_bytes, self.held_unmapped())
+
+    def room(self) -> int | None:
+        """Bytes the work in flight may occupy now by the memory watch (None: not watched)."""
+        return None if self.watch is None else max(0, self.watch.capacity() - self.held)
+
+    def fits(self, cost: int) -> bool:
+        limit, room = self.limit, self.room()
+        if room is not None:
+            limit = room if limit is None else min(limit, room)
+        return limit is None or self.in_flight == 0 or self.in_flight + cost <= limit
+
+    def acquire_first(self, costs: list[int], stop: threading.Event) -> int | None:
+        """Admit the first of `costs` that fits, waiting until one does; its position, or None when stopped."""
+        with self._cond:
+            while True:
+                for position, cost in enumerate(costs):
+                    if self.fits(cost):
+                        if self.in_flight == 0 and self.watch is not None:
+                            self._check_alone(cost)
+                        self.in_flight += cost
+                        self.peak = max(self.peak, self.in_flight)
+                        return position
+                if stop.is_set():
+                    return None
+                self._cond.wait(0.2)
+
+    def _check_alone(self, cost: int) -> None:
+        """A lone item runs even over `limit` (a budget, not the machine); but not over the memory there is."""
+        assert self.watch is not None
+        # sampled afresh, not the watch's last figure: memory may have gone since (the one case where a
+        # stale figure would admit a tensor into an out-of-memory kill)
+        if self.watch.wait_for(cost + self.held):
+            return
+        room = self.room() or 0
+        raise MemoryShortage(
+            f"needs {human_size(cost, 2)} of working memory, only {human_size(room, 2)} is free for it "
+            f"(this process may use {self.watch.last.describe()})",
+            needed=cost,
+            available=room,
+        )
+
+    def release(self, cost: int) -> None:
+        with self._cond:
+            self.in_flight -= cost
+            self._cond.notify_all()
