@@ -1,9 +1,10 @@
-"""The package's layers, checked from its source: no import cycle between modules, no import up a layer.
+"""The package's layers, checked from its source: no import up a layer, no loop between folders or modules.
 
 Every import counts, including those inside functions (imported lazily to keep start-up cheap) and
 those under `if TYPE_CHECKING:` (a type that names a module above is still a dependency on it). The
-layers, top to bottom, are listed in LAYERS; a module belongs to the layer of the longest prefix that
-names it. A module may import its own layer and any layer below; a cycle is refused even within a layer.
+layers, top to bottom, are listed in LAYERS as folders (and the few top-level modules); a module belongs
+to its folder's layer. A module may import its own layer and any layer below; a cycle is refused between
+folders (the features of one layer, say, must not lean on each other both ways) and between modules.
 """
 
 from __future__ import annotations
@@ -17,67 +18,24 @@ import mergesmith
 
 PACKAGE_DIR = Path(mergesmith.__file__).parent
 
-# Top to bottom. Each entry: (layer, the modules or packages in it, what it knows).
+# Top to bottom, one entry a folder (or a top-level module): (layer, its folders and modules, what it knows).
+# The same table as the design document's: a folder's modules all sit in its layer, none is carved out.
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     (
         "face",
-        ("mergesmith", "__main__", "python_api", "cli", "options", "mergekit_flags", "display"),
-        "argument handling (the options model, mergekit's flags included), the public API, progress displays",
+        ("mergesmith", "__main__", "cli", "python_api", "mergekit_flags", "options", "display"),
+        "the command line (mergekit's flags included), the Python API, the options model both are made from, "
+        "progress displays and Ctrl-C handling",
     ),
     (
-        "commands",
-        ("evolve", "multi", "moe", "raw", "lora", "tokensurgeon", "tokensurgeon.api"),
-        "one folder per feature: its config or arguments turned into plans, run through engine.run",
+        "features",
+        ("evolve", "multi", "moe", "raw", "lora", "tokenizer", "tokensurgeon"),
+        "one folder per feature: its config turned into plans run through the engine, its recipe operations and "
+        "planning steps registered with the engine",
     ),
-    ("run", ("engine.run",), "the output directory protocol: plan, execute, finish, resume"),
-    (
-        "planners",
-        ("engine.planning.merge_planner", "engine.planning.module_planner", "engine.report", "engine.time_estimate"),
-        "merge configs -> Plan; the report",
-    ),
-    (
-        "execution",
-        (
-            "engine.execution.local_executor",
-            "engine.execution.admission",
-            "engine.execution.compute",
-            "engine.execution.writing",
-            "engine.execution.ray_executor",
-            "engine.execution.input_feed",
-            "engine.execution.ops",
-        ),
-        "running a Plan: local threads or Ray, the input feed, recipe operations",
-    ),
-    (
-        "vocabulary",
-        (
-            "tokenizer",
-            "tokensurgeon.planner",
-            "tokensurgeon.merge",
-            "tokensurgeon.table",
-            "tokensurgeon.vocab",
-            "tokensurgeon.approximate",
-            "tokensurgeon.registration",
-            "tokensurgeon.source",
-        ),
-        "tokenizer steps the merge planner calls and the row operations the executor runs for them",
-    ),
-    (
-        "engine core",
-        (
-            "engine",
-            "engine.plan",
-            "engine.planning.shared",
-            "engine.execution.blocks",
-            "engine.planning.architecture",
-            "engine.card",
-            "engine.planning.parameters",
-            "engine.execution.nonfinite",
-        ),
-        "the Plan as data and what every planner shares: options, shards, estimates, layer stacks",
-    ),
+    ("engine", ("engine",), "the Plan as data, planning, execution (local threads, Ray), the output directory"),
     ("config", ("config",), "the merge-config schema, reading it, checks against the methods' registry"),
-    ("methods", ("methods",), "pure tensor math and the registry"),
+    ("methods", ("methods",), "one file per merge method family, the registry and its plugin entry point"),
     ("kernels", ("kernels",), "the numerical machinery methods share: sort replay, keyed masks, compiled loops"),
     ("runtime", ("runtime",), "the process: devices, memory limits and release, caches, warm start"),
     ("io", ("io",), "checkpoints in, safetensors out, the journal, direct I/O, safe YAML"),
@@ -157,18 +115,20 @@ def test_imports_only_go_down() -> None:
     assert not upward, "imports up a layer:\n" + "\n".join(upward)
 
 
-def _cycles() -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+def _cycles(graph: dict[str, set[str]] | None = None) -> list[list[str]]:
+    """The strongly connected components of more than one node of `graph` (default: the modules' GRAPH;
+    Tarjan's algorithm, iteratively)."""
+    graph = GRAPH if graph is None else graph
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
     found: list[list[str]] = []
     counter = 0
-    for root in sorted(GRAPH):
+    for root in sorted(graph):
         if root in index:
             continue
-        work = [(root, iter(sorted(GRAPH[root])))]
+        work = [(root, iter(sorted(graph[root])))]
         index[root] = low[root] = counter
         counter += 1
         stack.append(root)
@@ -182,7 +142,7 @@ def _cycles() -> list[list[str]]:
                     counter += 1
                     stack.append(child)
                     on_stack.add(child)
-                    work.append((child, iter(sorted(GRAPH[child]))))
+                    work.append((child, iter(sorted(graph[child]))))
                 elif child in on_stack:
                     low[node] = min(low[node], index[child])
                 continue
@@ -200,6 +160,34 @@ def _cycles() -> list[list[str]]:
                 if len(component) > 1:
                     found.append(sorted(component))
     return found
+
+
+def _folder(module: str) -> str:
+    """The folder (first component below the package) a module lives in, or the top-level module itself."""
+    relative = module.removeprefix("mergesmith").removeprefix(".")
+    return relative.split(".")[0] if relative else "mergesmith"
+
+
+def _folder_graph() -> dict[str, set[str]]:
+    folders: dict[str, set[str]] = {}
+    for name, targets in GRAPH.items():
+        edges = folders.setdefault(_folder(name), set())
+        edges.update(_folder(t) for t in targets if _folder(t) != _folder(name))
+    return folders
+
+
+def test_no_loop_between_folders() -> None:
+    cycles = _cycles(_folder_graph())
+    assert not cycles, "folders that import each other (directly or around a circle):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
+
+
+def test_a_folder_is_one_layer() -> None:
+    """No module is carved out of its folder's layer: each entry of LAYERS below the face names a whole folder."""
+    for _layer_name, members, _knows in LAYERS:
+        for member in members:
+            assert "." not in member, f"{member}: LAYERS lists folders, not modules inside them"
 
 
 def test_no_import_cycles() -> None:
