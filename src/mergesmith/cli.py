@@ -99,16 +99,9 @@ def plan_cmd(config_file: Path, out_dir: Path | None, as_json: bool, tensors: bo
     if plan is None:  # a model's tensors cannot be listed before it is downloaded: the downloads alone
         click.echo(json.dumps({"downloads": downloads}, indent=2) if as_json else render_downloads(downloads))
         return
-    report = plan_report(plan, checkpoints, out_dir, options)
-    if downloads:
-        report["downloads"] = downloads
-    moe = plan.options.get("moe")
-    if moe:
-        report["method"] = "moe"
-        report["moe"] = moe
-    transplant = plan.options.get("tokensurgeon")  # `tokenizer_source: transplant:<donor>`
-    if transplant:
-        report["tokensurgeon"] = transplant
+    report = plan_report(plan, checkpoints, out_dir, options, downloads)
+    moe = report.get("moe")
+    transplant = report.get("tokensurgeon")  # `tokenizer_source: transplant:<donor>`
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

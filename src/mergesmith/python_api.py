@@ -188,14 +188,7 @@ def plan(config: Any, out_dir: str | Path | None = None, **options: Any) -> Plan
     the_plan, checkpoints, downloads = plan_before_download(cfg.referenced_models(), build, out)
     if the_plan is None:  # a model's tensors cannot be listed before it is downloaded: the downloads alone
         return PlanReport(None, {"downloads": downloads})
-    report = plan_report(the_plan, checkpoints, out, merge_options)
-    if downloads:
-        report["downloads"] = downloads
-    moe = the_plan.options.get("moe")
-    if moe:
-        report["method"] = "moe"
-        report["moe"] = moe
-    return PlanReport(the_plan, report)
+    return PlanReport(the_plan, plan_report(the_plan, checkpoints, out, merge_options, downloads))
 
 
 def _maybe_moe(config: Any, allow_all_same: bool = False) -> Any:

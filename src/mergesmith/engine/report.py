@@ -102,9 +102,15 @@ def check_plan_out_dir(out_dir: Path) -> None:
 
 
 def plan_report(
-    plan: Plan, checkpoints: dict[str, Checkpoint], out_dir: Path | None, options: MergeOptions
+    plan: Plan,
+    checkpoints: dict[str, Checkpoint],
+    out_dir: Path | None,
+    options: MergeOptions,
+    downloads: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Everything `mergesmith plan` shows, as plain data (the same dict is printed as JSON)."""
+    """Everything `mergesmith plan` shows, as plain data (the same dict is printed as JSON): with the hub
+    downloads the merge needs first, and what a feature's planner recorded in the plan's options (an MoE
+    assembly, a `transplant:` vocabulary)."""
     est = plan.estimate
     assert est is not None
     read_rate = probe_read_throughput(checkpoints)
@@ -132,7 +138,7 @@ def plan_report(
     too_big = None
     if options.max_memory and est.largest_tensor_bytes > options.max_memory:
         too_big = {"tensor": est.largest_tensor, "bytes": est.largest_tensor_bytes, "budget": options.max_memory}
-    return {
+    report = {
         "method": plan.recipes[0].method if plan.recipes and plan.recipes[0].method else "passthrough",
         "tensors": [
             {
@@ -174,6 +180,14 @@ def plan_report(
         "warnings": list(plan.warnings),
         "memory": _memory(est),
     }
+    if downloads:
+        report["downloads"] = downloads
+    if plan.options.get("moe"):
+        report["method"] = "moe"
+        report["moe"] = plan.options["moe"]
+    if plan.options.get("tokensurgeon"):
+        report["tokensurgeon"] = plan.options["tokensurgeon"]
+    return report
 
 
 def _memory(est: Any) -> dict[str, Any]:

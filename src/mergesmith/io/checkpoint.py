@@ -270,10 +270,7 @@ class Checkpoint:
                 hashes[file] = hashlib.sha256(
                     json.dumps({n: [i.dtype, list(i.shape)] for n, i in found.items()}, sort_keys=True).encode()
                 ).hexdigest()
-            for name, info in found.items():
-                if name in tensors:
-                    raise CheckpointError(f"{file}: tensor {name!r} also appears in {tensors[name].file.name}")
-                tensors[name] = info
+            _add_tensors(tensors, found, file)
         if not tensors:
             raise CheckpointError(f"model {ref!r}: no tensors found in {', '.join(str(f) for f in files)}")
         return cls(ref, root, files, tensors, config, hashes, bin_state)
@@ -447,10 +444,7 @@ class HubHeaders(Checkpoint):
             else:
                 found, _meta, raw = read_safetensors_header(file)
                 hashes[file] = hashlib.sha256(raw).hexdigest()
-            for tensor, info in found.items():
-                if tensor in tensors:
-                    raise CheckpointError(f"{file}: tensor {tensor!r} also appears in {tensors[tensor].file.name}")
-                tensors[tensor] = info
+            _add_tensors(tensors, found, file)
         if not tensors:
             raise CheckpointError(f"model {ref!r}: no tensors found in its weight files")
         checkpoint = cls(ref, root, files, tensors, config, hashes, None)
@@ -466,6 +460,14 @@ def _remote_weights(ref: str) -> hub.RemoteWeights | None:
     if not hub.looks_like_hub_id(name) or (revision and Path(name).expanduser().exists()):
         return None
     return hub.remote_weights(ref, name, revision)
+
+
+def _add_tensors(tensors: dict[str, TensorInfo], found: dict[str, TensorInfo], file: Path) -> None:
+    """Add one weight file's tensors to a model's; a name two files both hold is refused (which is meant?)."""
+    for name, info in found.items():
+        if name in tensors:
+            raise CheckpointError(f"{file}: tensor {name!r} also appears in {tensors[name].file.name}")
+        tensors[name] = info
 
 
 def _size_of(path: Path) -> int:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.reductions import sum_along
-from .common import check_same_shape, require_base, require_generator
+from .common import base_and_other, require_generator
 from .registry import MergeInputs, MethodSpec, ModelCount, WorkingMemory
 
 QUANTILE_SAMPLE = 1_000_000
@@ -62,15 +62,8 @@ def arcee_fusion(
 
 
 def _merge(inputs: MergeInputs) -> torch.Tensor:
-    check_same_shape(inputs, "arcee_fusion")
-    base = require_base(inputs, "arcee_fusion")
-    others = inputs.others()
-    if len(others) != 1:
-        raise ValueError(
-            f"arcee_fusion: tensor {inputs.tensor_name!r}: needs the base and exactly one other model, "
-            f"got {len(inputs.tensors)} models"
-        )
-    return arcee_fusion(inputs.tensors[base], inputs.tensors[others[0]], inputs.generator, inputs.tensor_name)
+    base, other = base_and_other(inputs, "arcee_fusion")
+    return arcee_fusion(base, other, inputs.generator, inputs.tensor_name)
 
 
 METHODS = (

@@ -14,6 +14,7 @@ from ..kernels.merge_inputs import MergeInputs, check_same_shape, require_base
 
 __all__ = [
     "as_bool",
+    "base_and_other",
     "as_float_list",
     "check_same_shape",
     "non_base_values",
@@ -21,6 +22,20 @@ __all__ = [
     "require_generator",
     "work_dtype",
 ]
+
+
+def base_and_other(inputs: MergeInputs, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, other) for a method of the base and exactly one other model (slerp, nearswap, arcee_fusion), after
+    the shape check; a ValueError naming the method and tensor otherwise."""
+    check_same_shape(inputs, method)
+    base = require_base(inputs, method)
+    others = inputs.others()
+    if len(others) != 1:
+        raise ValueError(
+            f"{method}: tensor {inputs.tensor_name!r}: needs the base and exactly one other model, "
+            f"got {len(inputs.tensors)} models"
+        )
+    return inputs.tensors[base], inputs.tensors[others[0]]
 
 
 def non_base_values(inputs: MergeInputs, name: str) -> list[Any]:

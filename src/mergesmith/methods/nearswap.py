@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_same_shape, require_base
+from .common import base_and_other
 from .registry import MergeInputs, MethodSpec, ModelCount, ParamSpec, WorkingMemory
 
 
@@ -23,15 +23,8 @@ def nearswap(base: torch.Tensor, other: torch.Tensor, t: float) -> torch.Tensor:
 
 
 def _merge(inputs: MergeInputs) -> torch.Tensor:
-    check_same_shape(inputs, "nearswap")
-    base = require_base(inputs, "nearswap")
-    others = inputs.others()
-    if len(others) != 1:
-        raise ValueError(
-            f"nearswap: tensor {inputs.tensor_name!r}: needs the base and exactly one other model, "
-            f"got {len(inputs.tensors)} models"
-        )
-    return nearswap(inputs.tensors[base], inputs.tensors[others[0]], float(inputs.params["t"]))
+    base, other = base_and_other(inputs, "nearswap")
+    return nearswap(base, other, float(inputs.params["t"]))
 
 
 METHODS = (

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 
 from ..kernels.reductions import norm_along, sum_along
-from .common import check_same_shape, require_base, work_dtype
+from .common import base_and_other, work_dtype
 from .registry import MergeInputs, MethodSpec, ModelCount, ParamSpec, WorkingMemory
 
 BLOCK_ELEMENTS = 1 << 20
@@ -120,17 +120,10 @@ def _pairs(a: torch.Tensor, b: torch.Tensor) -> Iterator[tuple[torch.Tensor, tor
 
 
 def _merge(inputs: MergeInputs) -> torch.Tensor:
-    check_same_shape(inputs, "slerp")
-    base = require_base(inputs, "slerp")
-    others = inputs.others()
-    if len(others) != 1:
-        raise ValueError(
-            f"slerp: tensor {inputs.tensor_name!r}: needs the base and exactly one other model, "
-            f"got {len(inputs.tensors)} models"
-        )
-    if not inputs.tensors[base].is_floating_point():
+    base, other = base_and_other(inputs, "slerp")
+    if not base.is_floating_point():
         raise ValueError(f"slerp: tensor {inputs.tensor_name!r}: needs floating-point tensors")
-    return slerp(float(inputs.params["t"]), inputs.tensors[base], inputs.tensors[others[0]])
+    return slerp(float(inputs.params["t"]), base, other)
 
 
 METHODS = (

@@ -91,16 +91,7 @@ def plan_transplant(planner: Planner, recipes: list[TensorRecipe], source: str) 
             if shared == 0:
                 raise ConfigError(f"{key}: model {ref.model!r} shares no token with donor {donor_ref!r}")
             counts[f"{recipe.name} <- {ref.model}"] = found.counts
-            empty = found.target_rows.new_empty((found.target_rows.numel(), 0))
-            table = TransplantTable(
-                found.rows,
-                found.source,
-                found.target_rows,
-                found.target_donor,
-                found.shared_base,
-                found.shared_donor,
-                empty,
-            )
+            table = TransplantTable.of(found)
             digests.append(register(table))
             ks.append(max(1, min(DEFAULT_K, shared, donor.info(donor_tensor).shape[1] // 2)))
         params = (

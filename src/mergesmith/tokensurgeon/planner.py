@@ -198,17 +198,9 @@ class TokenSurgeonPlanner:
         subword = (
             subword_ids(self.base_vocab, found.target_tokens, info.shape[0])
             if s.approximation_method == "subword"
-            else found.target_rows.new_empty((found.target_rows.numel(), 0))
+            else None
         )
-        table = TransplantTable(
-            found.rows,
-            found.source,
-            found.target_rows,
-            found.target_donor,
-            found.shared_base,
-            found.shared_donor,
-            subword,
-        )
+        table = TransplantTable.of(found, subword)
         inputs = [InputRef(self.base_ref, vt.name)]
         if s.approximation_method in NEEDS_DONOR and found.target_rows.numel():
             assert vt.donor_tensor is not None

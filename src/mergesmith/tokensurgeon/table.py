@@ -20,6 +20,7 @@ import torch
 
 from ..tokenizer.align import StagedTables, write_atomic
 from . import approximate as approx
+from .vocab import Assignment
 
 OP = "transplant"
 NEEDS_DONOR = ("omp", "common_interpolation")
@@ -39,6 +40,21 @@ class TransplantTable:
     shared_base: torch.Tensor
     shared_donor: torch.Tensor
     subword: torch.Tensor
+
+    @classmethod
+    def of(cls, found: Assignment, subword: torch.Tensor | None = None) -> TransplantTable:
+        """The table of one vocabulary tensor's row assignment (`subword`: the pieces' base ids, subword only)."""
+        if subword is None:
+            subword = found.target_rows.new_empty((found.target_rows.numel(), 0))
+        return cls(
+            found.rows,
+            found.source,
+            found.target_rows,
+            found.target_donor,
+            found.shared_base,
+            found.shared_donor,
+            subword,
+        )
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {
