@@ -10,6 +10,7 @@ folders (the features of one layer, say, must not lean on each other both ways) 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,23 @@ def test_an_upward_import_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     expected = "mergesmith.io.checkpoint \\(io\\) imports mergesmith.engine.planning.merge_planner"
     with pytest.raises(AssertionError, match=expected):
         test_imports_only_go_down()
+
+
+def test_the_readme_draws_the_same_layers() -> None:
+    """README.md's Development table lists the same layers, in the same order, with the same folders."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^  \| (\w+) \| (.+?) \| .+ \|$", readme.split("## Development", 1)[1], flags=re.M)
+    drawn = [
+        (layer, {_entry(name) for name in re.findall(r"`([^`]+)`", re.sub(r"\(.*?\)", "", folders))})
+        for layer, folders in rows
+        if layer != "layer"  # the header
+    ]
+    listed = [(layer, set(members)) for layer, members, _knows in LAYERS]
+    assert drawn == listed
+
+
+def _entry(readme_name: str) -> str:
+    """`engine/` -> engine, `cli.py` -> cli, `__init__.py` -> mergesmith (the package root). What a folder
+    holds, named in parentheses after it, is left out by the caller."""
+    name = readme_name.rstrip("/").removesuffix(".py")
+    return "mergesmith" if name == "__init__" else name
