@@ -1,4 +1,4 @@
-"""Memory and CPU time of one TIES selection (methods/sort_select.sorted_window_mask) on a bench-sized task vector.
+"""Memory and CPU time of one TIES selection (kernels/sort_select.sorted_window_mask) on a bench-sized task vector.
 
 Why: the blocked TIES merge (kernels/magnitude_blocks.py) keeps every task vector's 16-bit magnitudes and selects
 them one at a time, so the selection's own arrays (mask, tracker, partition scratch) are the rest of its peak.

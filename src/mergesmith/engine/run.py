@@ -1,4 +1,4 @@
-"""The Python API: plan a merge, run it into a directory (resuming when possible).
+"""Running a plan into an output directory, the protocol every command shares: plan, execute, finish, resume.
 
 Output directory protocol, which makes merges crash-consistent:
 The state (journal, partial shards, lock) lives in `<out>/.cache/huggingface/mergesmith/` (io/journal.py
