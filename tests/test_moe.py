@@ -447,13 +447,16 @@ def test_deepseek_moe_from_dense_deepseek_models(tmp_path, deepseek_models, mode
     assert out_cfg["architectures"] == [class_name] and out_cfg["model_type"] == model_type
     assert out_cfg["n_routed_experts"] == 3 and out_cfg["num_experts_per_tok"] == 2
     assert out_cfg["moe_intermediate_size"] == 64 and out_cfg["n_shared_experts"] == 2
-    assert out_cfg["first_k_dense_replace"] == 0 and out_cfg["routed_scaling_factor"] == 1.0
+    assert out_cfg["first_k_dense_replace"] == 0 and out_cfg["moe_layer_freq"] == 1
+    assert out_cfg["routed_scaling_factor"] == 1.0
     for key in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "hidden_size"):
         assert out_cfg[key] == base_cfg[key], key
     if model_type == "deepseek_v3":
         assert out_cfg["n_group"] == out_cfg["topk_group"] == 1 and out_cfg["norm_topk_prob"] is True
-    else:
-        assert out_cfg["topk_method"] == "greedy"
+        assert (out_cfg["scoring_func"], out_cfg["topk_method"]) == ("sigmoid", "noaux_tc")
+    else:  # transformers' V2 router never renormalises: say so for runtimes that read the key
+        assert out_cfg["norm_topk_prob"] is False
+        assert (out_cfg["scoring_func"], out_cfg["topk_method"]) == ("softmax", "greedy")
 
     model = load_causal_lm(tmp_path / "out")
     assert type(model).__name__ == class_name
@@ -465,6 +468,28 @@ def test_deepseek_moe_from_dense_deepseek_models(tmp_path, deepseek_models, mode
     state = read_state_dict(tmp_path / "out")
     base, shared = read_state_dict(models[0]), read_state_dict(shared_src)
     donors = [read_state_dict(m) for m in models]
+
+    # The MoE block computes what the module docstring says, from the donors' own MLPs: the top two
+    # experts by router score (V3: sigmoid, renormalised; V2: softmax probabilities as they are), plus
+    # the shared expert (down projection halved by residual_scale) on every token.
+    def mlp(weights: dict[str, torch.Tensor], x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        p = "model.layers.1.mlp."
+        hidden = torch.nn.functional.silu(x @ weights[p + "gate_proj.weight"].T) * (x @ weights[p + "up_proj.weight"].T)
+        return hidden @ (weights[p + "down_proj.weight"] * scale).T
+
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(0))
+    logits = x @ state["model.layers.1.mlp.gate.weight"].T
+    scores = logits.sigmoid() if model_type == "deepseek_v3" else logits.softmax(-1)
+    top, chosen = scores.topk(2, dim=-1)
+    if model_type == "deepseek_v3":
+        top = top / top.sum(-1, keepdim=True)
+    want = mlp(shared, x, 0.5)
+    for token in range(5):
+        for weight, e in zip(top[token], chosen[token]):
+            want[token] += weight * mlp(donors[int(e)], x[token : token + 1])[0]
+    with torch.no_grad():
+        got = model.model.layers[1].mlp(x[None])[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert len(state) == len(result.plan.recipes) and not any(".mlp.gate_proj" in n for n in state)
     attention = ["kv_a_proj_with_mqa", "kv_b_proj", "kv_a_layernorm", "o_proj"]
     attention += ["q_a_proj", "q_a_layernorm", "q_b_proj"] if model_type == "deepseek_v3" else ["q_proj"]

@@ -7,25 +7,30 @@ experts into 3-D `mlp.experts.gate_up_proj`/`down_proj` parameters in memory but
 layout on load (and back on save), and it is the layout transformers 4.x, vLLM and llama.cpp's
 converter read, so it is the one that loads everywhere.
 
-DeepSeek (V2 and V3, the classes transformers ships) is built from DeepSeek-shaped dense models only:
-`deepseek_v2`/`deepseek_v3` checkpoints whose every layer has a dense `mlp.gate_proj/up_proj/down_proj`
-(`first_k_dense_replace` = the layer count). DeepSeek attention is MLA: keys and values come out of a
-compressed latent that passes through an RMSNorm (`kv_a_layernorm`) before `kv_b_proj` expands it, and
-the rotary part of the key is one head shared by all heads. No setting of the config turns that into
-a Llama/Mistral/Qwen attention (the norm is not linear, so no choice of weights undoes it), so a dense
-llama-like model cannot fill it; such bases are refused by type (`base_model`). mergekit's DeepSeek
-output took llama models into the remote-code `deepseek` (DeepSeek-MoE 16B) class instead, which
-transformers does not ship. Every layer becomes an MoE layer (`first_k_dense_replace` 0), routed
-experts are the experts' MLPs, the router is `mlp.gate.weight` (V3 adds a zero
-`e_score_correction_bias`), routed weights are not rescaled (`routed_scaling_factor` 1), and V3 ranks
-one group of experts (`n_group`/`topk_group` 1), which needs at least two experts. The shared
-expert (`shared_experts`, at most one) is added to every token ungated, as in DeepSeek, so it takes no
-prompts; its MLP width must be a multiple of the routed experts' (`n_shared_experts` = the ratio).
-Without one the family still has the module, written empty (`n_shared_experts` 0), exactly as
-transformers saves such a config. V3 renormalises the chosen experts' sigmoid scores to sum to 1
-(`norm_topk_prob`); V2's router keeps the chosen experts' softmax probabilities as they are (its class
-has no renormalisation), so with fewer experts per token than experts its routed output is scaled by
-their share.
+DeepSeek (V2 and V3, the classes transformers ships) is built from DeepSeek models only: a
+`deepseek_v2` or `deepseek_v3` base (attention, norms, embeddings) and experts of the same type whose
+every layer has a dense `mlp.gate_proj/up_proj/down_proj` (`first_k_dense_replace` = the layer count;
+an expert with MoE layers is refused, naming its first expert tensor). DeepSeek attention is MLA: keys
+and values come out of a compressed latent that passes through an RMSNorm (`kv_a_layernorm`) before
+`kv_b_proj` expands it, and the rotary part of the key is one head shared by all heads. No setting of
+the config turns that into a Llama/Mistral/Qwen attention (the norm is not linear, so no choice of
+weights undoes it), so a dense llama-like model cannot fill it: other bases are refused by type, in
+one line naming `architecture` (or `base_model` when the family was not named). mergekit's DeepSeek
+output put llama models into the remote-code `deepseek` class of DeepSeek-MoE 16B instead, which
+transformers does not ship.
+
+The output is MoE in every layer (`first_k_dense_replace` 0, `moe_layer_freq` 1); its routed experts
+are the experts' MLPs, its router `mlp.gate.weight` (V3 adds a zero `e_score_correction_bias`), and
+routed weights are not rescaled (`routed_scaling_factor` 1). V3 scores with a sigmoid, ranks one group
+of experts (`n_group`/`topk_group` 1, which needs at least two experts: the group's score is its two
+best) and renormalises the chosen scores to sum to 1 (`norm_topk_prob`), as Mixtral does. V2 scores
+with a softmax and keeps the chosen experts' probabilities as they are (transformers' class has no
+renormalisation, so `norm_topk_prob` is written false for every runtime to agree): with fewer experts
+per token than experts, its routed output is scaled by their share. `scoring_func` and `topk_method`
+are written too, for runtimes that read them (vLLM). The shared expert (`shared_experts`, at most one)
+is added to every token ungated, as DeepSeek does, so it takes no prompts; its MLP width must be a
+whole number of routed experts' (`n_shared_experts` = the ratio). Without one the family still has
+the module, written empty (`n_shared_experts` 0), exactly as transformers saves such a config.
 """
 
 from __future__ import annotations
@@ -255,19 +260,16 @@ DeepSeek families take only DeepSeek inputs, so their place decides nothing."""
 
 
 def _deepseek_config(out: dict[str, Any], expert_intermediate: int, shared_intermediate: int | None) -> dict[str, Any]:
-    """A dense DeepSeek config made MoE in every layer, routing as the other families do (see the module docstring)."""
+    """A DeepSeek config made MoE in every layer, routing as the module docstring says."""
     out["n_shared_experts"] = 0 if shared_intermediate is None else shared_intermediate // expert_intermediate
     out["first_k_dense_replace"] = 0
+    out["moe_layer_freq"] = 1
     out["routed_scaling_factor"] = 1.0
-    out["norm_topk_prob"] = True  # read by V3's router; V2's never renormalises
     out.pop("mlp_layer_types", None)  # derived from first_k_dense_replace where a version has it
     if out["model_type"] == "deepseek_v3":
-        out["n_group"] = 1
-        out["topk_group"] = 1
+        out.update(n_group=1, topk_group=1, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc")
     else:
-        out["topk_method"] = "greedy"
-        out["n_group"] = None
-        out["topk_group"] = None
+        out.update(n_group=None, topk_group=None, norm_topk_prob=False, scoring_func="softmax", topk_method="greedy")
     return out
 
 
