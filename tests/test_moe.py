@@ -1,7 +1,7 @@
 """MoE assembly (`mergesmith moe`, mergekit-moe configs): outputs load in transformers as Mixtral,
-Qwen2-MoE and Qwen3-MoE; routers route; router weights follow mergekit-moe's definitions exactly;
-randomness is seeded; plans are stable (resume works) and change with prompts and modes; bad
-configs fail with one line naming the key or model.
+Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and DeepSeek-V3; routers route; router weights follow
+mergekit-moe's definitions exactly; randomness is seeded; plans are stable (resume works) and change
+with prompts and modes; bad configs fail with one line naming the key or model.
 """
 
 from __future__ import annotations
@@ -363,6 +363,216 @@ def test_qwen3_moe_through_the_cli_with_uniform_random_gates(tmp_path, qwen3_mod
     assert "random seed used: 7" in (tmp_path / "out" / "mergekit_moe_config.yml").read_text()
 
 
+# ----- DeepSeek-V2 and DeepSeek-V3 --------------------------------------------------------------
+
+
+DEEPSEEK_WIDTHS = {1: 64, 2: 64, 3: 64, 4: 128, 5: 96}
+"""Seed -> MLP width of the tiny dense DeepSeek checkpoints: three alike experts, a shared expert two
+experts wide, and one whose width is no multiple of theirs."""
+
+
+def _deepseek_config(model_type: str, width: int, dense: bool = True) -> Any:
+    """A tiny DeepSeek config, dense in every layer unless `dense` is False; V3 with a low-rank query
+    (q_a_proj/q_b_proj), V2 with a plain q_proj, so both MLA variants are covered."""
+    import transformers
+
+    cls = transformers.DeepseekV3Config if model_type == "deepseek_v3" else transformers.DeepseekV2Config
+    extra = {"q_lora_rank": 16, "n_group": 1, "topk_group": 1} if model_type == "deepseek_v3" else {"q_lora_rank": None}
+    return cls(
+        vocab_size=256,
+        hidden_size=HIDDEN,
+        intermediate_size=width,
+        moe_intermediate_size=width,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        n_shared_experts=1,
+        first_k_dense_replace=2 if dense else 0,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def deepseek_models(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`deepseek_models("deepseek_v3", seed)` -> a tiny dense checkpoint (built once per module), and
+    seed 0: an MoE one (not dense), which cannot be an expert."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.model_factory import make_tokenizer, save_model
+
+    root = tmp_path_factory.mktemp("deepseek")
+    built: dict[tuple[str, int], Path] = {}
+
+    def get(model_type: str, seed: int) -> Path:
+        if (model_type, seed) not in built:
+            config = _deepseek_config(model_type, DEEPSEEK_WIDTHS.get(seed, 64), dense=seed != 0)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            path = save_model(model, root / f"{model_type}-{seed}")
+            make_tokenizer(path, 256)
+            built[(model_type, seed)] = path
+        return built[(model_type, seed)]
+
+    return get
+
+
+@pytest.mark.parametrize(("model_type", "mode"), [("deepseek_v2", "hidden"), ("deepseek_v3", "cheap_embed")])
+def test_deepseek_moe_from_dense_deepseek_models(tmp_path, deepseek_models, model_type, mode):
+    """mergekit's `architecture: deepseek` from dense DeepSeek models: every layer MoE, the experts'
+    MLPs as routed experts, an ungated shared expert two experts wide (n_shared_experts 2), the base's
+    MLA attention, routers that send each expert's prompts to it (V3: a zero score-correction bias)."""
+    models = [deepseek_models(model_type, s) for s in (1, 2, 3)]
+    shared_src = deepseek_models(model_type, 4)
+    config = experts_config(models[0], models, mode, experts_per_token=2, architecture="deepseek")
+    config["shared_experts"] = [{"source_model": str(shared_src), "residual_scale": 0.5}]
+    warnings: list[str] = []
+    result = run_moe(write_config(tmp_path, config), tmp_path / "out", MergeOptions(), on_warning=warnings.append)
+    assert warnings == []
+
+    out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    base_cfg = json.loads((models[0] / "config.json").read_text())
+    class_name = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[model_type]
+    assert out_cfg["architectures"] == [class_name] and out_cfg["model_type"] == model_type
+    assert out_cfg["n_routed_experts"] == 3 and out_cfg["num_experts_per_tok"] == 2
+    assert out_cfg["moe_intermediate_size"] == 64 and out_cfg["n_shared_experts"] == 2
+    assert out_cfg["first_k_dense_replace"] == 0 and out_cfg["moe_layer_freq"] == 1
+    assert out_cfg["routed_scaling_factor"] == 1.0
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "hidden_size"):
+        assert out_cfg[key] == base_cfg[key], key
+    if model_type == "deepseek_v3":
+        assert out_cfg["n_group"] == out_cfg["topk_group"] == 1 and out_cfg["norm_topk_prob"] is True
+        assert (out_cfg["scoring_func"], out_cfg["topk_method"]) == ("sigmoid", "noaux_tc")
+    else:  # transformers' V2 router never renormalises: say so for runtimes that read the key
+        assert out_cfg["norm_topk_prob"] is False
+        assert (out_cfg["scoring_func"], out_cfg["topk_method"]) == ("softmax", "greedy")
+
+    model = load_causal_lm(tmp_path / "out")
+    assert type(model).__name__ == class_name
+    finite_logits(model)
+    for expert, prompts in enumerate(PROMPTS[:3]):
+        shares = routing_shares(model, prompts)
+        assert int(shares.argmax()) == expert, f"expert {expert}'s prompts route to {shares.tolist()}"
+
+    state = read_state_dict(tmp_path / "out")
+    base, shared = read_state_dict(models[0]), read_state_dict(shared_src)
+    donors = [read_state_dict(m) for m in models]
+
+    # The MoE block computes what the module docstring says, from the donors' own MLPs: the top two
+    # experts by router score (V3: sigmoid, renormalised; V2: softmax probabilities as they are), plus
+    # the shared expert (down projection halved by residual_scale) on every token.
+    def mlp(weights: dict[str, torch.Tensor], x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        p = "model.layers.1.mlp."
+        hidden = torch.nn.functional.silu(x @ weights[p + "gate_proj.weight"].T) * (x @ weights[p + "up_proj.weight"].T)
+        return hidden @ (weights[p + "down_proj.weight"] * scale).T
+
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(0))
+    logits = x @ state["model.layers.1.mlp.gate.weight"].T
+    scores = logits.sigmoid() if model_type == "deepseek_v3" else logits.softmax(-1)
+    top, chosen = scores.topk(2, dim=-1)
+    if model_type == "deepseek_v3":
+        top = top / top.sum(-1, keepdim=True)
+    want = mlp(shared, x, 0.5)
+    for token in range(5):
+        for weight, e in zip(top[token], chosen[token]):
+            want[token] += weight * mlp(donors[int(e)], x[token : token + 1])[0]
+    with torch.no_grad():
+        got = model.model.layers[1].mlp(x[None])[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert len(state) == len(result.plan.recipes) and not any(".mlp.gate_proj" in n for n in state)
+    attention = ["kv_a_proj_with_mqa", "kv_b_proj", "kv_a_layernorm", "o_proj"]
+    attention += ["q_a_proj", "q_a_layernorm", "q_b_proj"] if model_type == "deepseek_v3" else ["q_proj"]
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        for name in attention:
+            assert torch.equal(state[f"{p}self_attn.{name}.weight"], base[f"{p}self_attn.{name}.weight"]), name
+        for e, donor in enumerate(donors):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                got = state[f"{p}mlp.experts.{e}.{proj}.weight"]
+                assert torch.equal(got, donor[f"{p}mlp.{proj}.weight"]), (layer, e, proj)
+        want = shared[p + "mlp.down_proj.weight"] * 0.5
+        torch.testing.assert_close(state[p + "mlp.shared_experts.down_proj.weight"], want)
+        assert torch.equal(state[p + "mlp.shared_experts.gate_proj.weight"], shared[p + "mlp.gate_proj.weight"])
+        router = state[p + "mlp.gate.weight"]
+        assert router.shape == (3, HIDDEN)
+        torch.testing.assert_close(router.norm(dim=-1), torch.ones(3))
+        if model_type == "deepseek_v3":
+            bias = state[p + "mlp.gate.e_score_correction_bias"]
+            assert bias.dtype == torch.float32 and bias.shape == (3,) and not bias.any()
+
+
+def test_deepseek_moe_without_a_shared_expert_through_the_cli(tmp_path, deepseek_models, capsys):
+    """No `shared_experts`: the family's shared module is written empty (n_shared_experts 0), as
+    transformers itself saves such a config; chosen by the inputs' type without `architecture`."""
+    models = [deepseek_models("deepseek_v2", s) for s in (1, 2)]
+    path = write_config(tmp_path, experts_config(models[0], models, "random", experts_per_token=1, dtype="bfloat16"))
+    code, out, err = run_cli(capsys, "moe", path, tmp_path / "out", "--random-seed", "3", "-q")
+    assert code == 0, err
+    assert "DeepSeek-V2, 2 experts, 1 per token" in out
+    out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out_cfg["n_shared_experts"] == 0 and out_cfg["dtype"] == "bfloat16"
+    model = load_causal_lm(tmp_path / "out")
+    assert type(model).__name__ == "DeepseekV2ForCausalLM"
+    finite_logits(model)
+    state = read_state_dict(tmp_path / "out")
+    assert state["model.layers.1.mlp.shared_experts.up_proj.weight"].shape == (0, HIDDEN)
+    assert state["model.layers.1.mlp.shared_experts.down_proj.weight"].shape == (HIDDEN, 0)
+    assert state["model.layers.1.mlp.experts.1.up_proj.weight"].dtype == torch.bfloat16
+
+
+def test_bad_deepseek_moe_configs_fail_with_one_line(tmp_path, deepseek_models, tiny_models, capsys, router_cache):
+    v2, v3 = ([deepseek_models(t, s) for s in (1, 2)] for t in ("deepseek_v2", "deepseek_v3"))
+    llama = [tiny_models("llama", seed=s) for s in (1, 2)]
+    ungated = experts_config(v3[0], v3, "hidden")
+    ungated["shared_experts"] = [{"source_model": str(v3[1]), "positive_prompts": ["tok200"]}]
+    uneven = experts_config(v2[0], v2, "random")
+    uneven["shared_experts"] = [{"source_model": str(deepseek_models("deepseek_v2", 5))}]
+    cases = {
+        # a llama-like base cannot fill MLA attention: refused by type, saying why
+        "llama": (
+            experts_config(llama[0], llama, "hidden", architecture="deepseek"),
+            ("`architecture`", "DeepSeek-V2 is built from deepseek_v2", "DeepSeek-V3", "'llama'", "MLA"),
+        ),
+        "mixed": (experts_config(v2[0], [v2[0], v3[1]], "random"), ("experts[1].source_model", "deepseek_v3")),
+        "shared_prompts": (ungated, ("shared_experts[0]", "ungated", "DeepSeek-V3")),
+        "uneven_shared": (uneven, ("shared_experts[0].source_model", "96", "multiple", "64")),
+        "one_v3_expert": (
+            experts_config(v3[0], v3[:1], "random", experts_per_token=1),
+            ("`base_model`", "DeepSeek-V3 needs at least 2"),
+        ),
+        "moe_expert": (
+            experts_config(v2[0], [v2[0], deepseek_models("deepseek_v2", 0)], "random"),
+            ("experts[1].source_model", "mlp.experts", "DeepSeek-V2"),
+        ),
+        "qwen_from_deepseek": (
+            experts_config(v2[0], v2, "random", architecture="qwen2_moe"),
+            ("`architecture`", "Qwen2-MoE is built from", "'deepseek_v2'"),
+        ),
+    }
+    lines = {}
+    for name, (config, names) in cases.items():
+        path = write_config(tmp_path, config, f"{name}.yml")
+        code, _out, err = run_cli(capsys, "moe", path, tmp_path / name)
+        lines[name] = one_line_error(code, err, *names)
+        assert not (tmp_path / name / "config.json").exists(), name
+    assert not router_cache.exists()
+    # the reason is said once, and a DeepSeek input's problem is not buried under the families it is no input of
+    assert lines["llama"].count("MLA") == 1, lines["llama"]
+    for name in ("shared_prompts", "one_v3_expert"):
+        assert "Mixtral" not in lines[name] and "DeepSeek-V2" not in lines[name], lines[name]
+
+
 # ----- repeated experts, seeds, plans, resume ---------------------------------------------------
 
 
@@ -559,7 +769,7 @@ def _bad_configs(tiny_models: Any) -> dict[str, tuple[dict[str, Any], tuple[str,
             with_expert(1, source_model=str(llama[0])),
             ("experts", "--i-understand-this-is-not-useful-without-training"),
         ),
-        "deepseek": ({**base, "architecture": "deepseek"}, ("architecture", "deepseek")),
+        "deepseek": ({**base, "architecture": "deepseek"}, ("architecture", "deepseek_v2", "MLA")),
         "unknown_arch": ({**base, "architecture": "switch"}, ("architecture", "unsupported target architecture")),
         "mixtral_shared": (
             {**base, "architecture": "mixtral", "shared_experts": [{"source_model": str(llama[1])}]},

@@ -6,6 +6,31 @@ one tensor per expert and projection, `block_sparse_moe.experts.N.w1/w2/w3` for 
 experts into 3-D `mlp.experts.gate_up_proj`/`down_proj` parameters in memory but converts this on-disk
 layout on load (and back on save), and it is the layout transformers 4.x, vLLM and llama.cpp's
 converter read, so it is the one that loads everywhere.
+
+DeepSeek (V2 and V3, the classes transformers ships) is built from DeepSeek models only: a
+`deepseek_v2` or `deepseek_v3` base (attention, norms, embeddings) and experts of the same type whose
+every layer has a dense `mlp.gate_proj/up_proj/down_proj` (`first_k_dense_replace` = the layer count;
+an expert with MoE layers is refused, naming its first expert tensor). DeepSeek attention is MLA: keys
+and values come out of a compressed latent that passes through an RMSNorm (`kv_a_layernorm`) before
+`kv_b_proj` expands it, and the rotary part of the key is one head shared by all heads. No setting of
+the config turns that into a Llama/Mistral/Qwen attention (the norm is not linear, so no choice of
+weights undoes it), so a dense llama-like model cannot fill it: other bases are refused by type, in
+one line naming `architecture` (or `base_model` when the family was not named). mergekit's DeepSeek
+output put llama models into the remote-code `deepseek` class of DeepSeek-MoE 16B instead, which
+transformers does not ship.
+
+The output is MoE in every layer (`first_k_dense_replace` 0, `moe_layer_freq` 1); its routed experts
+are the experts' MLPs, its router `mlp.gate.weight` (V3 adds a zero `e_score_correction_bias`), and
+routed weights are not rescaled (`routed_scaling_factor` 1). V3 scores with a sigmoid, ranks one group
+of experts (`n_group`/`topk_group` 1, which needs at least two experts: the group's score is its two
+best) and renormalises the chosen scores to sum to 1 (`norm_topk_prob`), as Mixtral does. V2 scores
+with a softmax and keeps the chosen experts' probabilities as they are (transformers' class has no
+renormalisation, so `norm_topk_prob` is written false for every runtime to agree): with fewer experts
+per token than experts, its routed output is scaled by their share. `scoring_func` and `topk_method`
+are written too, for runtimes that read them (vLLM). The shared expert (`shared_experts`, at most one)
+is added to every token ungated, as DeepSeek does, so it takes no prompts; its MLP width must be a
+whole number of routed experts' (`n_shared_experts` = the ratio). Without one the family still has
+the module, written empty (`n_shared_experts` 0), exactly as transformers saves such a config.
 """
 
 from __future__ import annotations
@@ -43,6 +68,10 @@ class OutputArchitecture:
     shared_gate: str | None = None  # its sigmoid gate [1, hidden]
     attention_biases: tuple[str, ...] | None = ()  # q/k/v/o biases it holds; None: whatever the config says
     zero_qkv_bias: bool = False  # writes zero q/k/v biases for donors without them
+    shared_optional: bool = False  # the shared expert may be left out (written empty, as DeepSeek's is)
+    router_bias: str | None = None  # per-layer rest of a router bias written as zeros [experts], float32
+    min_experts: int = 1
+    input_note: str = ""  # why only input_types, said once when the models are of another type
 
     @property
     def has_shared(self) -> bool:
@@ -52,22 +81,38 @@ class OutputArchitecture:
         wanted = _norm(requested)
         return bool(wanted) and any(a.startswith(wanted) for a in self.aliases)
 
-    def why_not(self, config: MoEConfiguration, model_type: str) -> str | None:
-        """Why this family cannot hold the config's models (None when it can); the model type first,
-        since no `shared_experts` edit helps a family that cannot be built from these models."""
-        if model_type not in self.input_types:
-            return f"{self.name} is built from {'/'.join(self.input_types)} models, not {model_type!r}"
+    def why_not(self, config: MoEConfiguration) -> str | None:
+        """Why this family, built from the config's model type, cannot hold the config (None when it can)."""
         shared = config.shared_experts or []
-        if self.has_shared and len(shared) != 1:
+        if len(config.experts) < self.min_experts:
+            return f"{self.name} needs at least {self.min_experts} entries in `experts`"
+        if self.has_shared and len(shared) != 1 and not (self.shared_optional and not shared):
             return f"{self.name} needs exactly one entry in `shared_experts`"
         if not self.has_shared and shared:
             return f"{self.name} has no shared expert (remove `shared_experts`)"
-        if self.has_shared and config.gate_mode not in RANDOM_MODES and not shared[0].positive_prompts:
+        if not shared:
+            return None
+        if self.shared_gate is None and (shared[0].positive_prompts or shared[0].negative_prompts):
+            return (
+                f"{self.name} adds its shared expert to every token ungated, so "
+                "`shared_experts[0]` takes no prompts (remove them)"
+            )
+        if self.shared_gate is not None and config.gate_mode not in RANDOM_MODES and not shared[0].positive_prompts:
             return (
                 f"{self.name} gates its shared expert, so gate_mode {config.gate_mode} needs "
                 "`shared_experts[0].positive_prompts`"
             )
         return None
+
+    def shared_width_problem(self, expert_width: int, shared_width: int | None) -> str | None:
+        """Why the shared expert's MLP width does not fit this family (None when it does): DeepSeek
+        sizes it as a whole number of routed experts."""
+        if shared_width is None or self.model_type not in _DEEPSEEK_TYPES or shared_width % expert_width == 0:
+            return None
+        return (
+            f"{self.name} sizes its shared expert in routed experts, but its MLP width {shared_width} is not "
+            f"a multiple of the experts' {expert_width}"
+        )
 
     def expert_rest(self, dense_rest: str, expert: int) -> str:
         return self.expert_names[DENSE_MLP.index(dense_rest)].format(e=expert)
@@ -105,6 +150,8 @@ class OutputArchitecture:
             out["intermediate_size"] = expert_intermediate
             return out
         out["moe_intermediate_size"] = expert_intermediate
+        if self.model_type in _DEEPSEEK_TYPES:
+            return _deepseek_config(out, expert_intermediate, shared_intermediate)
         out["decoder_sparse_step"] = 1
         out["mlp_only_layers"] = []
         out["norm_topk_prob"] = True  # as mergekit: mix the chosen experts with weights summing to 1
@@ -171,18 +218,65 @@ QWEN3_MOE = OutputArchitecture(
     router="mlp.gate.weight",
     attention_biases=None,
 )
-ARCHITECTURES: tuple[OutputArchitecture, ...] = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
-"""In mergekit's order of preference: Mixtral first when it fits (older configs expect it)."""
-_UNSUPPORTED = {"deepseek": "DeepSeek MoE output needs the model's remote code, which transformers does not ship"}
+_DEEPSEEK_EXPERTS = _QWEN_EXPERTS
+"""DeepSeek's on-disk per-expert names are Qwen-MoE's (transformers converts both the same way)."""
+_MLA_NOTE = (
+    "DeepSeek takes only DeepSeek models dense in every layer: its MLA attention cannot hold another family's"
+)
+DEEPSEEK_V2 = OutputArchitecture(
+    name="DeepSeek-V2",
+    aliases=("deepseekv2", "deepseekv2forcausallm", "deepseekmoe"),
+    model_type="deepseek_v2",
+    class_name="DeepseekV2ForCausalLM",
+    input_types=("deepseek_v2",),
+    expert_count_key="n_routed_experts",
+    expert_names=_DEEPSEEK_EXPERTS,
+    router="mlp.gate.weight",
+    shared_prefix="mlp.shared_experts.",
+    attention_biases=None,
+    shared_optional=True,
+    input_note=_MLA_NOTE,
+)
+DEEPSEEK_V3 = OutputArchitecture(
+    name="DeepSeek-V3",
+    aliases=("deepseekv3", "deepseekv3forcausallm", "deepseekmoe"),
+    model_type="deepseek_v3",
+    class_name="DeepseekV3ForCausalLM",
+    input_types=("deepseek_v3",),
+    expert_count_key="n_routed_experts",
+    expert_names=_DEEPSEEK_EXPERTS,
+    router="mlp.gate.weight",
+    shared_prefix="mlp.shared_experts.",
+    attention_biases=None,
+    shared_optional=True,
+    router_bias="mlp.gate.e_score_correction_bias",
+    min_experts=2,  # its router adds up each group's two best scores
+    input_note=_MLA_NOTE,
+)
+_DEEPSEEK_TYPES = (DEEPSEEK_V2.model_type, DEEPSEEK_V3.model_type)
+ARCHITECTURES: tuple[OutputArchitecture, ...] = (MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V2, DEEPSEEK_V3)
+"""In mergekit's order of preference: Mixtral first when it fits (older configs expect it). The
+DeepSeek families take only DeepSeek inputs, so their place decides nothing."""
+
+
+def _deepseek_config(out: dict[str, Any], expert_intermediate: int, shared_intermediate: int | None) -> dict[str, Any]:
+    """A DeepSeek config made MoE in every layer, routing as the module docstring says."""
+    out["n_shared_experts"] = 0 if shared_intermediate is None else shared_intermediate // expert_intermediate
+    out["first_k_dense_replace"] = 0
+    out["moe_layer_freq"] = 1
+    out["routed_scaling_factor"] = 1.0
+    out.pop("mlp_layer_types", None)  # derived from first_k_dense_replace where a version has it
+    if out["model_type"] == "deepseek_v3":
+        out.update(n_group=1, topk_group=1, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc")
+    else:
+        out.update(n_group=None, topk_group=None, norm_topk_prob=False, scoring_func="softmax", topk_method="greedy")
+    return out
 
 
 def select_architecture(config: MoEConfiguration, model_type: str, source: str = "config") -> OutputArchitecture:
     """The output family: the one `architecture:` names, else the first that holds these models."""
     candidates = list(ARCHITECTURES)
     if config.architecture:
-        for prefix, why in _UNSUPPORTED.items():
-            if _norm(config.architecture).startswith(prefix):
-                raise ConfigError(f"{source}: `architecture`: {config.architecture!r} is not supported: {why}")
         candidates = [a for a in ARCHITECTURES if a.matches(config.architecture)]
         if not candidates:
             known = ", ".join(a.name for a in ARCHITECTURES)
@@ -190,11 +284,18 @@ def select_architecture(config: MoEConfiguration, model_type: str, source: str =
                 f"{source}: `architecture`: unsupported target architecture {config.architecture!r} "
                 f"(supported: {known})"
             )
+    key = "`architecture`" if config.architecture else "`base_model`"
+    fitting = [a for a in candidates if model_type in a.input_types]
+    if not fitting:  # the type first: no edit of the config helps a family that cannot be built from these models
+        reasons = [f"{a.name} is built from {'/'.join(a.input_types)} models, not {model_type!r}" for a in candidates]
+        notes = "".join(f" ({note})" for note in dict.fromkeys(a.input_note for a in candidates if a.input_note))
+        raise ConfigError(
+            f"{source}: {key}: unsupported target architecture for these models: {'; '.join(reasons)}{notes}"
+        )
     reasons = []
-    for arch in candidates:
-        why = arch.why_not(config, model_type)
+    for arch in fitting:
+        why = arch.why_not(config)
         if why is None:
             return arch
         reasons.append(why)
-    key = "`architecture`" if config.architecture else "`base_model`"
     raise ConfigError(f"{source}: {key}: unsupported target architecture for these models: {'; '.join(reasons)}")

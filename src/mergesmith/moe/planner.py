@@ -2,7 +2,8 @@
 
 Each layer keeps the base model's attention and norms; its dense MLP is replaced by one expert per
 `experts` entry (that model's MLP of the same layer, under the per-expert names of the output family),
-a router, and for Qwen2-MoE a shared expert and its gate. Every output tensor is a `copy` recipe (or
+a router, and for Qwen2-MoE a shared expert and its gate (DeepSeek: an ungated shared expert, empty
+when the config gives none, and a zero router bias for V3). Every output tensor is a `copy` recipe (or
 `perturb` for `noise_scale`/`residual_scale`, `zeros` for biases a donor lacks), so a model used as
 several experts is simply read several times from its memory map: no warning, no extra memory.
 
@@ -207,19 +208,37 @@ class MoEPlanner(ModelPlanner):
                         bias = stack.name(layer, f"self_attn.{proj}.bias")
                         recipes.append(TensorRecipe(bias, (weight.shape[0],), self.out_dtype, "zeros", ()))
             recipes.append(self._router_copy(stack.name(layer, self.arch.router), router_tensor(layer)))
+            if self.arch.router_bias is not None:
+                bias = stack.name(layer, self.arch.router_bias)
+                recipes.append(TensorRecipe(bias, (len(self.config.experts),), "F32", "zeros", ()))
             for e, expert in enumerate(self.config.experts):
                 for rest in DENSE_MLP:
                     out = stack.name(layer, self.arch.expert_rest(rest, e))
                     recipes.append(self._mlp(f"experts[{e}]", expert, layer, rest, out))
             if self.arch.has_shared:
-                shared = (self.config.shared_experts or [])[0]
-                for rest in DENSE_MLP:
-                    out = stack.name(layer, self.arch.shared_rest(rest))
-                    recipes.append(self._mlp("shared_experts[0]", shared, layer, rest, out))
-                assert self.arch.shared_gate is not None
-                recipes.append(self._router_copy(stack.name(layer, self.arch.shared_gate), shared_router_tensor(layer)))
+                recipes += self._shared_expert(layer)
         recipes += [self._copy(n, base_ref, n) for n in outside if not is_embedding(n)]
         return recipes
+
+    def _shared_expert(self, layer: int) -> list[TensorRecipe]:
+        """The shared expert's MLP (and its gate, where the family gates it); where the family may do
+        without one and the config gives none, its MLP with no rows, as transformers writes it then."""
+        stack = self.stacks[self.config.base_model]
+        shared = self.config.shared_experts or []
+        if not shared:
+            out = []
+            for rest in DENSE_MLP:
+                shape = (self.hidden, 0) if rest == "mlp.down_proj.weight" else (0, self.hidden)
+                name = stack.name(layer, self.arch.shared_rest(rest))
+                out.append(TensorRecipe(name, shape, self.out_dtype, "zeros", ()))
+            return out
+        out = [
+            self._mlp("shared_experts[0]", shared[0], layer, rest, stack.name(layer, self.arch.shared_rest(rest)))
+            for rest in DENSE_MLP
+        ]
+        if self.arch.shared_gate is not None:
+            out.append(self._router_copy(stack.name(layer, self.arch.shared_gate), shared_router_tensor(layer)))
+        return out
 
     def _router_copy(self, out_name: str, tensor: str) -> TensorRecipe:
         info = self.gates.tensor_infos()[tensor]
@@ -297,6 +316,9 @@ class MoEPlanner(ModelPlanner):
 
     def build(self) -> tuple[Plan, GateJob]:
         expert_width, shared_width = self._check_expert_tensors()
+        why = self.arch.shared_width_problem(expert_width, shared_width)
+        if why is not None:
+            raise ConfigError(f"{self.source}: `shared_experts[0].source_model`: {why}")
         self.gates = self.gate_job()
         recipes = self.recipes()
         cfg = self.arch.output_config(
