@@ -96,9 +96,9 @@ def refusal(ref: str, method: str) -> CheckpointError:
     )
 
 
-def split(ref: str, config: dict[str, Any] | None, tensors: dict[str, Any], make_info: Callable[..., Any]) -> tuple[
-    dict[str, Any], dict[str, QuantizedTensor]
-]:
+def split(
+    ref: str, config: dict[str, Any] | None, tensors: dict[str, Any], make_info: Callable[..., Any]
+) -> tuple[dict[str, Any], dict[str, QuantizedTensor]]:
     """(logical tensors, quantized map) of a checkpoint's headers: quantized weights replaced by their logical
     float tensor (`make_info(stored_info, dtype, shape)`), their scales left out; raises the one-line
     refusal for a quantization that cannot be read. Reads no tensor data."""
