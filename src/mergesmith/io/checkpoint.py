@@ -305,6 +305,13 @@ class Checkpoint:
         except KeyError:
             raise CheckpointError(f"model {self.ref!r}: tensor {name!r} not found") from None
 
+    def stored_nbytes(self, name: str) -> int:
+        """Bytes of a tensor as stored in its files (a quantized one: its values and scales), what reading it costs."""
+        q = self.quantized.get(name)
+        if q is None:
+            return self.info(name).nbytes
+        return self._stored[q.data].nbytes + self._stored[q.scale].nbytes
+
     def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor (or its rows [start, end)), backed by the file's memory map (no copy unless the data is
         misaligned). A quantized tensor is dequantized here, only the quantization blocks that hold the rows."""

@@ -475,7 +475,7 @@ class Planner(VocabularyPlanning, ModelPlanner):
     def estimate(self, recipes: list[TensorRecipe]) -> Estimate:
         return estimate_plan(
             recipes,
-            lambda ref: self.ckpts[ref.model].info(ref.tensor).nbytes,
+            lambda ref: self.ckpts[ref.model].stored_nbytes(ref.tensor),
             self.compute_dtype,
             self.options.threads,
             self.options.max_memory,

@@ -80,6 +80,19 @@ def _text_config(checkpoints: dict[str, Checkpoint]) -> dict[str, Any]:
     return {}
 
 
+def written_config(config: dict[str, Any], quantized: bool) -> dict[str, Any]:
+    """The config.json written for a plan: a plan that writes no quantized tensor never keeps an input's
+    quantization_config (whichever planner copied the base's config: an MoE assembly, a tokenizer transplant),
+    which would make transformers look for scales the output does not have."""
+    if quantized:
+        return config
+    plain = dict(config)
+    if isinstance(plain.get("text_config"), dict):
+        plain["text_config"] = dict(plain["text_config"])
+    _drop_quantization_config(plain)
+    return plain
+
+
 def _drop_quantization_config(config: dict[str, Any]) -> None:
     for holder in (config, config.get("text_config")):
         if isinstance(holder, dict):
