@@ -107,6 +107,9 @@ def split(
         foreign = next((n for n in tensors if n.endswith(FOREIGN_SUFFIXES)), None)
         if foreign is not None:
             raise refusal(ref, f"a quantization tool (tensor {foreign!r}, no quantization_config)")
+        integer = next((i for n, i in tensors.items() if _integer_weight(n, i.dtype, i.shape)), None)
+        if integer is not None:
+            raise refusal(ref, f"integer weights (tensor {integer.name!r} is {integer.dtype}, no quantization_config)")
         return tensors, {}
     if method not in READABLE:
         raise refusal(ref, method)
@@ -147,6 +150,11 @@ def split(
             out[logical] = make_info(info, "BF16", lshape)
             del out[name], out[scale]
     return out, found
+
+
+def _integer_weight(name: str, dtype: str, shape: tuple[int, ...]) -> bool:
+    """A matrix of integers where a model keeps float weights: what quantization tools leave without a config."""
+    return name.endswith(".weight") and len(shape) >= 2 and dtype in ("I8", "U8", "I16", "I32", "U32")
 
 
 def _fp8_block(ref: str, qc: dict[str, Any]) -> tuple[int, int] | None:
