@@ -420,3 +420,18 @@ def test_a_plan_writing_no_quantized_tensor_never_keeps_a_quantization_config():
     assert written_config(config, quantized=False) == {"a": 1, "text_config": {}}
     assert config["text_config"] == {"quantization_config": FP8_CONFIG}  # the plan's own config is left alone
     assert written_config(config, quantized=True) is config
+
+
+def test_mxfp4_conversions_in_chunks_are_the_same_as_whole(mxfp4_models, monkeypatch):
+    """(De)quantization runs a few rows at a time to bound its temporaries: the bytes do not depend on it."""
+    from mergesmith.io import quantized
+
+    a, _b = mxfp4_models
+    stored = load_file(a / "model.safetensors")
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    whole = dequantize_mxfp4(stored[f"{name}_blocks"], stored[f"{name}_scales"])
+    packed = quantize_mxfp4(whole.float() * 1.3)
+    monkeypatch.setattr(quantized, "CHUNK_VALUES", 100)
+    assert torch.equal(dequantize_mxfp4(stored[f"{name}_blocks"], stored[f"{name}_scales"]), whole)
+    chunked = quantize_mxfp4(whole.float() * 1.3)
+    assert torch.equal(chunked[0], packed[0]) and torch.equal(chunked[1], packed[1])

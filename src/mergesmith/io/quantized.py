@@ -206,14 +206,28 @@ def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """bfloat16 (..., G*32, R) of `blocks` (..., R, G, 16) and e8m0 `scales` (..., R, G)."""
+    """bfloat16 (..., G*32, R) of `blocks` (..., R, G, 16) and e8m0 `scales` (..., R, G), a few thousand rows
+    at a time: the table lookups' index tensors stay small beside the output (a gpt-oss-120b expert tensor is
+    2 G values)."""
+    *lead, rows, groups, _ = blocks.shape
+    packed, exponents = blocks.reshape(-1, groups * 16), scales.reshape(-1, groups)
+    out = torch.empty((packed.shape[0], groups * MXFP4_GROUP), dtype=torch.bfloat16)
     table = torch.tensor(E2M1_VALUES, dtype=torch.bfloat16)
-    packed = blocks.to(torch.uint8)
-    values = torch.stack((table[(packed & 0x0F).long()], table[(packed >> 4).long()]), dim=-1)  # (..., R, G, 16, 2)
-    values = values.reshape(*packed.shape[:-1], MXFP4_GROUP)  # (..., R, G, 32)
-    exponent = scales.to(torch.int32) - 127
-    values = torch.ldexp(values, exponent.unsqueeze(-1)).to(torch.bfloat16)
-    return values.reshape(*packed.shape[:-2], -1).transpose(-1, -2).contiguous()
+    for r0, r1 in _chunks(packed.shape[0], groups * MXFP4_GROUP):
+        part = packed[r0:r1].to(torch.uint8)
+        values = torch.stack((table[(part & 0x0F).int()], table[(part >> 4).int()]), dim=-1)
+        values = values.reshape(r1 - r0, groups, MXFP4_GROUP)
+        exponent = exponents[r0:r1].to(torch.int32).sub_(127).unsqueeze(-1)
+        out[r0:r1] = torch.ldexp(values, exponent).reshape(r1 - r0, -1)
+    return out.reshape(*lead, rows, -1).transpose(-1, -2).contiguous()
+
+
+CHUNK_VALUES = 1 << 20
+
+
+def _chunks(rows: int, per_row: int) -> list[tuple[int, int]]:
+    step = max(1, CHUNK_VALUES // max(per_row, 1))
+    return [(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
 # ----- quantization (the output side) ------------------------------------------------------------------
@@ -243,36 +257,48 @@ def quantize_output(name: str, tensor: torch.Tensor, spec: tuple[Any, ...]) -> l
 
 def quantize_fp8(tensor: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn values, float32 scale_inv) of `tensor` with fresh scales: scale = amax / 448 per block
-    (1 for an all-zero block), so each block's largest magnitude maps to the largest finite FP8 value."""
-    x = tensor.to(torch.float32)
-    if block is None or x.dim() < 2:
+    (1 for an all-zero block), so each block's largest magnitude maps to the largest finite FP8 value. One block
+    row at a time: the float32 temporaries are one block row, not a second copy of the tensor."""
+    if block is None or tensor.dim() < 2:
+        x = tensor.to(torch.float32)
         amax = x.abs().amax()
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.reshape(1)
-    rows, cols = x.shape[-2:]
+        return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.reshape(1)
+    rows, cols = tensor.shape[-2:]
     bm, bn = block
     sr, sc = -(-rows // bm), -(-cols // bn)
-    padded = torch.zeros((*x.shape[:-2], sr * bm, sc * bn), dtype=torch.float32)
-    padded[..., :rows, :cols] = x
-    grid = padded.unflatten(-1, (sc, bn)).unflatten(-3, (sr, bm))  # (..., sr, bm, sc, bn)
-    amax = grid.abs().amax(dim=(-3, -1))  # (..., sr, sc)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    grid = grid / scale[..., :, None, :, None]
-    q = grid.clamp(-FP8_MAX, FP8_MAX).flatten(-2).flatten(-3, -2)[..., :rows, :cols]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+    q = torch.empty(tensor.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty((*tensor.shape[:-2], sr, sc), dtype=torch.float32)
+    for i in range(sr):
+        r0, r1 = i * bm, min((i + 1) * bm, rows)
+        part = tensor[..., r0:r1, :].to(torch.float32)
+        padded = torch.nn.functional.pad(part, (0, sc * bn - cols)) if cols % bn else part
+        amax = padded.abs().unflatten(-1, (sc, bn)).amax(dim=(-3, -1))  # (..., sc)
+        scale[..., i, :] = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        per_col = scale[..., i, :].repeat_interleave(bn, dim=-1)[..., :cols].unsqueeze(-2)
+        q[..., r0:r1, :] = (part / per_col).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
 
 
 def quantize_mxfp4(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(blocks uint8 (..., R, G, 16), scales uint8 (..., R, G)) of a logical (..., G*32, R) tensor: per group
     of 32 the e8m0 exponent is the smallest power of two that brings the group's amax within e2m1's 6.0,
-    values are rounded to the nearest e2m1 value."""
-    x = tensor.to(torch.float32).transpose(-1, -2)  # (..., R, G*32)
-    groups = x.unflatten(-1, (-1, MXFP4_GROUP))  # (..., R, G, 32)
-    amax = groups.abs().amax(dim=-1)
-    exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax)).clamp(-127, 127)
-    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    values are rounded to the nearest e2m1 value. A few thousand rows at a time (the nearest-value search
+    compares each value with 8 magnitudes)."""
+    x = tensor.transpose(-1, -2)  # (..., R, G*32)
+    *lead, rows, cols = x.shape
+    groups = cols // MXFP4_GROUP
+    flat = x.reshape(-1, cols)
+    blocks = torch.empty((flat.shape[0], groups, 16), dtype=torch.uint8)
+    scales = torch.empty((flat.shape[0], groups), dtype=torch.uint8)
     table = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32)
-    magnitude = (scaled.abs().unsqueeze(-1) - table).abs().argmin(dim=-1)  # nearest of the 8 magnitudes
-    codes = (magnitude | torch.where(scaled < 0, 8, 0)).to(torch.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
+    for r0, r1 in _chunks(flat.shape[0], cols):
+        part = flat[r0:r1].to(torch.float32).unflatten(-1, (groups, MXFP4_GROUP))  # (k, G, 32)
+        amax = part.abs().amax(dim=-1)
+        exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax)).clamp(-127, 127)
+        scaled = part / torch.exp2(exponent).unsqueeze(-1)
+        magnitude = (scaled.abs().unsqueeze(-1) - table).abs().argmin(dim=-1)  # nearest of the 8 magnitudes
+        codes = (magnitude | torch.where(scaled < 0, 8, 0)).to(torch.uint8)
+        blocks[r0:r1] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        scales[r0:r1] = (exponent + 127).to(torch.uint8)
+    return blocks.reshape(*lead, rows, groups, 16), scales.reshape(*lead, rows, groups)
