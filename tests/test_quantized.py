@@ -387,6 +387,7 @@ def test_plan_shows_each_input_architecture_layers_moe_and_quantization(
         main(["plan", str(cfg), "--json"])
     assert exit_.value.code == 0
     report = json.loads(capsys.readouterr().out)
+    assert not any("stored" in t for t in report["tensors"])  # written in the output dtype
     stored = sum((m / "model.safetensors").stat().st_size for m in (a, b))
     assert report["bytes_read"] <= stored  # what is read is the FP8 bytes, not the dequantized float32
     assert report["inputs"][0] == {
@@ -397,6 +398,12 @@ def test_plan_shows_each_input_architecture_layers_moe_and_quantization(
         "experts": 4,
         "quantization": f"fp8 (blocks 16x16, {len(Checkpoint.open(str(a)).quantized)} tensors)",
     }
+    with pytest.raises(SystemExit):
+        main(["plan", str(cfg), "--json", "--out-quantization", "same"])
+    report = json.loads(capsys.readouterr().out)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    entry = next(t for t in report["tensors"] if t["name"] == name)
+    assert entry["stored"] == [[name, "F8_E4M3", [64, 32]], [f"{name}_scale_inv", "F32", [4, 2]]]
     mx, _ = mxfp4_models
     dense = tiny_models("llama", seed=1)
     for model, line in [

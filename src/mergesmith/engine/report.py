@@ -151,6 +151,8 @@ def plan_report(
                 "params": dict(r.params),
                 "model_params": [dict(p) for p in r.model_params],
                 "shard": s.filename,
+                # written quantized (engine/planning/quantization.py): the tensors it is stored as
+                **({"stored": [[n, d, list(sh)] for n, d, sh in r.stored()]} if r.quantize else {}),
             }
             for s in plan.shards
             for r in s.recipes
@@ -299,7 +301,8 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
     if show_tensors:
         lines.append("")
         for t in report["tensors"]:
-            line = f"{t['name']} {t['shape']} {t['dtype']} {t['op']} <- " + ", ".join(
+            dtype = "+".join(d for _n, d, _s in t["stored"]) if t.get("stored") else t["dtype"]
+            line = f"{t['name']} {t['shape']} {dtype} {t['op']} <- " + ", ".join(
                 f"{m}:{n}" for m, n in t["inputs"]
             )
             summary = _param_summary(t)
