@@ -45,7 +45,9 @@ class TensorRecipe:
 
     `op` is "copy" (bytes of one input, possibly converted to `dtype`) or "merge". For a merge,
     `inputs` are in config order, the base (if any) at `base_index`; `model_params[i]` belongs to
-    `inputs[i]`; `seed` is set for randomised methods.
+    `inputs[i]`; `seed` is set for randomised methods. `quantize` (io/quantized.py: ("fp8", rows, cols),
+    ("fp8",) or ("mxfp4",)) stores the tensor quantized: computed whole as `dtype`, then written as its
+    stored tensors (`stored()`, e.g. the FP8 values and their `_scale_inv`).
     """
 
     name: str
@@ -58,10 +60,22 @@ class TensorRecipe:
     model_params: tuple[tuple[tuple[str, Any], ...], ...] = ()
     params: tuple[tuple[str, Any], ...] = ()
     seed: int | None = None
+    quantize: tuple[Any, ...] = ()
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its output as written (all its stored tensors)."""
+        if self.quantize:
+            return sum(math.prod(shape) * dtype_size(dtype) for _name, dtype, shape in self.stored())
         return math.prod(self.shape) * dtype_size(self.dtype)
+
+    def stored(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, safetensors dtype, shape) of each tensor the recipe writes: itself, or its quantized parts."""
+        if not self.quantize:
+            return [(self.name, self.dtype, self.shape)]
+        from ..io.quantized import stored_layout
+
+        return stored_layout(self.name, self.shape, self.quantize)
 
     def numel(self) -> int:
         return math.prod(self.shape)

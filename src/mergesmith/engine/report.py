@@ -151,6 +151,8 @@ def plan_report(
                 "params": dict(r.params),
                 "model_params": [dict(p) for p in r.model_params],
                 "shard": s.filename,
+                # written quantized (engine/planning/quantization.py): the tensors it is stored as
+                **({"stored": [[n, d, list(sh)] for n, d, sh in r.stored()]} if r.quantize else {}),
             }
             for s in plan.shards
             for r in s.recipes
@@ -180,6 +182,7 @@ def plan_report(
         "warnings": list(plan.warnings),
         "memory": _memory(est),
     }
+    report["inputs"] = [input_summary(ref, ck) for ref, ck in checkpoints.items()]
     if downloads:
         report["downloads"] = downloads
     if plan.options.get("moe"):
@@ -188,6 +191,32 @@ def plan_report(
     if plan.options.get("tokensurgeon"):
         report["tokensurgeon"] = plan.options["tokensurgeon"]
     return report
+
+
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def input_summary(ref: str, ckpt: Checkpoint) -> dict[str, Any]:
+    """What `plan` says of one input model: architecture, layer count, whether it is a mixture of experts, and
+    how it is stored (quantized or not), from its config.json and tensor headers."""
+    from .planning.architecture import find_layer_stack
+    from .planning.quantization import describe
+
+    config = ckpt.config or {}
+    scopes = [config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}]
+    archs = config.get("architectures")
+    arch = str(archs[0]) if isinstance(archs, list) and archs else str(config.get("model_type") or "unknown")
+    stack = find_layer_stack(ckpt.tensors, ckpt.config)
+    experts = max((int(s[k]) for s in scopes for k in _EXPERT_COUNT_KEYS if isinstance(s.get(k), int)), default=0)
+    moe = experts > 1 or any(".experts." in name for name in ckpt.tensors)
+    return {
+        "model": ref,
+        "architecture": arch,
+        "layers": stack.count if stack is not None else None,
+        "moe": moe,
+        "experts": experts or None,
+        "quantization": describe(ckpt),
+    }
 
 
 def _memory(est: Any) -> dict[str, Any]:
@@ -220,6 +249,10 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
         f"compute dtype: {report['compute_dtype']}",
         f"tensors: {len(report['tensors'])}    shards: {len(report['shards'])}",
     ]
+    for i in report.get("inputs") or []:
+        moe = f"MoE ({i['experts']} experts)" if i["moe"] and i["experts"] else "MoE" if i["moe"] else "dense"
+        layers = f"{i['layers']} layers" if i["layers"] is not None else "no layer stack"
+        lines.append(f"input {i['model']}: {i['architecture']}, {layers}, {moe}, quantization: {i['quantization']}")
     for s in report["shards"]:
         lines.append(f"  {s['file']}: {s['tensors']} tensors, {human_size(s['bytes'])}")
     lines.append(f"read: {human_size(report['bytes_read'])}    write: {human_size(report['bytes_written'])}")
@@ -268,7 +301,8 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
     if show_tensors:
         lines.append("")
         for t in report["tensors"]:
-            line = f"{t['name']} {t['shape']} {t['dtype']} {t['op']} <- " + ", ".join(
+            dtype = "+".join(d for _n, d, _s in t["stored"]) if t.get("stored") else t["dtype"]
+            line = f"{t['name']} {t['shape']} {dtype} {t['op']} <- " + ", ".join(
                 f"{m}:{n}" for m, n in t["inputs"]
             )
             summary = _param_summary(t)

@@ -373,11 +373,14 @@ def _write_index_and_config(out_dir: Path, plan: Plan) -> None:
     import json
 
     if len(plan.shards) > 1:
-        weight_map = {r.name: s.filename for s in plan.shards for r in s.recipes}
+        weight_map = {name: s.filename for s in plan.shards for r in s.recipes for name, _d, _s in r.stored()}
         index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(weight_map.items()))}
         write_file_atomic(out_dir / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
     if not plan.options.get("raw"):
-        write_file_atomic(out_dir / "config.json", (json.dumps(plan.output_config, indent=2) + "\n").encode())
+        from .planning.quantization import written_config
+
+        config = written_config(plan.output_config, any(r.quantize for r in plan.recipes))
+        write_file_atomic(out_dir / "config.json", (json.dumps(config, indent=2) + "\n").encode())
 
 
 @dataclass(frozen=True)

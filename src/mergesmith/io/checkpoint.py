@@ -29,6 +29,7 @@ from . import hub
 from .bin_checkpoint import guard_bin, load_bin
 from .dtypes import SAFETENSORS_TO_TORCH, dtype_size, from_torch
 from .map_guard import GUARD
+from .quantized import QuantizedTensor, dequantize, split
 from .readahead import advise_in_pieces, piece_size
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -227,6 +228,9 @@ class Checkpoint:
         self._maps: dict[Path, mmap.mmap] = {}
         self._opened: dict[Path, Any] = {}  # the mapped files, open: their size is checked on the inode mapped
         self._lock = threading.Lock()
+        # quantized weights (io/quantized.py): logical name -> its stored parts, whose headers `_stored` keeps
+        self.quantized: dict[str, QuantizedTensor] = {}
+        self._stored: dict[str, TensorInfo] = {}
         # weight files not downloaded yet (a hub model `plan` reads from its headers: HubHeaders): their size
         self.remote_sizes: dict[Path, int] = {}
         # the bytes each file must have: the end of the tensor data its header lists (a `.bin`: its size when read)
@@ -273,7 +277,23 @@ class Checkpoint:
             _add_tensors(tensors, found, file)
         if not tensors:
             raise CheckpointError(f"model {ref!r}: no tensors found in {', '.join(str(f) for f in files)}")
-        return cls(ref, root, files, tensors, config, hashes, bin_state)
+        checkpoint = cls(ref, root, files, tensors, config, hashes, bin_state)
+        checkpoint._dequantized(config)
+        return checkpoint
+
+    def _dequantized(self, config: dict[str, Any] | None) -> None:
+        """Present quantized weights as their logical tensors (io/quantized.py; refuses unreadable formats):
+        the stored headers stay in `_stored` for reading, size checks and read-ahead."""
+        logical, quantized = split(
+            self.ref, config, self.tensors, lambda info, dtype, shape: TensorInfo(info.name, dtype, shape, info.file)
+        )
+        if not quantized:
+            return
+        self._stored = dict(self.tensors)
+        for name, q in quantized.items():  # the logical tensor's name may differ from its data's (MXFP4)
+            logical[name] = TensorInfo(name, logical[name].dtype, q.shape, self._stored[q.data].file)
+        self.tensors = logical
+        self.quantized = quantized
 
     # ----- reading -------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -285,12 +305,35 @@ class Checkpoint:
         except KeyError:
             raise CheckpointError(f"model {self.ref!r}: tensor {name!r} not found") from None
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor, backed by the file's memory map (no copy unless the data is misaligned)."""
-        info = self.info(name)
+    def stored_nbytes(self, name: str) -> int:
+        """Bytes of a tensor as stored in its files (a quantized one: its values and scales), what reading it costs."""
+        q = self.quantized.get(name)
+        if q is None:
+            return self.info(name).nbytes
+        return self._stored[q.data].nbytes + self._stored[q.scale].nbytes
+
+    def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor (or its rows [start, end)), backed by the file's memory map (no copy unless the data is
+        misaligned). A quantized tensor is dequantized here, only the quantization blocks that hold the rows."""
+        q = self.quantized.get(name)
+        if q is not None:
+            return self._dequantize(q, rows)
+        tensor = self._stored_tensor(self.info(name))
+        return tensor if rows is None else tensor[rows[0] : rows[1]]
+
+    def _dequantize(self, q: QuantizedTensor, rows: tuple[int, int] | None) -> torch.Tensor:
+        data, scale = self._stored_tensor(self._stored[q.data]), self._stored_tensor(self._stored[q.scale])
+        if rows is None or not q.shape:
+            return dequantize(q, data, scale)
+        start, end = rows[0], min(rows[1], q.shape[0])
+        align = q.row_align
+        lo, hi = start // align * align, min(-(-end // align) * align, q.shape[0])
+        return dequantize(q, data[lo:hi], scale[lo // align : -(-hi // align)])[start - lo : end - lo]
+
+    def _stored_tensor(self, info: TensorInfo) -> torch.Tensor:
         if info.file in self._bin_state:
-            self.check_intact(name)
-            return self._bin_state[info.file][name]
+            self._check_stored(info)
+            return self._bin_state[info.file][info.name]
         dtype = SAFETENSORS_TO_TORCH[info.dtype]
         numel = 1
         for d in info.shape:
@@ -298,7 +341,7 @@ class Checkpoint:
         if numel == 0:
             return torch.empty(info.shape, dtype=dtype)
         buf = self._map(info.file)
-        self.check_intact(name)  # a view past the end of the file would raise SIGBUS when read
+        self._check_stored(info)  # a view past the end of the file would raise SIGBUS when read
         if info.data_offset % torch.empty((), dtype=dtype).element_size():
             data = bytearray(buf[info.data_offset : info.data_offset + info.nbytes])
             return torch.frombuffer(data, dtype=dtype, count=numel).reshape(info.shape)
@@ -308,16 +351,20 @@ class Checkpoint:
         """(file, absolute offset, info) of a tensor's bytes as stored, for readers that go around the
         memory map; None when its value is not simply those bytes (`.bin` pickles, adapted tensors)."""
         info = self.info(name)
-        if info.file in self._bin_state:
+        if info.file in self._bin_state or name in self.quantized:
             return None
         return info.file, info.data_offset, info
 
     def check_intact(self, name: str) -> None:
         """Refuse a tensor whose file now ends before its bytes, or whose mapped pages were read past the end of
         the file (io.map_guard put zeros there): truncated or replaced during the merge. One fstat."""
-        info = self.tensors.get(name)
-        if info is None:
-            return
+        q = self.quantized.get(name)
+        parts = [self._stored[q.data], self._stored[q.scale]] if q is not None else [self.tensors.get(name)]
+        for info in parts:
+            if info is not None:
+                self._check_stored(info)
+
+    def _check_stored(self, info: TensorInfo) -> None:
         file = info.file
         needed = self._sizes.get(file, 0) if file in self._bin_state else info.data_offset + info.nbytes
         opened = self._opened.get(file)
@@ -360,9 +407,23 @@ class Checkpoint:
 
         Why "uncache": under a memory limit smaller than the inputs (a 12.7 GB notebook merging 43 GB), pages
         a merge has used stay cached, and those read twice (two-pass methods) count as recently used, so the
-        kernel evicts the inputs read ahead for the next tensors first and they are read again from the disk."""
+        kernel evicts the inputs read ahead for the next tensors first and they are read again from the disk.
+
+        A quantized tensor's range (of its logical bytes) is advised on its stored parts in proportion."""
+        q = self.quantized.get(name)
+        if q is not None:
+            logical = self.tensors[name].nbytes
+            for part in (self._stored[q.data], self._stored[q.scale]):
+                lo = start * part.nbytes // max(logical, 1)
+                hi = part.nbytes if end is None else -(-end * part.nbytes // max(logical, 1))
+                self._advise_stored(part, advice, lo, hi)
+            return
         info = self.tensors.get(name)
-        if info is None or info.file in self._bin_state or info.nbytes == 0:
+        if info is not None:
+            self._advise_stored(info, advice, start, end)
+
+    def _advise_stored(self, info: TensorInfo, advice: str, start: int, end: int | None) -> None:
+        if info.file in self._bin_state or info.nbytes == 0:
             return
         flag = {"willneed": getattr(mmap, "MADV_WILLNEED", None), "dontneed": getattr(mmap, "MADV_DONTNEED", None)}
         option = flag.get("dontneed" if advice == "uncache" else advice)
@@ -403,7 +464,8 @@ class Checkpoint:
 
     @property
     def total_bytes(self) -> int:
-        return sum(i.nbytes for i in self.tensors.values())
+        """The bytes its tensors take as stored (a quantized model: its quantized size)."""
+        return sum(i.nbytes for i in (self._stored or self.tensors).values())
 
     def close(self) -> None:
         with self._lock:
@@ -449,6 +511,7 @@ class HubHeaders(Checkpoint):
             raise CheckpointError(f"model {ref!r}: no tensors found in its weight files")
         checkpoint = cls(ref, root, files, tensors, config, hashes, None)
         checkpoint.remote_sizes = sizes
+        checkpoint._dequantized(config)
         return checkpoint
 
 

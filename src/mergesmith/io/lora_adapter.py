@@ -96,6 +96,10 @@ class LoraCheckpoint(Checkpoint):
         self.lora_config = lora_config
         self._replaced: dict[str, str] = {}
         self._deltas: dict[str, _Delta] = {}
+        if base.quantized:  # its tensors are read through dequantization, which this view does not carry over
+            raise CheckpointError(
+                f"model {ref!r}: a LoRA adapter over a quantized model is not supported: dequantize the model first"
+            )
         tensors = dict(base.tensors)
         self._plan(tensors)
         super().__init__(

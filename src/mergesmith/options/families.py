@@ -100,6 +100,16 @@ class SharedMerge:
         },
         omit=("merge-raw",),
     )
+    out_quantization: str = option(
+        "--out-quantization",
+        type=click.Choice(["none", "same", "fp8", "mxfp4"]),
+        default="none",
+        show_default=True,
+        help="Write the tensors the inputs store quantized (FP8 block-scaled, MXFP4) quantized again, same format "
+        "and block size with fresh scales, keeping the inputs' quantization_config (same: whichever they use); "
+        "none writes them in the output dtype.",
+        omit=("merge-raw", "moe", "tokensurgeon"),
+    )
     allow_crimes: bool = option(
         "--allow-crimes/--no-allow-crimes",
         default=False,

@@ -17,7 +17,7 @@ BLOCK_ELEMENTS = 1 << 20
 def blockable(recipe: TensorRecipe) -> bool:
     """Whether the recipe may run in row blocks: copies, and merges by methods that are elementwise (maybe
     after a totals pass), and either not random or drawing by entry position (`keyed_random`)."""
-    if len(recipe.shape) == 0:
+    if len(recipe.shape) == 0 or recipe.quantize:  # quantized output: its scales need the whole tensor
         return False
     if recipe.op == "copy":
         return True

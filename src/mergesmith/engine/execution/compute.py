@@ -23,8 +23,20 @@ from ..plan import InputRef, TensorRecipe
 from .nonfinite import NonFiniteMonitor
 
 
-def load_input(ckpt: Checkpoint, ref: InputRef) -> torch.Tensor:
-    """An input tensor, its rows truncated or zero-padded to `ref.rows` when vocabularies differ."""
+def load_input(ckpt: Checkpoint, ref: InputRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """An input tensor, its rows truncated or zero-padded to `ref.rows` when vocabularies differ; with `rows`,
+    only those rows of it.
+
+    A quantized input (io/quantized.py) is dequantized here: for a row block, only the quantization blocks
+    holding those rows, so a tensor merged in blocks is not dequantized whole once per block."""
+    if rows is not None and ref.tensor in ckpt.quantized:
+        have = ckpt.info(ref.tensor).shape[0] if ref.rows is None else min(ref.rows, ckpt.info(ref.tensor).shape[0])
+        part = ckpt.get(ref.tensor, (min(rows[0], have), min(rows[1], have)))
+        if part.shape[0] == rows[1] - rows[0]:
+            return part
+        padded = torch.zeros((rows[1] - rows[0], *part.shape[1:]), dtype=part.dtype)
+        padded[: part.shape[0]] = part
+        return padded
     tensor = ckpt.get(ref.tensor)
     if ref.rows is None or tensor.shape[0] == ref.rows:
         return tensor
@@ -87,8 +99,12 @@ def compute(
         if index is not None and streamed(index):
             tensor = loaded[index]  # type: ignore[index]
         else:
-            tensor = load_input(checkpoints[ref.model], ref)
-            tensor = tensor if rows is None else tensor[rows[0] : rows[1]]
+            ckpt = checkpoints[ref.model]
+            if rows is not None and ref.tensor in ckpt.quantized:
+                tensor = load_input(ckpt, ref, rows)
+            else:
+                tensor = load_input(ckpt, ref)
+                tensor = tensor if rows is None else tensor[rows[0] : rows[1]]
         if monitor is not None:
             monitor.check_input(ref.model, ref.tensor, tensor, None if rows is None else rows[0])
         return tensor

@@ -25,6 +25,7 @@ from ...io.checkpoint import Checkpoint
 from ...io.direct_read import pool_bytes
 from ...io.dtypes import to_torch
 from ...io.journal import Journal
+from ...io.quantized import quantize_output
 from ...io.safetensors_writer import ShardWriter
 from ...kernels.compiled import KernelGroup, waits
 from ...methods import require_method
@@ -184,9 +185,10 @@ class LocalExecutor(Executor):
         for shard in pending:
             writer = self.outputs.open(shard)
             done = writer.done
-            self._done += len(done)
-            self._bytes += sum(r.nbytes for r in shard.recipes if r.name in done)
-            todo = [r for r in shard.recipes if r.name not in done]
+            written = [r for r in shard.recipes if all(name in done for name, _d, _s in r.stored())]
+            self._done += len(written)
+            self._bytes += sum(r.nbytes for r in written)
+            todo = [r for r in shard.recipes if r not in written]
             self._remaining[shard.filename] = len(todo)
             if not todo:
                 self.outputs.finish(shard.filename)
@@ -330,11 +332,14 @@ class LocalExecutor(Executor):
         if len(blocks) == 1:
 
             def put_whole(out: torch.Tensor) -> None:
-                writer.write(recipe.name, out)
+                parts = quantize_output(recipe.name, out, recipe.quantize) if recipe.quantize else [(recipe.name, out)]
+                for name, part in parts:
+                    writer.write(name, part)
                 try:  # a copy's output may still be a view of its input's map, read by the write itself
                     self._check_mapped(recipe, None)
                 except CheckpointError:
-                    writer.forget(recipe.name)
+                    for name, _part in parts:
+                        writer.forget(name)
                     raise
 
             self._compute_block(recipe, blocks[0], put_whole, whole=True)

@@ -31,7 +31,7 @@ class ShardOutputs:
         writer = ShardWriter(
             self.out_dir / shard.filename,
             partial_path(self.out_dir, shard.filename),
-            [(r.name, r.dtype, r.shape) for r in shard.recipes],
+            [stored for r in shard.recipes for stored in r.stored()],
             resume=self.journal.partial.get(shard.filename),
             root=self.out_dir,
         )

@@ -32,6 +32,7 @@ from .architecture import (
     ties_embeddings,
 )
 from .parameters import is_missing, resolve
+from .quantization import quantize_outputs
 from .shared import MergeOptions, ModelPlanner, cut_shards, estimate_plan, tensor_seed
 from .vocabulary import VocabularyPlanning
 
@@ -474,7 +475,7 @@ class Planner(VocabularyPlanning, ModelPlanner):
     def estimate(self, recipes: list[TensorRecipe]) -> Estimate:
         return estimate_plan(
             recipes,
-            lambda ref: self.ckpts[ref.model].info(ref.tensor).nbytes,
+            lambda ref: self.ckpts[ref.model].stored_nbytes(ref.tensor),
             self.compute_dtype,
             self.options.threads,
             self.options.max_memory,
@@ -503,6 +504,7 @@ class Planner(VocabularyPlanning, ModelPlanner):
             raise ConfigError(f"{self.source}: `slices`: model {self.base_ref!r}: {exc}") from None
         if tokenizer_plan is not None:
             tokenizer_plan.finish_config(output_config)
+        recipes = quantize_outputs(recipes, output_config, self.ckpts, self.options.out_quantization)
         from ..card import model_card
 
         config_yaml = dump_config(self.config)

@@ -46,6 +46,9 @@ class MergeOptions:
     # set when planning drew `random_seed` itself (none given, none to resume): that seed is this plan's only, so
     # `plan` must not print it as the one a later `merge` will use (that merge draws its own)
     seed_drawn: bool = False
+    # --out-quantization: write the tensors stored quantized in the inputs (FP8, MXFP4) quantized again
+    # (engine/planning/quantization.py); "none" writes them in the output dtype
+    out_quantization: str = "none"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def open_input(self, ref: str) -> Checkpoint:
