@@ -275,10 +275,11 @@ class MoEPlanner(ModelPlanner):
         return [(str(root / n), n) for n in [*names, "generation_config.json"] if (root / n).is_file()]
 
     def _input_bytes(self, ref: InputRef) -> int:
-        """Size of an input tensor; the router weights are known by shape before their file exists."""
+        """Bytes of an input tensor as stored (what reading it costs); the router weights are known by shape before
+        their file exists."""
         if ref.model == ROUTER_MODEL:
             return self.gates.tensor_infos()[ref.tensor].nbytes
-        return self.ckpts[ref.model].info(ref.tensor).nbytes
+        return self.ckpts[ref.model].stored_nbytes(ref.tensor)
 
     def router_pass(self) -> tuple[int, int, str] | None:
         """(working bytes, bytes read, what) of the pass computing the router weights, None in the

@@ -285,7 +285,7 @@ class TokenSurgeonPlanner:
             warnings=self.warnings,
             estimate=estimate_plan(
                 recipes,
-                lambda ref: self._ckpt(ref.model).info(ref.tensor).nbytes,
+                lambda ref: self._ckpt(ref.model).stored_nbytes(ref.tensor),
                 "F32",
                 self.options.threads,
                 self.options.max_memory,

@@ -428,7 +428,7 @@ class LocalExecutor(Executor):
             recipe = work[position][1]
             streamed = self._streamed(recipe)
             return sum(
-                self.ckpts[ref.model].info(ref.tensor).nbytes
+                self.ckpts[ref.model].stored_nbytes(ref.tensor)
                 for i, ref in enumerate(recipe.inputs)
                 if i not in streamed and ref.tensor in self.ckpts[ref.model].tensors
             )
