@@ -18,7 +18,6 @@ tests/fixtures/architecture_census.json; tests/test_architecture_census.py re-ru
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -153,7 +152,13 @@ def _shrink(values: dict[str, Any], layers: int) -> dict[str, Any]:
             out[key] = 2  # jamba: attention / experts every other layer, so 3 layers still hold both kinds
         elif key.endswith("layer_offset") and isinstance(value, int) and value > 1:
             out[key] = 1
-        elif old and isinstance(value, (list, str)) and len(value) == old and old > 1 and key not in NOT_PER_LAYER:
+        elif (
+            old
+            and (isinstance(value, list) or (isinstance(value, str) and key.endswith("pattern")))
+            and len(value) == old
+            and old > 1
+            and key not in NOT_PER_LAYER
+        ):
             out[key] = _cut(value, layers)
         elif key.endswith("_token_id") or key.endswith("_token_index"):
             if isinstance(value, int) and value >= _SIZES["vocab_size"]:
@@ -338,10 +343,15 @@ def merge_config(method: str, base: Path, a: Path, b: Path) -> dict[str, Any]:
 
 def _layer_count(config: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The config scope holding the text layer count, and the count."""
-    for scope in (config, config.get("text_config") or {}):
+    scopes = (config, config.get("text_config") or {})
+    for scope in scopes:
         for key in _LAYER_KEYS:
             if isinstance(scope.get(key), int) and not isinstance(scope.get(key), bool):
                 return scope, scope[key]
+    for scope in scopes:
+        for key in _DEPTH_LISTS:
+            if isinstance(scope.get(key), (list, str)):
+                return scope, len(scope[key])
     raise AssertionError("no layer count in config.json")
 
 
@@ -434,6 +444,3 @@ def passed(row: dict[str, str]) -> bool:
         and (row.get("passthrough") == "pass" or row.get("passthrough", "").startswith("refused"))
     )
 
-
-def finite(x: float) -> bool:
-    return math.isfinite(x)

@@ -303,3 +303,22 @@ def test_index_decided_layer_kinds_are_rewritten_for_slices():
     with pytest.raises(LayerMapError, match="moe_layer_freq"):
         rewrite_config({**deep, "moe_layer_freq": 2}, [0, 1, 3], "F32")
     assert rewrite_config({**deep, "moe_layer_freq": 2}, None, "F32")["first_k_dense_replace"] == 2
+
+
+def test_per_layer_strings_and_depth_lists_are_rewritten_for_slices():
+    from mergesmith.engine.planning.architecture import layer_count_key, rewrite_config
+
+    # nemotron_h before transformers 5: one character per layer, beside num_hidden_layers
+    old = {"num_hidden_layers": 3, "hybrid_override_pattern": "M*E"}
+    out = rewrite_config(old, [0, 1, 2, 1, 2], "F32")
+    assert (out["num_hidden_layers"], out["hybrid_override_pattern"]) == (5, "M*E*E")
+    # nemotron_h in transformers 5: no layer count, the list's length is the depth (no count key is added)
+    new = {"layers_block_type": ["mamba", "attention", "moe"]}
+    assert layer_count_key(new) == (("layers_block_type",), 3)
+    out = rewrite_config(new, [0, 1, 2, 1, 2], "F32")
+    assert out["layers_block_type"] == ["mamba", "attention", "moe", "attention", "moe"]
+    assert "num_hidden_layers" not in out
+    # mllama: the cross-attention layers are indices
+    assert rewrite_config({"num_hidden_layers": 3, "cross_attention_layers": [1]}, [0, 1, 2, 1], "F32")[
+        "cross_attention_layers"
+    ] == [1, 3]

@@ -37,9 +37,18 @@ PER_LAYER_KEYS: set[str] = {
 """config.json lists with one entry per decoder layer: re-indexed when slices change the layers.
 Only these: token ids (`eos_token_id: [2, 3]`) are not per-layer lists, whatever their length; lists of
 layer *indices* are LAYER_INDEX_KEYS."""
+PER_LAYER_STRING_KEYS: set[str] = {
+    "hybrid_override_pattern",  # nemotron_h: one character per layer ("M" mamba, "*" attention, "-" MLP, "E" MoE)
+}
+"""config.json strings with one character per decoder layer: re-indexed like PER_LAYER_KEYS, written back as a
+string (a list there would not load)."""
+DEPTH_KEYS = ("layers_block_type", "hybrid_override_pattern")
+"""Per-layer lists or strings that are the only statement of the depth in some configs (nemotron_h in
+transformers 5 has no `num_hidden_layers`: its length is that of `layers_block_type`)."""
 LAYER_INDEX_KEYS: set[str] = {
     "mlp_only_layers",  # qwen2_moe, qwen3_moe: indices of the layers with a dense MLP
     "moe_layers",  # llama4: indices of the mixture-of-experts layers
+    "cross_attention_layers",  # mllama: indices of the cross-attention (image) layers
 }
 """config.json lists of layer indices: rewritten to the output indices whose source layer was listed."""
 
@@ -49,6 +58,12 @@ def register_per_layer_key(key: str) -> None:
     slices change the layers re-indexes it with them. For an architecture whose config has such a key under a
     name not in PER_LAYER_KEYS; without it, the list keeps the old depth and transformers may refuse the output."""
     PER_LAYER_KEYS.add(key)
+
+
+def register_per_layer_string_key(key: str) -> None:
+    """Declare config.json key `key` a string with one character per decoder layer (as nemotron_h's
+    `hybrid_override_pattern`): a merge whose slices change the layers re-indexes its characters."""
+    PER_LAYER_STRING_KEYS.add(key)
 
 
 def register_layer_index_key(key: str) -> None:
@@ -85,19 +100,23 @@ class LayerStack:
 
 
 def layer_count_key(config: dict[str, Any] | None) -> tuple[tuple[str, ...], int] | None:
-    """Where the config keeps its layer count (a key path) and the count itself."""
+    """Where the config keeps its layer count (a key path) and the count itself: a count key, or else the
+    length of a per-layer list that is the config's only statement of its depth (DEPTH_KEYS)."""
     if not config:
         return None
-    for key in _LAYER_COUNT_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return (key,), value
-    text = config.get("text_config")
-    if isinstance(text, dict):
+    scopes: list[tuple[tuple[str, ...], dict[str, Any]]] = [((), config)]
+    if isinstance(config.get("text_config"), dict):
+        scopes.append((("text_config",), config["text_config"]))
+    for path, scope in scopes:
         for key in _LAYER_COUNT_KEYS:
-            value = text.get(key)
+            value = scope.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
-                return ("text_config", key), value
+                return (*path, key), value
+    for path, scope in scopes:
+        for key in DEPTH_KEYS:
+            value = scope.get(key)
+            if isinstance(value, (list, str)) and value:
+                return (*path, key), len(value)
     return None
 
 
@@ -218,13 +237,16 @@ def rewrite_config(
     if layer_sources is not None and found is not None:
         path, old_count = found
         scope = out if len(path) == 1 else out[path[0]]
-        scope[path[-1]] = len(layer_sources)
+        if path[-1] in _LAYER_COUNT_KEYS:  # else the depth is a per-layer list's length, rewritten below
+            scope[path[-1]] = len(layer_sources)
         for holder in (out, out.get("text_config")):
             if not isinstance(holder, dict):
                 continue
             for key, value in list(holder.items()):
                 if key in PER_LAYER_KEYS and isinstance(value, list) and len(value) == old_count:
                     holder[key] = [value[min(src, old_count - 1)] for src in layer_sources]
+                elif key in PER_LAYER_STRING_KEYS and isinstance(value, str) and len(value) == old_count:
+                    holder[key] = "".join(value[min(src, old_count - 1)] for src in layer_sources)
                 elif key in LAYER_INDEX_KEYS and isinstance(value, list):
                     holder[key] = [i for i, src in enumerate(layer_sources) if src in value]
             _rewrite_layer_schedule(holder, layer_sources)
