@@ -115,6 +115,7 @@ _SIZES: dict[str, int] = {
     "n_positions": 128,
     "max_seq_len": 128,
     "sliding_window": 4,
+    "rotary_dim": 4,
     "attention_chunk_size": 4,
     # vision towers
     "image_size": 32,
@@ -166,6 +167,10 @@ def _shrink(values: dict[str, Any], layers: int) -> dict[str, Any]:
     for heads, kv in (("num_attention_heads", "num_key_value_heads"), ("n_head", "num_kv_heads")):
         if values.get(kv) is not None and values.get(kv) == values.get(heads):
             out[kv] = out[heads]  # multi-head (MLA included): kv heads stay as many as the heads
+    if out.get("num_experts_per_tok", 0) is None and any(k in out for k in ("n_routed_experts", "num_experts")):
+        out["num_experts_per_tok"] = 2
+    if "attn_layer_indices" in out and not out["attn_layer_indices"]:
+        out["attn_layer_indices"] = [1]  # bamba: hybrid, with one attention layer among the mamba ones
     if "qk_rope_head_dim" in out and "head_dim" in out:
         out["head_dim"] = out["qk_rope_head_dim"]  # MLA: rotary on the rope part only
     if isinstance(out.get("first_k_dense_replace"), int) and out["first_k_dense_replace"] > 0:
@@ -298,7 +303,9 @@ def read_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-_TEXT_LAYER = re.compile(r"^(?P<prefix>(?!.*(?:vision|visual|image|audio)).*?layers|.*?\.h)\.(?P<index>\d+)\.(?P<rest>.+)$")
+_TEXT_LAYER = re.compile(
+    r"^(?P<prefix>(?!.*(?:vision|visual|image|audio)).*?(?:layers?|\.h|blocks?))\.(?P<index>\d+)\.(?P<rest>.+)$"
+)
 
 
 def checked_tensor(state: dict[str, torch.Tensor]) -> str:

@@ -27,6 +27,7 @@ _LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _EMBEDDING_MARKERS = ("embed", "wte", "wpe", "word_embeddings", "tok_embeddings")
 LM_HEAD_NAMES = ("lm_head.weight", "embed_out.weight", "output.weight")
 PER_LAYER_KEYS: set[str] = {
+    "mlp_layer_types",  # deepseek_v32/v4, cohere2_moe, bailing_hybrid, ...: "dense" / "sparse" MLP per layer
     "layer_types",  # qwen2/3, gemma2/3, gpt-oss, exaone4, ...: "full_attention" / "sliding_attention" per layer
     "no_rope_layers",  # llama4, smollm3: 1 where a layer uses RoPE
     "sliding_window_pattern",  # where given as a list (elsewhere an int period, which is left alone)
@@ -48,6 +49,7 @@ transformers 5 has no `num_hidden_layers`: its length is that of `layers_block_t
 LAYER_INDEX_KEYS: set[str] = {
     "mlp_only_layers",  # qwen2_moe, qwen3_moe: indices of the layers with a dense MLP
     "moe_layers",  # llama4: indices of the mixture-of-experts layers
+    "attn_layer_indices",  # bamba: indices of the attention layers among the mamba ones
     "cross_attention_layers",  # mllama: indices of the cross-attention (image) layers
 }
 """config.json lists of layer indices: rewritten to the output indices whose source layer was listed."""
