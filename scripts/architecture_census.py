@@ -53,16 +53,21 @@ def run_one(model_type: str, kind: str, limit: int) -> dict[str, str]:
         signal.alarm(0)
 
 
-def statuses(rows: dict[tuple[str, str], dict[str, str]]) -> dict[str, dict[str, str]]:
-    """The fixture: per "kind/type", each method's outcome word (pass / refused / fail) or "not buildable"."""
-    out: dict[str, dict[str, str]] = {}
-    for (model_type, kind), row in sorted(rows.items()):
-        key = f"{kind}/{model_type}"
-        if "status" in row:
-            out[key] = {"status": "not buildable"}
-        else:
-            out[key] = {m: row[m].split(":")[0] for m in ("linear", "ties", "passthrough")}
-    return out
+def fixture_text(rows: dict[tuple[str, str], dict[str, str]], version: str) -> str:
+    """The committed fixture: per "kind/type", its row (each method's outcome with its reason, or the
+    "not buildable" status), so the docs table can be regenerated from it and checked against it."""
+    types = {f"{kind}/{model_type}": row for (model_type, kind), row in sorted(rows.items())}
+    return json.dumps({"transformers": version, "types": types}, indent=1, sort_keys=True) + "\n"
+
+
+def rows_of_fixture(text: str) -> tuple[dict[tuple[str, str], dict[str, str]], str]:
+    """The rows and the transformers version a fixture holds."""
+    data = json.loads(text)
+    rows = {}
+    for key, row in data["types"].items():
+        kind, model_type = key.split("/", 1)
+        rows[(model_type, kind)] = row
+    return rows, data["transformers"]
 
 
 def counts(rows: dict[tuple[str, str], dict[str, str]], kind: str) -> dict[str, int]:
@@ -114,10 +119,7 @@ def write(rows: dict[tuple[str, str], dict[str, str]]) -> None:
 
     DOC.write_text(document(rows, transformers.__version__))
     FIXTURE.parent.mkdir(parents=True, exist_ok=True)
-    FIXTURE.write_text(
-        json.dumps({"transformers": transformers.__version__, "types": statuses(rows)}, indent=1, sort_keys=True)
-        + "\n"
-    )
+    FIXTURE.write_text(fixture_text(rows, transformers.__version__))
 
 
 def read_rows(path: Path) -> dict[tuple[str, str], dict[str, str]]:

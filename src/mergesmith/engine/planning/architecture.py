@@ -27,6 +27,9 @@ _LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _EMBEDDING_MARKERS = ("embed", "wte", "wpe", "word_embeddings", "tok_embeddings")
 LM_HEAD_NAMES = ("lm_head.weight", "embed_out.weight", "output.weight")
 PER_LAYER_KEYS: set[str] = {
+    "indexer_types",  # glm_moe_dsa, hy_v4: the sparse-attention indexer of each layer
+    "num_attention_heads_per_layer",  # laguna
+    "attention_layers",  # gpt_neo: "global" / "local" per layer (its `attention_types` is rewritten to match)
     "mlp_layer_types",  # deepseek_v32/v4, cohere2_moe, bailing_hybrid, ...: "dense" / "sparse" MLP per layer
     "layer_types",  # qwen2/3, gemma2/3, gpt-oss, exaone4, ...: "full_attention" / "sliding_attention" per layer
     "no_rope_layers",  # llama4, smollm3: 1 where a layer uses RoPE
@@ -43,12 +46,17 @@ PER_LAYER_STRING_KEYS: set[str] = {
 }
 """config.json strings with one character per decoder layer: re-indexed like PER_LAYER_KEYS, written back as a
 string (a list there would not load)."""
+PER_LAYER_DICT_KEYS: set[str] = {
+    "per_layer_config",  # gemma4: {"05": {"head_dim": 512}, ...}, overrides keyed by (zero-padded) layer index
+}
+"""config.json dicts keyed by layer index: an output layer gets its source layer's entry, under its own index."""
 DEPTH_KEYS = ("layers_block_type", "hybrid_override_pattern")
 """Per-layer lists or strings that are the only statement of the depth in some configs (nemotron_h in
 transformers 5 has no `num_hidden_layers`: its length is that of `layers_block_type`)."""
 LAYER_INDEX_KEYS: set[str] = {
     "mlp_only_layers",  # qwen2_moe, qwen3_moe: indices of the layers with a dense MLP
     "moe_layers",  # llama4: indices of the mixture-of-experts layers
+    "full_attn_idxs",  # lfm2: indices of the attention layers among the convolution ones
     "attn_layer_indices",  # bamba: indices of the attention layers among the mamba ones
     "cross_attention_layers",  # mllama: indices of the cross-attention (image) layers
 }
@@ -249,8 +257,13 @@ def rewrite_config(
                     holder[key] = [value[min(src, old_count - 1)] for src in layer_sources]
                 elif key in PER_LAYER_STRING_KEYS and isinstance(value, str) and len(value) == old_count:
                     holder[key] = "".join(value[min(src, old_count - 1)] for src in layer_sources)
+                elif key in PER_LAYER_DICT_KEYS and isinstance(value, dict):
+                    holder[key] = _reindex_layer_dict(value, layer_sources)
                 elif key in LAYER_INDEX_KEYS and isinstance(value, list):
                     holder[key] = [i for i, src in enumerate(layer_sources) if src in value]
+            if isinstance(holder.get("attention_types"), list) and isinstance(holder.get("attention_layers"), list):
+                # gpt_neo: [[kinds, repeats], ...] expands to attention_layers and must agree with it
+                holder["attention_types"] = [[[kind], 1] for kind in holder["attention_layers"]]
             _rewrite_layer_schedule(holder, layer_sources)
     dtype_name = TORCH_NAMES[out_dtype]
     wrote = False
@@ -265,6 +278,16 @@ def rewrite_config(
     if vocab_size is not None:
         holder = out if "vocab_size" in out or not isinstance(out.get("text_config"), dict) else out["text_config"]
         holder["vocab_size"] = vocab_size
+    return out
+
+
+def _reindex_layer_dict(value: dict[str, Any], layer_sources: list[int]) -> dict[str, Any]:
+    """A dict keyed by layer index (as strings, maybe zero-padded) for the output layers: output layer i takes
+    the entry of its source layer, keyed the way the input wrote its keys."""
+    by_index = {int(k): v for k, v in value.items() if str(k).isdigit()}
+    width = max((len(str(k)) for k in value), default=1)
+    out = {f"{i:0{width}d}": copy.deepcopy(by_index[src]) for i, src in enumerate(layer_sources) if src in by_index}
+    out.update({k: v for k, v in value.items() if not str(k).isdigit()})
     return out
 
 
