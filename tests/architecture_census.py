@@ -28,7 +28,7 @@ LAYERS = 3
 PASSTHROUGH_SOURCES = [("a", 0), ("a", 1), ("a", 2), ("b", 1), ("b", 2)]
 TOKEN_IDS = [1, 5, 6, 7, 8, 2]
 NOT_PER_LAYER = frozenset(
-    {"architectures", "eos_token_id", "bos_token_id", "pad_token_id", "mlp_only_layers", "moe_layers"}
+    {"architectures", "eos_token_id", "bos_token_id", "pad_token_id", "mlp_only_layers", "moe_layers", "kv_source_layers"}
 )
 """Lists that are not one entry per layer even when their length equals the layer count (index lists are
 checked separately)."""
@@ -87,6 +87,7 @@ _SIZES: dict[str, int] = {
     "n_shared_experts": 1,
     "num_shared_experts": 1,
     "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
     "moe_topk": 2,
     "moe_k": 2,
     "top_k": 2,
@@ -127,6 +128,7 @@ _SIZES: dict[str, int] = {
     "projection_dim": 32,
     "vision_output_dim": 32,
     "num_global_layers": 1,
+    "num_kv_shared_layers": 0,
 }
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _DEPTH_LISTS = ("layers_block_type", "layer_types", "hybrid_override_pattern", "block_types")
@@ -177,6 +179,12 @@ def _shrink(values: dict[str, Any], layers: int) -> dict[str, Any]:
         out["head_dim"] = out["qk_rope_head_dim"]  # MLA: rotary on the rope part only
     if isinstance(out.get("first_k_dense_replace"), int) and out["first_k_dense_replace"] > 0:
         out["first_k_dense_replace"] = 1
+    if isinstance(out.get("kv_source_layers"), list) and out["kv_source_layers"] == list(range(old or 0)):
+        out["kv_source_layers"] = list(range(layers))  # mistral_large4: each layer its own keys and values
+    rope = out.get("rope_parameters") or out.get("rope_scaling")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
+        rope = dict(rope, mrope_section=[2, 1, 1])  # sums to head_dim 8 / 2
+        out["rope_parameters" if "rope_parameters" in out else "rope_scaling"] = rope
     if isinstance(out.get("per_layer_config"), dict) and out["per_layer_config"]:
         # gemma4: overrides for its full-attention layers, keyed by index: keep them on the full layers left
         first = next(iter(out["per_layer_config"].values()))

@@ -29,6 +29,9 @@ LM_HEAD_NAMES = ("lm_head.weight", "embed_out.weight", "output.weight")
 PER_LAYER_KEYS: set[str] = {
     "indexer_types",  # glm_moe_dsa, hy_v4: the sparse-attention indexer of each layer
     "num_attention_heads_per_layer",  # laguna
+    "activation_sparsity_pattern",  # gemma3n: the MLP activation sparsity of each layer
+    "intermediate_size",  # gemma3n: a list with one MLP width per layer (an int elsewhere, left alone)
+    "layer_rope_theta",  # granite_swa, granitemoe_swa: the rotary base of each layer
     "attention_layers",  # gpt_neo: "global" / "local" per layer (its `attention_types` is rewritten to match)
     "mlp_layer_types",  # deepseek_v32/v4, cohere2_moe, bailing_hybrid, ...: "dense" / "sparse" MLP per layer
     "layer_types",  # qwen2/3, gemma2/3, gpt-oss, exaone4, ...: "full_attention" / "sliding_attention" per layer
@@ -261,6 +264,7 @@ def rewrite_config(
                     holder[key] = _reindex_layer_dict(value, layer_sources)
                 elif key in LAYER_INDEX_KEYS and isinstance(value, list):
                     holder[key] = [i for i, src in enumerate(layer_sources) if src in value]
+            _rewrite_kv_sources(holder, layer_sources, old_count)
             if isinstance(holder.get("attention_types"), list) and isinstance(holder.get("attention_layers"), list):
                 # gpt_neo: [[kinds, repeats], ...] expands to attention_layers and must agree with it
                 holder["attention_types"] = [[[kind], 1] for kind in holder["attention_layers"]]
@@ -279,6 +283,21 @@ def rewrite_config(
         holder = out if "vocab_size" in out or not isinstance(out.get("text_config"), dict) else out["text_config"]
         holder["vocab_size"] = vocab_size
     return out
+
+
+def _rewrite_kv_sources(holder: dict[str, Any], layer_sources: list[int], old_count: int) -> None:
+    """mistral_large4's `kv_source_layers` says, per layer, which layer's keys and values it attends with. Where
+    each layer uses its own, the output's layers do too; where layers share, slices would have to keep each
+    sharer after its source, which a list of indices cannot promise: refused."""
+    value = holder.get("kv_source_layers")
+    if not isinstance(value, list) or len(value) != old_count:
+        return
+    if value != list(range(old_count)):
+        raise LayerMapError(
+            "`kv_source_layers` makes layers share another layer's keys and values by index, which slices "
+            "that change the layers break"
+        )
+    holder["kv_source_layers"] = list(range(len(layer_sources)))
 
 
 def _reindex_layer_dict(value: dict[str, Any], layer_sources: list[int]) -> dict[str, Any]:
@@ -300,6 +319,12 @@ def _rewrite_layer_schedule(holder: dict[str, Any], layer_sources: list[int]) ->
     are dense, the rest sparse; the output keeps that form only while its dense layers come first, and
     is refused otherwise (transformers would build an MLP of the wrong shape for that layer).
     """
+    per_layer_input = holder.get("hidden_size_per_layer_input")
+    if isinstance(per_layer_input, int) and per_layer_input > 0 and layer_sources != list(range(len(layer_sources))):
+        raise LayerMapError(
+            f"`hidden_size_per_layer_input: {per_layer_input}`: the per-layer input embeddings (gemma3n, gemma4) "
+            "are single tensors sized by the layer count, which slices that change the layers break"
+        )
     step = holder.get("decoder_sparse_step")
     if isinstance(step, int) and not isinstance(step, bool) and step > 1:
         dense = set(holder.get("mlp_only_layers") or [])
