@@ -28,7 +28,15 @@ LAYERS = 3
 PASSTHROUGH_SOURCES = [("a", 0), ("a", 1), ("a", 2), ("b", 1), ("b", 2)]
 TOKEN_IDS = [1, 5, 6, 7, 8, 2]
 NOT_PER_LAYER = frozenset(
-    {"architectures", "eos_token_id", "bos_token_id", "pad_token_id", "mlp_only_layers", "moe_layers", "kv_source_layers"}
+    {
+        "architectures",
+        "eos_token_id",
+        "bos_token_id",
+        "pad_token_id",
+        "mlp_only_layers",
+        "moe_layers",
+        "kv_source_layers",
+    }
 )
 """Lists that are not one entry per layer even when their length equals the layer count (index lists are
 checked separately)."""
@@ -225,7 +233,9 @@ def model_class(model_type: str, kind: str) -> Any:
     from transformers.models.auto import modeling_auto as auto
 
     names = (
-        auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if kind == "causal-lm" else auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if kind == "causal-lm"
+        else auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
     )
     return getattr(transformers, names[model_type])
 
@@ -328,7 +338,9 @@ def checked_tensor(state: dict[str, torch.Tensor]) -> str:
     names = [
         n
         for n in state
-        if (m := _TEXT_LAYER.match(n)) and m.group("index") == "1" and state[n].is_floating_point()
+        if (m := _TEXT_LAYER.match(n))
+        and m.group("index") == "1"
+        and state[n].is_floating_point()
         and state[n].dim() >= 2
     ]
     assert names, "no text layer-1 tensor"
@@ -471,4 +483,3 @@ def passed(row: dict[str, str]) -> bool:
         and row.get("ties") == "pass"
         and (row.get("passthrough") == "pass" or row.get("passthrough", "").startswith("refused"))
     )
-
