@@ -347,6 +347,23 @@ def checked_tensor(state: dict[str, torch.Tensor]) -> str:
     return max(names, key=lambda n: (state[n].numel(), n))
 
 
+_MOE_WORDS = ("expert", "router", "gate.weight", "gate.bias", "e_score_correction")
+
+
+def moe_tensors(state: dict[str, torch.Tensor]) -> list[str]:
+    """Text layer 1's mixture-of-experts tensors: experts (one per expert, or fused in one tensor as gpt_oss and
+    qwen3_5_moe store them), shared experts, the router and its bias. Each must follow the method's math like
+    any other tensor: merging fine-tunes of one MoE model is expert by expert."""
+    return sorted(
+        n
+        for n in state
+        if (m := _TEXT_LAYER.match(n))
+        and m.group("index") == "1"
+        and state[n].is_floating_point()
+        and any(w in m.group("rest") for w in _MOE_WORDS)
+    )
+
+
 # ----- the three merges -----------------------------------------------------------------------------------------
 def merge_config(method: str, base: Path, a: Path, b: Path) -> dict[str, Any]:
     if method == "linear":
@@ -409,12 +426,14 @@ def check_method(method: str, model_type: str, kind: str, models: tuple[Path, Pa
         if method != "passthrough":
             state = {p: read_state(p) for p in (base, a, b)}
             assert set(merged) == set(state[base]), "the merge changed the tensor names"
-            name = checked_tensor(merged)
-            if method == "linear":
-                want = linear_reference([state[p][name] for p in (base, a, b)], [0.5, 0.3, 0.2])
-            else:
-                want = ties_reference(state[base][name], [state[a][name], state[b][name]], [0.6, 0.4], 0.5)
-            torch.testing.assert_close(merged[name].double(), want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            for name in [checked_tensor(merged), *moe_tensors(merged)]:
+                if method == "linear":
+                    want = linear_reference([state[p][name] for p in (base, a, b)], [0.5, 0.3, 0.2])
+                else:
+                    want = ties_reference(state[base][name], [state[a][name], state[b][name]], [0.6, 0.4], 0.5)
+                torch.testing.assert_close(
+                    merged[name].double(), want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+                )
             return "pass"
         _check_depth(before, after)
         return "pass"
