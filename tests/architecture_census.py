@@ -118,6 +118,7 @@ _SIZES: dict[str, int] = {
     "linear_key_head_dim": 8,
     "linear_value_head_dim": 8,
     "num_hidden_layers_mamba": 1,
+    "mamba_d_ssm": 64,
     # vocabulary and lengths
     "vocab_size": 128,
     "vocab_size_per_layer_input": 128,
@@ -181,6 +182,9 @@ def _shrink(values: dict[str, Any], layers: int) -> dict[str, Any]:
             out[kv] = out[heads]  # multi-head (MLA included): kv heads stay as many as the heads
     if out.get("num_experts_per_tok", 0) is None and any(k in out for k in ("n_routed_experts", "num_experts")):
         out["num_experts_per_tok"] = 2
+    kinds = out.get("layer_types")
+    if isinstance(kinds, list) and len(kinds) == layers and set(kinds) == {"linear_attention"}:
+        out["layer_types"] = ["linear_attention", "full_attention", "linear_attention"][:layers]  # keep it hybrid
     if "attn_layer_indices" in out and not out["attn_layer_indices"]:
         out["attn_layer_indices"] = [1]  # bamba: hybrid, with one attention layer among the mamba ones
     if "qk_rope_head_dim" in out and "head_dim" in out:
