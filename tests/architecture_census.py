@@ -188,7 +188,12 @@ def _shrink(values: dict[str, Any], layers: int) -> dict[str, Any]:
     if "attn_layer_indices" in out and not out["attn_layer_indices"]:
         out["attn_layer_indices"] = [1]  # bamba: hybrid, with one attention layer among the mamba ones
     if "qk_rope_head_dim" in out and "head_dim" in out:
-        out["head_dim"] = out["qk_rope_head_dim"]  # MLA: rotary on the rope part only
+        # MLA: head_dim is the rotary part (deepseek) or the whole query head (dots3): keep the type's relation
+        whole = (values.get("qk_nope_head_dim") or 0) + values["qk_rope_head_dim"]
+        if values.get("head_dim") == whole:
+            out["head_dim"] = out["qk_rope_head_dim"] + out.get("qk_nope_head_dim", 0)
+        else:
+            out["head_dim"] = out["qk_rope_head_dim"]
     if isinstance(out.get("first_k_dense_replace"), int) and out["first_k_dense_replace"] > 0:
         out["first_k_dense_replace"] = 1
     if isinstance(out.get("kv_source_layers"), list) and out["kv_source_layers"] == list(range(old or 0)):
