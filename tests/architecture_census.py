@@ -119,6 +119,8 @@ _SIZES: dict[str, int] = {
     "linear_value_head_dim": 8,
     "num_hidden_layers_mamba": 1,
     "mamba_d_ssm": 64,
+    "mamba_headdim": 8,
+    "adapter_rank": 8,
     # vocabulary and lengths
     "vocab_size": 128,
     "vocab_size_per_layer_input": 128,
@@ -185,6 +187,10 @@ def _shrink(values: dict[str, Any], layers: int) -> dict[str, Any]:
     kinds = out.get("layer_types")
     if isinstance(kinds, list) and len(kinds) == layers and set(kinds) == {"linear_attention"}:
         out["layer_types"] = ["linear_attention", "full_attention", "linear_attention"][:layers]  # keep it hybrid
+    if isinstance(out.get("attention_hidden_size"), int) and "hidden_size" in out:
+        # zamba2: its shared attention block works on the concatenation of two hidden states
+        out["attention_hidden_size"] = 2 * out["hidden_size"]
+        out["attention_head_dim"] = out["attention_hidden_size"] // out["num_attention_heads"]
     if "attn_layer_indices" in out and not out["attn_layer_indices"]:
         out["attn_layer_indices"] = [1]  # bamba: hybrid, with one attention layer among the mamba ones
     if "qk_rope_head_dim" in out and "head_dim" in out:
@@ -231,8 +237,8 @@ def tiny_config(model_type: str, kind: str = "causal-lm") -> Any:
     config_class = model_class(model_type, kind).config_class
     defaults = config_class().to_dict()
     values = _shrink(defaults, LAYERS)
-    for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
-        values.pop(key, None)
+    for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype", "hybrid_layer_ids"):
+        values.pop(key, None)  # hybrid_layer_ids (zamba2) is derived from the layer kinds: recomputed
     return config_class(**values)
 
 

@@ -84,6 +84,7 @@ def register_layer_index_key(key: str) -> None:
     layers whose source layers it listed."""
     LAYER_INDEX_KEYS.add(key)
 
+
 _NON_TEXT_TOWERS = ("vision", "visual", "image", "audio", "speech")
 """Prefix words of encoder stacks beside the language model (llava's `vision_tower.encoder.layers`)."""
 
@@ -324,6 +325,12 @@ def _rewrite_layer_schedule(holder: dict[str, Any], layer_sources: list[int]) ->
         raise LayerMapError(
             f"`hidden_size_per_layer_input: {per_layer_input}`: the per-layer input embeddings (gemma3n, gemma4) "
             "are single tensors sized by the layer count, which slices that change the layers break"
+        )
+    hybrid = holder.get("hybrid_layer_ids")
+    if isinstance(hybrid, list) and hybrid and layer_sources != list(range(len(layer_sources))):
+        raise LayerMapError(
+            "`hybrid_layer_ids`: the shared attention blocks (zamba2) keep one adapter per hybrid layer, numbered "
+            "by its place among the hybrid layers outside the layer stack, which slices that change the layers break"
         )
     step = holder.get("decoder_sparse_step")
     if isinstance(step, int) and not isinstance(step, bool) and step > 1:
