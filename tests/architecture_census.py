@@ -424,13 +424,13 @@ def _layer_count(config: dict[str, Any]) -> tuple[dict[str, Any], int]:
 def check_method(method: str, model_type: str, kind: str, models: tuple[Path, Path, Path], out: Path) -> str:
     """Run one merge and check it; "pass", "refused: ..." (passthrough refused at plan time) or "fail: ..."."""
     import mergesmith
-    from mergesmith.errors import ConfigError
+    from mergesmith.errors import ConfigError, MergesmithError
 
     base, a, b = models
     try:
         mergesmith.merge(merge_config(method, base, a, b), out)
-    except ConfigError as exc:
-        if method == "passthrough" and not (out / "config.json").exists():
+    except MergesmithError as exc:
+        if isinstance(exc, ConfigError) and method == "passthrough" and not (out / "config.json").exists():
             return f"refused: {str(exc).splitlines()[0]}"
         return f"fail: {type(exc).__name__}: {_short(exc)}"
     try:
