@@ -79,3 +79,24 @@ def test_the_fixture_and_the_table_are_what_the_script_writes() -> None:
     rows, version = script.rows_of_fixture(text)
     assert script.fixture_text(rows, version) == text
     assert script.document(rows, version) == (root / "docs" / "architectures.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "key"), [("zamba2", "hybrid_layer_ids"), ("gemma4_text", "hidden_size_per_layer_input")]
+)
+def test_a_depth_change_no_config_can_describe_is_one_plan_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model_type: str, key: str
+) -> None:
+    """`plan` and `merge` refuse the passthrough in one `error:` line naming the config key, before any output;
+    a `linear` merge of the same models is the census's (and passes there)."""
+    from tests.architecture_census import build, merge_config
+    from tests.helpers import assert_one_line_error, run_cli, write_config
+
+    base, a, b = build(model_type, "causal-lm", tmp_path / "models")
+    cfg = write_config(tmp_path / "f.yml", merge_config("passthrough", base, a, b))
+    capsys.readouterr()  # what building the models printed
+    code, _out, err = run_cli(capsys, "plan", cfg)
+    assert_one_line_error(code, err, key)
+    code, _out, err = run_cli(capsys, "merge", cfg, tmp_path / "out")
+    assert_one_line_error(code, err, key)
+    assert not (tmp_path / "out" / "config.json").exists()
