@@ -58,6 +58,8 @@ _SIZES: dict[str, int] = {
     "ffn_hidden_size": 64,
     "decoder_ffn_dim": 64,
     "moe_intermediate_size": 32,
+    "expert_ffn_hidden_size": 32,
+    "zero_expert_num": 2,
     "expert_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
     "moe_ffn_hidden_size": 32,
