@@ -18,6 +18,8 @@ from tests.architecture_census import passed
 
 FIXTURE = Path(__file__).parent / "fixtures" / "architecture_census.json"
 _RECORD = json.loads(FIXTURE.read_text())
+
+
 def _passing() -> list[tuple[str, str, str]]:
     """(kind, type, the passthrough outcome word) of every type the fixture records as passing."""
     out = []
