@@ -322,3 +322,16 @@ def test_per_layer_strings_and_depth_lists_are_rewritten_for_slices():
     assert rewrite_config({"num_hidden_layers": 3, "cross_attention_layers": [1]}, [0, 1, 2, 1], "F32")[
         "cross_attention_layers"
     ] == [1, 3]
+
+
+def test_layer_kinds_decided_by_a_period_refuse_slices_that_break_them():
+    from mergesmith.engine.planning.architecture import LayerMapError, rewrite_config
+
+    jamba = {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1}
+    assert rewrite_config(jamba, [0, 1, 2, 1, 2], "F32")["num_hidden_layers"] == 5  # kinds line up
+    with pytest.raises(LayerMapError, match="attn_layer_period"):
+        rewrite_config(jamba, [0, 1, 1], "F32")  # output layer 2 would be mamba, its source is attention
+    gemma = {"num_hidden_layers": 3, "block_types": ["recurrent", "recurrent", "attention"]}
+    with pytest.raises(LayerMapError, match="block_types"):
+        rewrite_config(gemma, [0, 1, 2, 1, 2], "F32")
+    assert rewrite_config(gemma, [0, 1, 2, 0, 1, 2], "F32")["num_hidden_layers"] == 6

@@ -311,6 +311,34 @@ def _reindex_layer_dict(value: dict[str, Any], layer_sources: list[int]) -> dict
     return out
 
 
+_PERIODIC_KINDS = (("attn_layer_period", "attn_layer_offset"), ("expert_layer_period", "expert_layer_offset"))
+"""jamba: layer i is attention (or mixture-of-experts) where i % period == offset."""
+
+
+def _check_periodic_kinds(holder: dict[str, Any], layer_sources: list[int]) -> None:
+    """Refuse slices that put a layer where the config's periodic schedule expects another kind: jamba's
+    `attn_layer_period`/`attn_layer_offset` (and the expert pair), recurrent_gemma's cycled `block_types`. No
+    count can describe an arbitrary order, and transformers would build the wrong block for the layer."""
+    for period_key, offset_key in _PERIODIC_KINDS:
+        period, offset = holder.get(period_key), holder.get(offset_key)
+        if not (isinstance(period, int) and isinstance(offset, int) and period > 0):
+            continue
+        for out_i, src in enumerate(layer_sources):
+            if (out_i % period == offset) != (src % period == offset):
+                raise LayerMapError(
+                    f"output layer {out_i} comes from layer {src}, but `{period_key}: {period}` and "
+                    f"`{offset_key}: {offset}` decide a layer's kind by its index"
+                )
+    cycle = holder.get("block_types")
+    if isinstance(cycle, list) and cycle:
+        for out_i, src in enumerate(layer_sources):
+            if cycle[out_i % len(cycle)] != cycle[src % len(cycle)]:
+                raise LayerMapError(
+                    f"output layer {out_i} comes from a {cycle[src % len(cycle)]!r} layer, but the cycled "
+                    f"`block_types` makes it {cycle[out_i % len(cycle)]!r} (transformers builds it by its index)"
+                )
+
+
 def _rewrite_layer_schedule(holder: dict[str, Any], layer_sources: list[int]) -> None:
     """Rewrite the config numbers that make a layer dense or mixture-of-experts by its index.
 
@@ -326,6 +354,7 @@ def _rewrite_layer_schedule(holder: dict[str, Any], layer_sources: list[int]) ->
             f"`hidden_size_per_layer_input: {per_layer_input}`: the per-layer input embeddings (gemma3n, gemma4) "
             "are single tensors sized by the layer count, which slices that change the layers break"
         )
+    _check_periodic_kinds(holder, layer_sources)
     hybrid = holder.get("hybrid_layer_ids")
     if isinstance(hybrid, list) and hybrid and layer_sources != list(range(len(layer_sources))):
         raise LayerMapError(
