@@ -52,6 +52,7 @@ _SIZES: dict[str, int] = {
     "embed_dim": 32,
     "hidden_dim": 32,
     "word_embed_proj_dim": 32,
+    "embedding_dim": 32,
     "intermediate_size": 64,
     "ffn_dim": 64,
     "n_inner": 64,
@@ -143,7 +144,7 @@ _SIZES: dict[str, int] = {
     "num_global_layers": 1,
     "num_kv_shared_layers": 0,
 }
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_blocks")
 _DEPTH_LISTS = ("layers_block_type", "layer_types", "hybrid_override_pattern", "block_types")
 """Where a config has no layer count, the list (or pattern string) whose length is the depth (nemotron_h)."""
 _SUBCONFIG_LAYERS = 2
@@ -189,10 +190,13 @@ def _shrink(values: dict[str, Any], layers: int) -> dict[str, Any]:
     kinds = out.get("layer_types")
     if isinstance(kinds, list) and len(kinds) == layers and set(kinds) == {"linear_attention"}:
         out["layer_types"] = ["linear_attention", "full_attention", "linear_attention"][:layers]  # keep it hybrid
-    if isinstance(out.get("attention_hidden_size"), int) and "hidden_size" in out:
-        # zamba2: its shared attention block works on the concatenation of two hidden states
-        out["attention_hidden_size"] = 2 * out["hidden_size"]
-        out["attention_head_dim"] = out["attention_hidden_size"] // out["num_attention_heads"]
+    if isinstance(values.get("attention_hidden_size"), int) and isinstance(values.get("hidden_size"), int):
+        # as many times the hidden size as the type had (zamba2: twice, its shared attention block works on
+        # two hidden states concatenated; rwkv: once)
+        ratio = max(1, values["attention_hidden_size"] // values["hidden_size"])
+        out["attention_hidden_size"] = ratio * out["hidden_size"]
+        if "attention_head_dim" in out:
+            out["attention_head_dim"] = out["attention_hidden_size"] // out["num_attention_heads"]
     if "attn_layer_indices" in out and not out["attn_layer_indices"]:
         out["attn_layer_indices"] = [1]  # bamba: hybrid, with one attention layer among the mamba ones
     if "qk_rope_head_dim" in out and "head_dim" in out:

@@ -335,3 +335,11 @@ def test_layer_kinds_decided_by_a_period_refuse_slices_that_break_them():
     with pytest.raises(LayerMapError, match="block_types"):
         rewrite_config(gemma, [0, 1, 2, 1, 2], "F32")
     assert rewrite_config(gemma, [0, 1, 2, 0, 1, 2], "F32")["num_hidden_layers"] == 6
+
+
+def test_a_second_count_of_the_layers_follows_the_first():
+    from mergesmith.engine.planning.architecture import rewrite_config
+
+    out = rewrite_config({"num_hidden_layers": 3, "num_blocks": 3}, [0, 1, 2, 1, 2], "F32")  # xlstm
+    assert (out["num_hidden_layers"], out["num_blocks"]) == (5, 5)
+    assert rewrite_config({"num_hidden_layers": 3, "num_blocks": 7}, [0, 1], "F32")["num_blocks"] == 7

@@ -53,6 +53,9 @@ PER_LAYER_DICT_KEYS: set[str] = {
     "per_layer_config",  # gemma4: {"05": {"head_dim": 512}, ...}, overrides keyed by (zero-padded) layer index
 }
 """config.json dicts keyed by layer index: an output layer gets its source layer's entry, under its own index."""
+SECOND_COUNT_KEYS = ("num_blocks",)
+"""Counts some configs keep beside `num_hidden_layers` (xlstm's `num_blocks` builds the blocks): rewritten with
+it where they equal the old depth."""
 DEPTH_KEYS = ("layers_block_type", "hybrid_override_pattern")
 """Per-layer lists or strings that are the only statement of the depth in some configs (nemotron_h in
 transformers 5 has no `num_hidden_layers`: its length is that of `layers_block_type`)."""
@@ -253,6 +256,9 @@ def rewrite_config(
         scope = out if len(path) == 1 else out[path[0]]
         if path[-1] in _LAYER_COUNT_KEYS:  # else the depth is a per-layer list's length, rewritten below
             scope[path[-1]] = len(layer_sources)
+        for alias in SECOND_COUNT_KEYS:  # a second statement of the depth, where it agrees with the first
+            if scope.get(alias) == old_count and not isinstance(scope.get(alias), bool):
+                scope[alias] = len(layer_sources)
         for holder in (out, out.get("text_config")):
             if not isinstance(holder, dict):
                 continue
