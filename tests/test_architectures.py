@@ -303,3 +303,43 @@ def test_index_decided_layer_kinds_are_rewritten_for_slices():
     with pytest.raises(LayerMapError, match="moe_layer_freq"):
         rewrite_config({**deep, "moe_layer_freq": 2}, [0, 1, 3], "F32")
     assert rewrite_config({**deep, "moe_layer_freq": 2}, None, "F32")["first_k_dense_replace"] == 2
+
+
+def test_per_layer_strings_and_depth_lists_are_rewritten_for_slices():
+    from mergesmith.engine.planning.architecture import layer_count_key, rewrite_config
+
+    # nemotron_h before transformers 5: one character per layer, beside num_hidden_layers
+    old = {"num_hidden_layers": 3, "hybrid_override_pattern": "M*E"}
+    out = rewrite_config(old, [0, 1, 2, 1, 2], "F32")
+    assert (out["num_hidden_layers"], out["hybrid_override_pattern"]) == (5, "M*E*E")
+    # nemotron_h in transformers 5: no layer count, the list's length is the depth (no count key is added)
+    new = {"layers_block_type": ["mamba", "attention", "moe"]}
+    assert layer_count_key(new) == (("layers_block_type",), 3)
+    out = rewrite_config(new, [0, 1, 2, 1, 2], "F32")
+    assert out["layers_block_type"] == ["mamba", "attention", "moe", "attention", "moe"]
+    assert "num_hidden_layers" not in out
+    # mllama: the cross-attention layers are indices
+    assert rewrite_config({"num_hidden_layers": 3, "cross_attention_layers": [1]}, [0, 1, 2, 1], "F32")[
+        "cross_attention_layers"
+    ] == [1, 3]
+
+
+def test_layer_kinds_decided_by_a_period_refuse_slices_that_break_them():
+    from mergesmith.engine.planning.architecture import LayerMapError, rewrite_config
+
+    jamba = {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1}
+    assert rewrite_config(jamba, [0, 1, 2, 1, 2], "F32")["num_hidden_layers"] == 5  # kinds line up
+    with pytest.raises(LayerMapError, match="attn_layer_period"):
+        rewrite_config(jamba, [0, 1, 1], "F32")  # output layer 2 would be mamba, its source is attention
+    gemma = {"num_hidden_layers": 3, "block_types": ["recurrent", "recurrent", "attention"]}
+    with pytest.raises(LayerMapError, match="block_types"):
+        rewrite_config(gemma, [0, 1, 2, 1, 2], "F32")
+    assert rewrite_config(gemma, [0, 1, 2, 0, 1, 2], "F32")["num_hidden_layers"] == 6
+
+
+def test_a_second_count_of_the_layers_follows_the_first():
+    from mergesmith.engine.planning.architecture import rewrite_config
+
+    out = rewrite_config({"num_hidden_layers": 3, "num_blocks": 3}, [0, 1, 2, 1, 2], "F32")  # xlstm
+    assert (out["num_hidden_layers"], out["num_blocks"]) == (5, 5)
+    assert rewrite_config({"num_hidden_layers": 3, "num_blocks": 7}, [0, 1], "F32")["num_blocks"] == 7

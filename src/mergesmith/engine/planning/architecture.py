@@ -27,6 +27,13 @@ _LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _EMBEDDING_MARKERS = ("embed", "wte", "wpe", "word_embeddings", "tok_embeddings")
 LM_HEAD_NAMES = ("lm_head.weight", "embed_out.weight", "output.weight")
 PER_LAYER_KEYS: set[str] = {
+    "indexer_types",  # glm_moe_dsa, hy_v4: the sparse-attention indexer of each layer
+    "num_attention_heads_per_layer",  # laguna
+    "activation_sparsity_pattern",  # gemma3n: the MLP activation sparsity of each layer
+    "intermediate_size",  # gemma3n: a list with one MLP width per layer (an int elsewhere, left alone)
+    "layer_rope_theta",  # granite_swa, granitemoe_swa: the rotary base of each layer
+    "attention_layers",  # gpt_neo: "global" / "local" per layer (its `attention_types` is rewritten to match)
+    "mlp_layer_types",  # deepseek_v32/v4, cohere2_moe, bailing_hybrid, ...: "dense" / "sparse" MLP per layer
     "layer_types",  # qwen2/3, gemma2/3, gpt-oss, exaone4, ...: "full_attention" / "sliding_attention" per layer
     "no_rope_layers",  # llama4, smollm3: 1 where a layer uses RoPE
     "sliding_window_pattern",  # where given as a list (elsewhere an int period, which is left alone)
@@ -37,9 +44,27 @@ PER_LAYER_KEYS: set[str] = {
 """config.json lists with one entry per decoder layer: re-indexed when slices change the layers.
 Only these: token ids (`eos_token_id: [2, 3]`) are not per-layer lists, whatever their length; lists of
 layer *indices* are LAYER_INDEX_KEYS."""
+PER_LAYER_STRING_KEYS: set[str] = {
+    "hybrid_override_pattern",  # nemotron_h: one character per layer ("M" mamba, "*" attention, "-" MLP, "E" MoE)
+}
+"""config.json strings with one character per decoder layer: re-indexed like PER_LAYER_KEYS, written back as a
+string (a list there would not load)."""
+PER_LAYER_DICT_KEYS: set[str] = {
+    "per_layer_config",  # gemma4: {"05": {"head_dim": 512}, ...}, overrides keyed by (zero-padded) layer index
+}
+"""config.json dicts keyed by layer index: an output layer gets its source layer's entry, under its own index."""
+SECOND_COUNT_KEYS = ("num_blocks",)
+"""Counts some configs keep beside `num_hidden_layers` (xlstm's `num_blocks` builds the blocks): rewritten with
+it where they equal the old depth."""
+DEPTH_KEYS = ("layers_block_type", "hybrid_override_pattern")
+"""Per-layer lists or strings that are the only statement of the depth in some configs (nemotron_h in
+transformers 5 has no `num_hidden_layers`: its length is that of `layers_block_type`)."""
 LAYER_INDEX_KEYS: set[str] = {
     "mlp_only_layers",  # qwen2_moe, qwen3_moe: indices of the layers with a dense MLP
     "moe_layers",  # llama4: indices of the mixture-of-experts layers
+    "full_attn_idxs",  # lfm2: indices of the attention layers among the convolution ones
+    "attn_layer_indices",  # bamba: indices of the attention layers among the mamba ones
+    "cross_attention_layers",  # mllama: indices of the cross-attention (image) layers
 }
 """config.json lists of layer indices: rewritten to the output indices whose source layer was listed."""
 
@@ -51,10 +76,17 @@ def register_per_layer_key(key: str) -> None:
     PER_LAYER_KEYS.add(key)
 
 
+def register_per_layer_string_key(key: str) -> None:
+    """Declare config.json key `key` a string with one character per decoder layer (as nemotron_h's
+    `hybrid_override_pattern`): a merge whose slices change the layers re-indexes its characters."""
+    PER_LAYER_STRING_KEYS.add(key)
+
+
 def register_layer_index_key(key: str) -> None:
     """Declare config.json key `key` a list of layer indices (as `mlp_only_layers`): rewritten to the output
     layers whose source layers it listed."""
     LAYER_INDEX_KEYS.add(key)
+
 
 _NON_TEXT_TOWERS = ("vision", "visual", "image", "audio", "speech")
 """Prefix words of encoder stacks beside the language model (llava's `vision_tower.encoder.layers`)."""
@@ -85,19 +117,23 @@ class LayerStack:
 
 
 def layer_count_key(config: dict[str, Any] | None) -> tuple[tuple[str, ...], int] | None:
-    """Where the config keeps its layer count (a key path) and the count itself."""
+    """Where the config keeps its layer count (a key path) and the count itself: a count key, or else the
+    length of a per-layer list that is the config's only statement of its depth (DEPTH_KEYS)."""
     if not config:
         return None
-    for key in _LAYER_COUNT_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return (key,), value
-    text = config.get("text_config")
-    if isinstance(text, dict):
+    scopes: list[tuple[tuple[str, ...], dict[str, Any]]] = [((), config)]
+    if isinstance(config.get("text_config"), dict):
+        scopes.append((("text_config",), config["text_config"]))
+    for path, scope in scopes:
         for key in _LAYER_COUNT_KEYS:
-            value = text.get(key)
+            value = scope.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
-                return ("text_config", key), value
+                return (*path, key), value
+    for path, scope in scopes:
+        for key in DEPTH_KEYS:
+            value = scope.get(key)
+            if isinstance(value, (list, str)) and value:
+                return (*path, key), len(value)
     return None
 
 
@@ -218,15 +254,27 @@ def rewrite_config(
     if layer_sources is not None and found is not None:
         path, old_count = found
         scope = out if len(path) == 1 else out[path[0]]
-        scope[path[-1]] = len(layer_sources)
+        if path[-1] in _LAYER_COUNT_KEYS:  # else the depth is a per-layer list's length, rewritten below
+            scope[path[-1]] = len(layer_sources)
+        for alias in SECOND_COUNT_KEYS:  # a second statement of the depth, where it agrees with the first
+            if scope.get(alias) == old_count and not isinstance(scope.get(alias), bool):
+                scope[alias] = len(layer_sources)
         for holder in (out, out.get("text_config")):
             if not isinstance(holder, dict):
                 continue
             for key, value in list(holder.items()):
                 if key in PER_LAYER_KEYS and isinstance(value, list) and len(value) == old_count:
                     holder[key] = [value[min(src, old_count - 1)] for src in layer_sources]
+                elif key in PER_LAYER_STRING_KEYS and isinstance(value, str) and len(value) == old_count:
+                    holder[key] = "".join(value[min(src, old_count - 1)] for src in layer_sources)
+                elif key in PER_LAYER_DICT_KEYS and isinstance(value, dict):
+                    holder[key] = _reindex_layer_dict(value, layer_sources)
                 elif key in LAYER_INDEX_KEYS and isinstance(value, list):
                     holder[key] = [i for i, src in enumerate(layer_sources) if src in value]
+            _rewrite_kv_sources(holder, layer_sources, old_count)
+            if isinstance(holder.get("attention_types"), list) and isinstance(holder.get("attention_layers"), list):
+                # gpt_neo: [[kinds, repeats], ...] expands to attention_layers and must agree with it
+                holder["attention_types"] = [[[kind], 1] for kind in holder["attention_layers"]]
             _rewrite_layer_schedule(holder, layer_sources)
     dtype_name = TORCH_NAMES[out_dtype]
     wrote = False
@@ -244,6 +292,59 @@ def rewrite_config(
     return out
 
 
+def _rewrite_kv_sources(holder: dict[str, Any], layer_sources: list[int], old_count: int) -> None:
+    """mistral_large4's `kv_source_layers` says, per layer, which layer's keys and values it attends with. Where
+    each layer uses its own, the output's layers do too; where layers share, slices would have to keep each
+    sharer after its source, which a list of indices cannot promise: refused."""
+    value = holder.get("kv_source_layers")
+    if not isinstance(value, list) or len(value) != old_count:
+        return
+    if value != list(range(old_count)):
+        raise LayerMapError(
+            "`kv_source_layers` makes layers share another layer's keys and values by index, which slices "
+            "that change the layers break"
+        )
+    holder["kv_source_layers"] = list(range(len(layer_sources)))
+
+
+def _reindex_layer_dict(value: dict[str, Any], layer_sources: list[int]) -> dict[str, Any]:
+    """A dict keyed by layer index (as strings, maybe zero-padded) for the output layers: output layer i takes
+    the entry of its source layer, keyed the way the input wrote its keys."""
+    by_index = {int(k): v for k, v in value.items() if str(k).isdigit()}
+    width = max((len(str(k)) for k in value), default=1)
+    out = {f"{i:0{width}d}": copy.deepcopy(by_index[src]) for i, src in enumerate(layer_sources) if src in by_index}
+    out.update({k: v for k, v in value.items() if not str(k).isdigit()})
+    return out
+
+
+_PERIODIC_KINDS = (("attn_layer_period", "attn_layer_offset"), ("expert_layer_period", "expert_layer_offset"))
+"""jamba: layer i is attention (or mixture-of-experts) where i % period == offset."""
+
+
+def _check_periodic_kinds(holder: dict[str, Any], layer_sources: list[int]) -> None:
+    """Refuse slices that put a layer where the config's periodic schedule expects another kind: jamba's
+    `attn_layer_period`/`attn_layer_offset` (and the expert pair), recurrent_gemma's cycled `block_types`. No
+    count can describe an arbitrary order, and transformers would build the wrong block for the layer."""
+    for period_key, offset_key in _PERIODIC_KINDS:
+        period, offset = holder.get(period_key), holder.get(offset_key)
+        if not (isinstance(period, int) and isinstance(offset, int) and period > 0):
+            continue
+        for out_i, src in enumerate(layer_sources):
+            if (out_i % period == offset) != (src % period == offset):
+                raise LayerMapError(
+                    f"output layer {out_i} comes from layer {src}, but `{period_key}: {period}` and "
+                    f"`{offset_key}: {offset}` decide a layer's kind by its index"
+                )
+    cycle = holder.get("block_types")
+    if isinstance(cycle, list) and cycle:
+        for out_i, src in enumerate(layer_sources):
+            if cycle[out_i % len(cycle)] != cycle[src % len(cycle)]:
+                raise LayerMapError(
+                    f"output layer {out_i} comes from a {cycle[src % len(cycle)]!r} layer, but the cycled "
+                    f"`block_types` makes it {cycle[out_i % len(cycle)]!r} (transformers builds it by its index)"
+                )
+
+
 def _rewrite_layer_schedule(holder: dict[str, Any], layer_sources: list[int]) -> None:
     """Rewrite the config numbers that make a layer dense or mixture-of-experts by its index.
 
@@ -253,6 +354,19 @@ def _rewrite_layer_schedule(holder: dict[str, Any], layer_sources: list[int]) ->
     are dense, the rest sparse; the output keeps that form only while its dense layers come first, and
     is refused otherwise (transformers would build an MLP of the wrong shape for that layer).
     """
+    per_layer_input = holder.get("hidden_size_per_layer_input")
+    if isinstance(per_layer_input, int) and per_layer_input > 0 and layer_sources != list(range(len(layer_sources))):
+        raise LayerMapError(
+            f"`hidden_size_per_layer_input: {per_layer_input}`: the per-layer input embeddings (gemma3n, gemma4) "
+            "are single tensors sized by the layer count, which slices that change the layers break"
+        )
+    _check_periodic_kinds(holder, layer_sources)
+    hybrid = holder.get("hybrid_layer_ids")
+    if isinstance(hybrid, list) and hybrid and layer_sources != list(range(len(layer_sources))):
+        raise LayerMapError(
+            "`hybrid_layer_ids`: the shared attention blocks (zamba2) keep one adapter per hybrid layer, numbered "
+            "by its place among the hybrid layers outside the layer stack, which slices that change the layers break"
+        )
     step = holder.get("decoder_sparse_step")
     if isinstance(step, int) and not isinstance(step, bool) and step > 1:
         dense = set(holder.get("mlp_only_layers") or [])
