@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from tests.test_architectures import linear_reference, ties_reference  # the methods' math, written out once
+
 LAYERS = 3
 PASSTHROUGH_SOURCES = [("a", 0), ("a", 1), ("a", 2), ("b", 1), ("b", 2)]
 TOKEN_IDS = [1, 5, 6, 7, 8, 2]
@@ -317,29 +319,7 @@ def load(path: Path, model_type: str, kind: str) -> Any:
     return model
 
 
-# ----- the methods' math, written out here ----------------------------------------------------------------------
-def linear_reference(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    return sum(w * t.double() for w, t in zip(weights, tensors)) / sum(weights)
-
-
-def ties_reference(base: torch.Tensor, tensors: list[torch.Tensor], weights: list[float], density: float):
-    """TIES: trim each task vector to its top-k magnitudes, elect the sign by the weighted sum, average the
-    agreeing entries normalised by their weights, add to the base."""
-    deltas = []
-    for t, w in zip(tensors, weights):
-        tau = t.double() - base.double()
-        k = int(density * tau.numel())
-        keep = torch.zeros(tau.numel(), dtype=torch.bool)
-        keep[tau.abs().flatten().topk(k).indices] = True
-        deltas.append(tau * keep.view_as(tau) * w)
-    stacked = torch.stack(deltas)
-    sign = torch.sign(stacked.sum(0))
-    agree = torch.sign(stacked) == sign
-    weight_sum = (torch.tensor(weights, dtype=torch.float64).view(-1, *[1] * base.dim()) * agree).sum(0)
-    weight_sum[weight_sum.abs() < 1e-8] = 1
-    return base.double() + (stacked * agree).sum(0) / weight_sum
-
-
+# ----- reading outputs back -------------------------------------------------------------------------------------
 def read_state(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

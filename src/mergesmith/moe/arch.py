@@ -36,6 +36,7 @@ the module, written empty (`n_shared_experts` 0), exactly as transformers saves 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -237,22 +238,17 @@ DEEPSEEK_V2 = OutputArchitecture(
     shared_optional=True,
     input_note=_MLA_NOTE,
 )
-DEEPSEEK_V3 = OutputArchitecture(
+DEEPSEEK_V3 = dataclasses.replace(
+    DEEPSEEK_V2,
     name="DeepSeek-V3",
     aliases=("deepseekv3", "deepseekv3forcausallm", "deepseekmoe"),
     model_type="deepseek_v3",
     class_name="DeepseekV3ForCausalLM",
     input_types=("deepseek_v3",),
-    expert_count_key="n_routed_experts",
-    expert_names=_DEEPSEEK_EXPERTS,
-    router="mlp.gate.weight",
-    shared_prefix="mlp.shared_experts.",
-    attention_biases=None,
-    shared_optional=True,
     router_bias="mlp.gate.e_score_correction_bias",
     min_experts=2,  # its router adds up each group's two best scores
-    input_note=_MLA_NOTE,
 )
+"""DeepSeek-V2's layout, with V3's router bias (its scores' correction) and group routing."""
 _DEEPSEEK_TYPES = (DEEPSEEK_V2.model_type, DEEPSEEK_V3.model_type)
 ARCHITECTURES: tuple[OutputArchitecture, ...] = (MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V2, DEEPSEEK_V3)
 """In mergekit's order of preference: Mixtral first when it fits (older configs expect it). The
