@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tests.test_architectures import linear_reference, ties_reference  # the methods' math, written out once
+from tests.test_architectures import config_for, linear_reference, ties_reference  # the methods' math, written out once
 
 LAYERS = 3
 PASSTHROUGH_SOURCES = [("a", 0), ("a", 1), ("a", 2), ("b", 1), ("b", 2)]
@@ -367,30 +367,9 @@ def moe_tensors(state: dict[str, torch.Tensor]) -> list[str]:
 
 # ----- the three merges -----------------------------------------------------------------------------------------
 def merge_config(method: str, base: Path, a: Path, b: Path) -> dict[str, Any]:
-    if method == "linear":
-        return {
-            "merge_method": "linear",
-            "models": [{"model": str(p), "parameters": {"weight": w}} for p, w in zip((base, a, b), (0.5, 0.3, 0.2))],
-            "dtype": "float32",
-        }
-    if method == "ties":
-        return {
-            "merge_method": "ties",
-            "base_model": str(base),
-            "models": [
-                {"model": str(a), "parameters": {"weight": 0.6, "density": 0.5}},
-                {"model": str(b), "parameters": {"weight": 0.4, "density": 0.5}},
-            ],
-            "dtype": "float32",
-        }
-    return {
-        "merge_method": "passthrough",
-        "slices": [
-            {"sources": [{"model": str(a), "layer_range": [0, 3]}]},
-            {"sources": [{"model": str(b), "layer_range": [1, 3]}]},
-        ],
-        "dtype": "float32",
-    }
+    """test_architectures' config for `method` (linear, ties, or the 3 -> 5 layer passthrough), computed in
+    float32 so the written-out math compares at float32 precision."""
+    return {**config_for(method, base, a, b), "dtype": "float32"}
 
 
 def _layer_count(config: dict[str, Any]) -> tuple[dict[str, Any], int]:
