@@ -139,7 +139,9 @@ class MethodSpec:
       +/- epsilon), run at plan time;
     - `requires_base`: validation fails early without a `base_model`;
     - `uses_base_in_models`: whether the base model contributes even when not listed in `models`;
-    - `models`: how many models (ModelCount).
+    - `models`: how many models (ModelCount);
+    - `task_vector`: the output is the base plus a merged task vector (a difference of each model from the
+      base), so options that act on the merged task vector (LiNeS' layer-increasing scaling) apply to it.
 
     How it runs:
     - `randomized`: the executor passes a generator seeded per output tensor;
@@ -165,6 +167,7 @@ class MethodSpec:
     requires_base: bool = False
     uses_base_in_models: bool = True
     models: ModelCount = ModelCount()
+    task_vector: bool = False
     randomized: bool = False
     keyed_random: bool = False
     elementwise: bool = True

@@ -82,6 +82,7 @@ METHODS = (
         merge=_merge,
         params=(ParamSpec("select_topk", 1.0), ParamSpec("int8_mask", False)),
         requires_base=True,
+        task_vector=True,
         elementwise=False,
         memory=WorkingMemory(per_input=6.5, fixed=1, bytes=0),
     ),

@@ -390,6 +390,7 @@ class TaskVectorMethod:
             ),
             model_params_problem=self.model_params_problem,
             requires_base=True,
+            task_vector=True,
             randomized=self.randomized,
             keyed_random=self.keyed is not None,
             # Without sparsification (or consensus, whose votes are per entry) each entry depends only on the
