@@ -328,3 +328,23 @@ def test_a_bad_value_is_refused_at_plan_time_in_one_line(family, tmp_path, capsy
     code, _out, err = run_cli(capsys, "merge", path, tmp_path / "out", "--random-seed", "1")
     assert_one_line_error(code, err, key)
     assert not (tmp_path / "out").exists()
+
+
+def test_ray_executor_gives_the_local_bytes(family, tmp_path):
+    """Recipes travel to Ray workers with their depth: the option's output is the local executor's, byte for byte."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'mergesmith[ray]')")
+    import logging
+
+    config = _models_config("dare_linear", family, {"a": TIES, "b": TIES},
+                            parameters={"lines_alpha": 0.3, "lines_beta": 0.6})
+    path = write_config(tmp_path / "ray.yml", {**config, "dtype": "float32"})
+    options = {"out_shard_size": 60_000, "random_seed": SEED, "threads": 2}
+    run_merge(path, tmp_path / "local", MergeOptions(**options))
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        run_merge(path, tmp_path / "ray", MergeOptions(**options, executor="ray"))
+    finally:
+        ray.shutdown()
+    local = {p.name: p.read_bytes() for p in sorted((tmp_path / "local").iterdir()) if p.is_file()}
+    remote = {p.name: p.read_bytes() for p in sorted((tmp_path / "ray").iterdir()) if p.is_file()}
+    assert sum(name.startswith("model-") for name in local) >= 3 and remote == local
