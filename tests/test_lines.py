@@ -20,6 +20,7 @@ from mergesmith.engine.run import build_plan, run_merge
 from mergesmith.methods import MergeInputs, MethodSpec, get_method
 from mergesmith.methods.lines import with_lines_option
 from tests.helpers import assert_one_line_error, read_state_dict, run_cli, write_config
+from tests.test_planner_checks2 import _peak_allocated, memory_inputs  # noqa: F401 - the fixture too
 
 LAYER = re.compile(r"\.layers\.(\d+)\.")
 SEED = 5
@@ -37,7 +38,8 @@ def lam64(alpha: float, beta: float, name: str, layers: int) -> float:
 def family(tiny_models: Any) -> dict[str, Path]:
     """A 4-layer float32 llama base (untied head) and three fine-tunes of it."""
     base = tiny_models("llama", seed=21, layers=4)
-    return {"base": base, **{k: tiny_models.derive(base, seed=s, scale=0.02) for k, s in (("a", 1), ("b", 2), ("c", 3))}}
+    tuned = {k: tiny_models.derive(base, seed=s, scale=0.02) for k, s in (("a", 1), ("b", 2), ("c", 3))}
+    return {"base": base, **tuned}
 
 
 def _merge(tmp: Path, name: str, config: dict[str, Any], **options: Any) -> dict[str, torch.Tensor]:
@@ -140,7 +142,8 @@ def test_option_scales_the_methods_own_task_vector_by_output_depth(family, tmp_p
         lam = lam64(0.25, 0.6, name, layers=4)
         want = b + lam * (plain[name] - b)  # float32, as the option computes it
         assert torch.equal(scaled[name], want), name
-    assert not torch.equal(scaled["model.layers.3.self_attn.q_proj.weight"], plain["model.layers.3.self_attn.q_proj.weight"])
+    deep = "model.layers.3.self_attn.q_proj.weight"
+    assert not torch.equal(scaled[deep], plain[deep])
 
 
 def test_option_with_one_parameter_takes_the_reference_default_for_the_other(family, tmp_path):
@@ -348,3 +351,34 @@ def test_ray_executor_gives_the_local_bytes(family, tmp_path):
     local = {p.name: p.read_bytes() for p in sorted((tmp_path / "local").iterdir()) if p.is_file()}
     remote = {p.name: p.read_bytes() for p in sorted((tmp_path / "ray").iterdir()) if p.is_file()}
     assert sum(name.startswith("model-") for name in local) >= 3 and remote == local
+
+
+# ----- memory ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["lines", "ties", "dare_linear"])
+@pytest.mark.parametrize("store,compute", [("F32", "F32"), ("BF16", "BF16"), ("BF16", "F32")])
+def test_recipe_memory_covers_the_option_and_the_method(memory_inputs, method, store, compute):  # noqa: F811
+    """The planner's estimate (the method's WorkingMemory) still covers the measured peak with LiNeS on: the
+    scaling works in chunks over the method's output, so it adds no tensor-sized buffer."""
+    from mergesmith.engine.execution.compute import compute as compute_recipe
+    from mergesmith.engine.plan import InputRef, TensorRecipe
+    from mergesmith.engine.planning.shared import recipe_memory
+    from mergesmith.io.dtypes import dtype_size, to_torch
+
+    spec = get_method(method)
+    n = 4
+    given = {"weight": 0.7, "density": 0.5}
+    defaults = {p.name: p.default for p in spec.model_params}
+    per_model = tuple(tuple((defaults | ({k: given[k] for k in defaults} if i else {})).items()) for i in range(n))
+    option = {"alpha": 0.2, "beta": 0.6} if method == "lines" else {"lines_alpha": 0.2, "lines_beta": 0.6}
+    recipe = TensorRecipe(
+        "model.layers.1.mlp.up_proj.weight", (192, 320), compute, "merge",
+        tuple(InputRef(f"m{i}-{store}", "w") for i in range(n)), method, 0, per_model,
+        tuple(({p.name: p.default for p in spec.params} | option).items()), 7 if spec.randomized else None,
+        depth=(1, 4),
+    )
+    peak = _peak_allocated(lambda: compute_recipe(recipe, memory_inputs, to_torch(compute), True, torch.device("cpu")))
+    held = peak + n * 192 * 320 * dtype_size(compute)
+    estimate = recipe_memory(recipe, compute)
+    assert estimate >= held, f"{method} {store}->{compute}: estimate {estimate} < measured {held}"

@@ -13,7 +13,8 @@ alpha + beta of the task vectors. Where the paper leaves a choice, its authors' 
 - tensors outside the layer stack (embeddings, the final norm, lm_head) are scaled by alpha, as the reference
   scales every parameter whose name matches no block; with a single output layer (L = 1), lambda = alpha;
 - l is the OUTPUT layer's depth (engine.plan.TensorRecipe.depth): a frankenmerge's first layer is shallow
-  whatever source layer it came from; in a `modules:` merge each module's stack (a vision tower) has its own L.
+  whatever source layer it came from; in a `modules:` merge each module's stack (a vision tower) has its own L;
+  a raw state-dict merge (`mergesmith raw`) knows no layers, so every tensor there gets alpha.
 
 The method `lines` is task arithmetic scaled so (the paper's "Task Arithmetic + LiNeS"), with per-model weights:
 
