@@ -32,6 +32,7 @@ CASES: dict[str, dict] = {
     "arcee_fusion": {"base": True, "models": [("base", {}), ("a", {})]},
     "ram": {"base": True, "models": [("a", {}), ("b", {})]},
     "ramplus_tl": {"base": True, "models": [("a", {}), ("b", {})]},
+    "lines": {"base": True, "models": [("a", {"weight": 1.0}), ("b", {})], "parameters": {"alpha": 0.3, "beta": 0.6}},
 }
 
 

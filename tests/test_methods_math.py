@@ -90,6 +90,7 @@ IDENTICAL_CASES: dict[str, tuple[int, int | None, dict, dict]] = {
     "passthrough": (1, None, {}, {}),
     "ram": (3, 0, {}, {}),
     "ramplus_tl": (3, 0, {}, {}),
+    "lines": (3, 2, {"weight": 0.7}, {"alpha": 0.4, "beta": 0.8}),
 }
 
 

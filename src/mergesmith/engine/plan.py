@@ -48,6 +48,11 @@ class TensorRecipe:
     `inputs[i]`; `seed` is set for randomised methods. `quantize` (io/quantized.py: ("fp8", rows, cols),
     ("fp8",) or ("mxfp4",)) stores the tensor quantized: computed whole as `dtype`, then written as its
     stored tensors (`stored()`, e.g. the FP8 values and their `_scale_inv`).
+
+    `depth` is (output layer index, the output's layer count) of a merged tensor of the output's layer stack
+    (of its module's stack in a `modules:` merge), None for tensors outside it (embeddings, final norm, head):
+    the OUTPUT layer's, so a frankenmerge's layer 0 taken from a source's layer 20 is depth 0. Methods that
+    scale by depth (LiNeS, methods/lines.py) read it from MergeInputs.depth.
     """
 
     name: str
@@ -61,6 +66,7 @@ class TensorRecipe:
     params: tuple[tuple[str, Any], ...] = ()
     seed: int | None = None
     quantize: tuple[Any, ...] = ()
+    depth: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -33,6 +33,9 @@ class MergeInputs:
     `totals` is what the method's `totals` pass gathered over all row blocks of the tensor (None when the
     tensor is merged whole, or the pass is not needed: the method then computes them itself).
     `whole_numel` is the entry count of the whole output tensor, whose row block `tensors` may be (0: unknown).
+    `depth` is (output layer index, output layer count) of a tensor of the output's layer stack, None for one
+    outside it (embeddings, final norm, head) or where the planner knows no layers (raw state dicts): see
+    engine.plan.TensorRecipe.depth.
     """
 
     tensors: Sequence[torch.Tensor]
@@ -46,6 +49,7 @@ class MergeInputs:
     offset: int = 0
     totals: Any = None
     whole_numel: int = 0
+    depth: tuple[int, int] | None = None
 
     def done_with(self, index: int) -> None:
         """Say that `tensors[index]` will not be read again by this call.

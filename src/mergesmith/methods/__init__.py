@@ -20,6 +20,7 @@ from . import (
     arcee_fusion,
     karcher,
     linear,
+    lines,
     model_stock,
     multislerp,
     nearswap,
@@ -70,11 +71,13 @@ BUILT_IN: tuple[MethodSpec, ...] = (
     *arcee_fusion.METHODS,  # arcee_fusion
     *ram.METHODS,  # ram, ramplus_tl
     *passthrough.METHODS,  # passthrough
+    *lines.METHODS,  # lines
 )
 """Every built-in method: a new family's module adds its METHODS here."""
 
+# Every task-vector method, built-in or a plugin's, takes LiNeS' `lines_alpha`/`lines_beta` (methods/lines.py).
 for _spec in BUILT_IN:
-    register(_spec)
+    register(lines.with_lines_option(_spec))
 
 
 PLUGIN_GROUP = "mergesmith.methods"
@@ -105,7 +108,7 @@ def _register_plugins() -> None:
             PLUGIN_PROBLEMS[point.name] = f"the {where} was not loaded ({type(exc).__name__}: {exc})"
             continue
         for spec in specs:
-            register(spec)
+            register(lines.with_lines_option(spec))
 
 
 _register_plugins()

@@ -172,6 +172,7 @@ def compute(
         offset=offset,
         totals=totals,
         whole_numel=recipe.numel(),
+        depth=recipe.depth,
     )
     try:
         if gather is not None:

@@ -234,8 +234,10 @@ class Planner(VocabularyPlanning, ModelPlanner):
         layer_offset: int | None,
         rest: str | None,
         t: float,
+        depth: tuple[int, int] | None = None,
     ) -> TensorRecipe:
-        """One output tensor merged from `members` (each at its own layer start + offset)."""
+        """One output tensor merged from `members` (each at its own layer start + offset); `depth` is its output
+        layer's (index, the output's layer count), None outside the layer stack (TensorRecipe.depth)."""
         base_ref = sl.base_model
         refs: list[tuple[str, SourceRange | None, int | None]] = [
             (m.model, m, None if layer_offset is None else m.start + layer_offset) for m in members
@@ -324,6 +326,7 @@ class Planner(VocabularyPlanning, ModelPlanner):
             model_params,
             params,
             seed,
+            depth=depth,
         )
 
     def _lacking(
@@ -437,6 +440,7 @@ class Planner(VocabularyPlanning, ModelPlanner):
             layer_sources = []
             out_stack = base_stack
             out_index = 0
+            out_layers = sum(sl.length for sl in slices)
             for sl in slices:
                 lead = sl.sources[0]
                 lead_stack = self.stacks[lead.model]
@@ -456,9 +460,11 @@ class Planner(VocabularyPlanning, ModelPlanner):
                     self._note_extras(sl, i, rests)
                     for rest in rests:
                         out_name = out_stack.name(out_index, rest)
-                        recipes.append(
-                            self._recipe(out_name, lead_stack.name(src_layer, rest), sl, list(sl.sources), i, rest, t)
+                        recipe = self._recipe(
+                            out_name, lead_stack.name(src_layer, rest), sl, list(sl.sources), i, rest, t,
+                            depth=(out_index, out_layers),
                         )
+                        recipes.append(recipe)
                     layer_sources.append(src_layer)
                     out_index += 1
             if not self.config.slices:

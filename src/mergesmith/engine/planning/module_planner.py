@@ -247,6 +247,7 @@ class ModulePlanner(Planner):
         sources: list[int] = []
         out_stack = layout.stack
         if out_stack is not None:
+            out_layers = sum(sl.length for sl in slices)  # this module's output depth (a tower has its own)
             for sl in slices:
                 lead = sl.sources[0]
                 lead_stack = self.stacks[lead.model]
@@ -269,6 +270,7 @@ class ModulePlanner(Planner):
                                 i,
                                 rest,
                                 t,
+                                depth=(len(sources), out_layers),
                             )
                         )
                     sources.append(src_layer)
