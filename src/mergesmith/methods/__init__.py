@@ -18,6 +18,7 @@ from importlib.metadata import entry_points
 from ..errors import ConfigError
 from . import (
     arcee_fusion,
+    isotropic,
     karcher,
     linear,
     model_stock,
@@ -29,6 +30,7 @@ from . import (
     sce,
     slerp,
     task_arithmetic,
+    task_singular,
 )
 from .registry import (
     MergeFn,
@@ -70,6 +72,8 @@ BUILT_IN: tuple[MethodSpec, ...] = (
     *arcee_fusion.METHODS,  # arcee_fusion
     *ram.METHODS,  # ram, ramplus_tl
     *passthrough.METHODS,  # passthrough
+    *task_singular.METHODS,  # tsv
+    *isotropic.METHODS,  # iso_c, iso_cts
 )
 """Every built-in method: a new family's module adds its METHODS here."""
 
