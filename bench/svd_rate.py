@@ -21,8 +21,11 @@ import torch
 from mergesmith.methods import MergeInputs, get_method
 
 SHAPES = ((512, 512), (64, 512), (1408, 512), (512, 1408), (8000, 512))
-PARAMS = {"tsv": {"alpha": 1.0}, "iso_c": {"scaling_factor": 1.0}, "iso_cts": {"scaling_factor": 1.0,
-                                                                               "common_space_fraction": 0.8}}
+PARAMS = {
+    "tsv": {"alpha": 1.0},
+    "iso_c": {"scaling_factor": 1.0},
+    "iso_cts": {"scaling_factor": 1.0, "common_space_fraction": 0.8},
+}
 
 
 def _inputs(shape: tuple[int, int], tasks: int, method: str) -> MergeInputs:

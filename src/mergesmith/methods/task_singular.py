@@ -41,11 +41,9 @@ and the untuned value of the authors' code; both papers' code tune it on validat
 
 Cost: T thin SVDs of m x n and two of (m x Tk), (Tk x n): about (T + 2) m n min(m, n) units of SVD work
 per matrix (`svd_work`), which `plan` prices at the measured rate of engine.time_estimate.SVD_SECONDS_PER_UNIT.
-Working memory (besides the inputs at the compute width, per the WorkingMemory formula): one task matrix and
-its thin SVD at a time (the T truncated factors total about one matrix), then the concatenations and their SVDs;
-measured with the torch profiler's peak allocation in tests/test_svd_methods.py
-(test_working_memory_covers_the_measured_peak): at most 5.4 float32 copies of the matrix on 96x64..192x320
-shapes with 2-4 task vectors; SVD_MEMORY below adds a margin.
+Working memory: one task matrix and its thin SVD at a time (the T truncated factors total about one matrix), then
+the concatenations and their SVDs, whatever T: at most about 6 copies of the matrix in the work dtype besides the
+inputs, measured with the torch profiler (SVD_MEMORY below says how). No buffer is larger than the tensor's own.
 """
 
 from __future__ import annotations
@@ -174,11 +172,15 @@ def tsv_svd_work(shape: tuple[int, ...], tasks: int) -> float:
     return tasks * m * n * r + m * cat * min(m, cat) + cat * n * min(cat, n)
 
 
-SVD_MEMORY = WorkingMemory(per_input=0.5, fixed=4, bytes=16)
-"""One call's working memory for the SVD methods, in the WorkingMemory formula's terms: measured peaks (torch
-profiler, tests/test_svd_methods.py) of at most 5.4 float32 copies of the matrix beside its inputs, here charged
-as 16 bytes an entry (four float32 copies, whatever the compute dtype, since bf16 inputs are computed in float32)
-plus four more copies and half a copy per input at the compute width (covering float64's own width)."""
+SVD_MEMORY = WorkingMemory(per_input=1.0, fixed=4.0, bytes=28)
+"""One call's working memory for the SVD methods (tsv, iso_c, iso_cts). Measured (torch profiler's peak of the
+allocator's total during one call, tests/test_svd_methods.py::test_working_memory_covers_the_measured_peak, on
+96x64 ... 768x768, 4096x64 and 64x4096 matrices with 2-8 task vectors): at most 6.1 copies of the matrix in the
+work dtype (float32; float64 for float64 inputs) besides the inputs, square matrices the worst (a task matrix,
+its thin SVD's U and V^T, LAPACK's work arrays, the concatenations); bf16 inputs add one float32 copy (the
+converted base): 7.1. In the formula's terms: the inputs at the compute width (per_input 1), plus 4 copies at the
+compute width and 28 bytes an entry, which covers 7.1 float32 copies of bf16 inputs by 27%, 6.1 float64 copies
+by 23%, float32 by 80%."""
 
 
 METHODS = (
