@@ -37,6 +37,8 @@ Defaults: `scaling_factor` 1.0 and `common_space_fraction` 0.8 are FusionBench's
 isotropic_merging/iso_c.yaml, iso_cts.yaml); 0.8 is also the authors' README command for Iso-CTS. The authors'
 code tunes alpha on validation data over (0, 3] (`np.linspace(0, 3, n)` in their eval.py): tune it per merge.
 
+Reproducibility is TSV-M's: LAPACK's SVDs round by library, device and thread count (methods/task_singular.py).
+
 Cost: Iso-C one thin SVD of the m x n sum; Iso-CTS that one, T of the task residuals and two of the
 concatenations (r columns): about (T + 3) m n min(m, n) units of SVD work (`svd_work`, priced by `plan`). Working
 memory: the sum and its SVD, then (Iso-CTS) one task residual and its SVD at a time and the concatenations;

@@ -20,15 +20,16 @@ and the merged task matrix is U_perp S V_perp^T, so that
 Where the paper leaves a choice, the authors' code (AntoAndGar/task_singular_vectors,
 `compute_and_sum_svd_mem_reduction`, which FusionBench's TaskSingularVectorMerging reproduces) decides:
 - a tensor that is not 2-D (norms, biases, 3-D expert stacks) gets the mean of its task vectors,
-  sum_i w_i d_i / T, scaled by alpha like the matrices (the paper: non-matrix layers "default to" task
-  arithmetic); 2-D embeddings and output heads are matrices like any other;
+  sum_i w_i d_i / T, scaled by alpha like the matrices; 2-D embeddings and output heads are matrices like any
+  other (the authors' code exempts only CLIP's `text_projection`, which LLMs do not have);
 - `alpha` scales the merged task vector; a model's `weight` scales its task vector before the SVD (FusionBench's
   `alpha` given as a list does the same).
 
 Two cases the reference code leaves to chance are made definite (on task matrices of full numerical rank
 nothing changes, and tests/test_svd_methods.py checks the equality against an independent float64 reference):
 - singular triplets with a numerically zero singular value (s <= s_max * max(m, n) * eps of the compute dtype: a
-  zero task vector, or a low-rank one such as a LoRA fine-tune's) are dropped before the whitening: their
+  zero task vector, or an exactly low-rank one, e.g. of a fine-tune that trained only a few rows such as new
+  tokens' embeddings) are dropped before the whitening: their
   singular vectors are an arbitrary basis that LAPACK chooses, and whitening them with the others would bend the
   real directions toward it;
 - a matrix of rank smaller than T (k = 0, e.g. a 2 x n tensor merged from four models), where the reference
@@ -37,7 +38,12 @@ nothing changes, and tests/test_svd_methods.py checks the equality against an in
 
 Defaults: `alpha` 1.0 is FusionBench's default (config/method/task_singular_vector/TaskSingularVectorMerging.yaml)
 and the untuned value of the authors' code; both papers' code tune it on validation data over (0, 3] (a grid of
-`np.linspace(0, 3, n)` in their eval.py), and a larger value may do better with many tasks.
+`np.linspace(0, 3, n)` in their eval.py): tune it per merge.
+
+Reproducibility: the SVDs are LAPACK's (MKL's gesdd on x86 CPUs, cuSOLVER on CUDA), whose last bits depend on
+the library, the device and the intra-op thread count (runtime/intra_op_threads.py gives each worker
+cores // workers), so a merge gives the same bytes again with the same `--threads` on the same machine, and
+otherwise outputs that differ by float32 rounding (tests/test_svd_methods.py).
 
 Cost: T thin SVDs of m x n and two of (m x Tk), (Tk x n): about (T + 2) m n min(m, n) units of SVD work
 per matrix (`svd_work`), which `plan` prices at the measured rate of engine.time_estimate.SVD_SECONDS_PER_UNIT.
