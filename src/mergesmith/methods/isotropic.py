@@ -26,9 +26,10 @@ c = r - T k. Made definite where that code is not (nothing changes on matrices o
 tests/test_svd_methods.py compares with an independent float64 reference):
 - numerically zero singular values (at or below s_max * max(m, n) * eps, s_max the sum's largest for the common
   subspace and a task's Frobenius norm for its residual) and their directions are left out, and sigma_bar is the
-  mean of the singular values kept: the paper's r is the rank of the sum, and the reference code's directions for
-  a zero singular value are an arbitrary basis LAPACK picks, which a flat spectrum would raise to full weight (a
-  low-rank sum, e.g. of LoRA fine-tunes, would gain r - rank random directions);
+  mean of the singular values kept, i.e. over the sum's numerical rank (the reference's min(m, n) on the
+  full-rank matrices of the paper): the reference code's directions for a zero singular value are an arbitrary
+  basis LAPACK picks, which a flat spectrum would raise to full weight (a sum of exactly low rank, e.g. of
+  fine-tunes that trained only a few rows, would gain min(m, n) - rank arbitrary directions);
 - where round() asks for more task directions than r holds (common_space_fraction near 0: r = 7, T = 2 gives
   T k = 8 and a negative c in the reference, which fails), one block fewer is taken.
 A model's `weight` scales its task vector before the sum (an extension: the paper weighs the tasks equally).
