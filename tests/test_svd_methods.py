@@ -398,18 +398,35 @@ def test_slices_with_a_gradient_scale_merge_each_layer_at_its_value(tmp_path, ti
             assert_matches(merged[name], ref, arrays[0])
 
 
-def test_plan_prices_the_svds_above_task_arithmetic(tmp_path, tiny_models, capsys):
-    compute = {}
-    for method in ("task_arithmetic", *METHODS):
-        params = {"weight": 1.0} if method == "task_arithmetic" else {}
-        code, text, _ = run_cli(capsys, "plan", _config(tmp_path, tiny_models, method, params), "--json")
-        assert code == 0
-        report = json.loads(text)
-        compute[method] = report["estimated_seconds_parts"]["compute"]
-    assert (
-        compute["tsv"] > compute["task_arithmetic"]
-        and compute["iso_cts"] > compute["iso_c"] > compute["task_arithmetic"]
-    )
+def _plan(tmp_path, tiny_models, capsys, method: str, hidden: int) -> dict[str, float]:
+    """`plan --json`'s time estimate parts for `method` over three fine-tunes of a llama of width `hidden`."""
+    base = tiny_models("llama", seed=1, hidden_size=hidden, intermediate_size=2 * hidden)
+    others = [tiny_models.derive(base, seed=s, scale=0.02) for s in (2, 3, 4)]
+    params = {"weight": 1.0} if method == "task_arithmetic" else {}
+    config = {
+        "merge_method": method,
+        "base_model": str(base),
+        "models": [{"model": str(m), "parameters": params} for m in others],
+    }
+    path = tmp_path / f"{method}-{hidden}.yml"
+    path.write_text(yaml.safe_dump(config))
+    code, text, _ = run_cli(capsys, "plan", path, "--json", "--threads", "2")
+    assert code == 0
+    report = json.loads(text)
+    return {"total": report["estimated_seconds"], **report["estimated_seconds_parts"]}
+
+
+def test_plan_prices_the_svds_above_task_arithmetic_and_by_the_matrix_sizes(tmp_path, tiny_models, capsys):
+    small = {m: _plan(tmp_path, tiny_models, capsys, m, 64) for m in ("task_arithmetic", *METHODS)}
+    large = {m: _plan(tmp_path, tiny_models, capsys, m, 128) for m in ("task_arithmetic", *METHODS)}
+    ta_small, ta_large = small["task_arithmetic"]["compute"], large["task_arithmetic"]["compute"]
+    for method in METHODS:
+        assert small[method]["compute"] > ta_small and large[method]["total"] > large["task_arithmetic"]["total"]
+        # beyond the elementwise part task arithmetic has too: the SVDs, 8x for twice the width on the layers'
+        # matrices (m n min(m, n)), 4x on the 256-row embedding, whose min(m, n) is the width
+        ratio = (large[method]["compute"] - ta_large) / (small[method]["compute"] - ta_small)
+        assert 6 < ratio < 8.01, ratio
+    assert small["iso_cts"]["compute"] > small["tsv"]["compute"] > small["iso_c"]["compute"]
 
 
 def _recipe(method: str, shape: tuple[int, ...], tasks: int) -> TensorRecipe:
