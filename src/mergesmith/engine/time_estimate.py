@@ -116,7 +116,8 @@ methods' merge calls, on one torch thread. `python bench/svd_rate.py` on the 2-c
     median seconds per unit: 2.68e-10 (min 1.03e-10, max 5.56e-10)
 
 and with `--scale 2` (1024x1024 ... 16000x1024) a median of 2.55e-10 (min 9.97e-11, max 3.91e-10): the rate holds
-across sizes within 2x either way (tall matrices are faster per unit, wide ones and tiny ones slower)."""
+across sizes within 2x either way (tall matrices are faster per unit, wide ones and tiny ones slower). A CPU rate:
+for a merge on a GPU (`--device cuda`, cuSOLVER) it is an upper bound."""
 
 
 def svd_seconds(recipe: TensorRecipe) -> float:
