@@ -33,6 +33,13 @@ CASES: dict[str, dict] = {
     "ram": {"base": True, "models": [("a", {}), ("b", {})]},
     "ramplus_tl": {"base": True, "models": [("a", {}), ("b", {})]},
     "lines": {"base": True, "models": [("a", {"weight": 1.0}), ("b", {})], "parameters": {"alpha": 0.3, "beta": 0.6}},
+    "tsv": {"base": True, "models": [("a", {}), ("b", {"weight": 0.8}), ("c", {})], "parameters": {"alpha": 1.2}},
+    "iso_c": {"base": True, "models": [("a", {}), ("b", {}), ("c", {})], "parameters": {"scaling_factor": 1.5}},
+    "iso_cts": {
+        "base": True,
+        "models": [("a", {}), ("b", {}), ("c", {})],
+        "parameters": {"scaling_factor": 1.5, "common_space_fraction": 0.8},
+    },
 }
 
 

@@ -13,7 +13,11 @@ TIES merge's time (TIES is CPU-bound, not disk-bound). Now:
   the merge overlaps reading, computing and writing, so the larger of I/O and compute bounds it, not their sum.
 - compute: for each merged tensor, its entries times its inputs times the method's rate, measured as wall time per
   input entry beyond start-up on the bench's 1b merges (3 inputs a tensor, bfloat16, 2 workers on the bench VM's
-  2 cores), scaled by the workers this merge will have.
+  2 cores), scaled by the workers this merge will have; plus, for the SVD-based methods (tsv, iso_c, iso_cts), their
+  SVD work (MethodSpec.svd_work: about (T + 2) m n min(m, n) per m x n matrix for TSV) at SVD_SECONDS_PER_UNIT,
+  one thread a worker. Their SVDs cost c m n min(m, n), not c m n: a 1b merge of two models by tsv does about
+  7.6e12 units (iso_c 2.2e12, iso_cts 1.1e13), some 17 minutes on the 2-core VM (iso_c 5, iso_cts 25), against
+  ties' half minute, and `plan` says so.
 - first compile: where numba's cache lacks the compiled loops the merge will start
   (execution.kernel_warmup.kernel_groups), what compiling them beside the merge cost the first bench merge (the
   merge does not wait for them, but shares the cores with the compile and runs uncompiled meanwhile).
@@ -27,8 +31,9 @@ from __future__ import annotations
 import os
 
 from ..kernels.introsort_replay import IDS_MAX_ENTRIES
+from ..methods import get_method
 from .execution.kernel_warmup import kernel_groups
-from .plan import Plan
+from .plan import Plan, TensorRecipe
 
 STARTUP_S = 2.2
 """Process start to the first tensor and last write to exit: python and torch imports, config, plan, card, fsync.
@@ -93,6 +98,37 @@ LIKE = {
 """Methods not benched, and the benched method whose work they share."""
 
 
+SVD_SECONDS_PER_UNIT = 2.7e-10
+"""Wall seconds per unit of SVD work (m n min(m, n) per thin SVD of an m x n float32 matrix) of the SVD-based
+methods' merge calls, on one torch thread. `python bench/svd_rate.py` on the 2-core VM (torch 2.13 CPU, load 0.5,
+2026-11-27 00:28 UTC, 2 task vectors, shapes of the 1b model divided by 4) printed, in s/unit:
+
+    method         shape  seconds      units     s/unit
+    tsv          512x512    0.160   5.37e+08   2.99e-10
+    tsv           64x512    0.004   6.55e+06   5.42e-10
+    tsv         1408x512    0.254   1.24e+09   2.04e-10
+    tsv         512x1408    0.381   1.24e+09   3.07e-10
+    tsv         8000x512    0.769   6.43e+09    1.2e-10
+    iso_c        512x512    0.040   1.34e+08   2.98e-10
+    iso_cts      512x512    0.180   6.71e+08   2.68e-10
+    iso_cts     8000x512    1.079   1.05e+10   1.03e-10
+    ...
+    median seconds per unit: 2.68e-10 (min 1.03e-10, max 5.56e-10)
+
+and with `--scale 2` (1024x1024 ... 16000x1024) a median of 2.55e-10 (min 9.97e-11, max 3.91e-10): the rate holds
+across sizes within 2x either way (tall matrices are faster per unit, wide ones and tiny ones slower). A CPU rate:
+for a merge on a GPU (`--device cuda`, cuSOLVER) it is an upper bound."""
+
+
+def svd_seconds(recipe: TensorRecipe) -> float:
+    """One-thread seconds of the SVDs a merge recipe makes (0 for methods without `svd_work`)."""
+    spec = get_method(recipe.method) if recipe.method else None
+    if spec is None or spec.svd_work is None:
+        return 0.0
+    tasks = len(recipe.inputs) - (recipe.base_index is not None)
+    return spec.svd_work(tuple(recipe.shape), tasks) * SVD_SECONDS_PER_UNIT
+
+
 def seconds_per_input_entry(method: str | None) -> float:
     """The rate of `method`: its own, a like method's, or linear's (the plain elementwise methods, I/O-bound)."""
     name = LIKE.get(method or "", method or "")
@@ -107,8 +143,13 @@ def _recipe_seconds(method: str | None, entries: int, inputs: int) -> float:
 
 
 def compute_seconds(plan: Plan, threads: int) -> float:
-    """The merged tensors' work at the bench's rates, for `threads` workers (no more than this machine's cores)."""
-    work = sum(_recipe_seconds(r.method, r.numel(), len(r.inputs)) for r in plan.recipes if r.op == "merge")
+    """The merged tensors' work at the bench's rates, for `threads` workers (no more than this machine's cores).
+
+    The per-entry rates are wall time at BENCH_WORKERS workers; the SVDs' one-thread seconds are divided by them to
+    be on that footing, so that the whole is then divided among this merge's workers."""
+    merges = [r for r in plan.recipes if r.op == "merge"]
+    work = sum(_recipe_seconds(r.method, r.numel(), len(r.inputs)) for r in merges)
+    work += sum(svd_seconds(r) for r in merges) / BENCH_WORKERS
     workers = max(1, min(threads, os.cpu_count() or 1))
     return work * BENCH_WORKERS / workers
 

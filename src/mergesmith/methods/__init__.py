@@ -18,6 +18,7 @@ from importlib.metadata import entry_points
 from ..errors import ConfigError
 from . import (
     arcee_fusion,
+    isotropic,
     karcher,
     linear,
     lines,
@@ -30,6 +31,7 @@ from . import (
     sce,
     slerp,
     task_arithmetic,
+    task_singular,
 )
 from .registry import (
     MergeFn,
@@ -72,6 +74,8 @@ BUILT_IN: tuple[MethodSpec, ...] = (
     *ram.METHODS,  # ram, ramplus_tl
     *passthrough.METHODS,  # passthrough
     *lines.METHODS,  # lines
+    *task_singular.METHODS,  # tsv
+    *isotropic.METHODS,  # iso_c, iso_cts
 )
 """Every built-in method: a new family's module adds its METHODS here."""
 

@@ -41,7 +41,8 @@ class ParamSpec:
 
     `non_base=True` marks a per-model parameter that only the non-base models take (mergekit's
     NON_BASE scope, e.g. `weight` and `density` of the task-vector methods): the base model is
-    neither required to have it nor given it, and a value set on the base is ignored.
+    neither required to have it nor given it, and a value set on the base is ignored. `bounds` (low, high),
+    inclusive, limits a number (e.g. a fraction to [0, 1]).
     """
 
     name: str
@@ -49,6 +50,7 @@ class ParamSpec:
     required: bool = False
     non_base: bool = False
     choices: tuple[str, ...] | None = None
+    bounds: tuple[float, float] | None = None
 
     def problem(self, value: Any) -> str | None:
         """Why `value` cannot be this parameter's value (checked at plan time, before any tensor is read),
@@ -62,7 +64,10 @@ class ParamSpec:
             return None if ok else f"must be true or false, got {value!r}"
         if self.required or isinstance(self.default, int | float):
             ok = isinstance(value, int | float) and not isinstance(value, bool)
-            return None if ok else f"must be a number, got {value!r}"
+            if not ok:
+                return f"must be a number, got {value!r}"
+            if self.bounds is not None and not self.bounds[0] <= value <= self.bounds[1]:
+                return f"must lie in [{self.bounds[0]}, {self.bounds[1]}], got {value!r}"
         return None
 
 
@@ -154,7 +159,10 @@ class MethodSpec:
       pass);
     - `memory`: its working memory (WorkingMemory), which the memory budget admits recipes by;
     - `warm_up`: the compiled kernel groups a recipe's merge will use (WarmUp), None for none: the executor
-      starts them as a merge begins, so it names no method (engine/execution/kernel_warmup.py).
+      starts them as a merge begins, so it names no method (engine/execution/kernel_warmup.py);
+    - `svd_work`: for a method whose time goes into SVDs (tsv, iso_c, iso_cts), (tensor shape, number of task
+      vectors) -> its units of SVD work, the sum of m n min(m, n) over the SVDs one call makes, which `plan`
+      prices at a measured rate (engine/time_estimate.py); None for the others.
     """
 
     name: str
@@ -174,6 +182,7 @@ class MethodSpec:
     totals: TotalsPass | None = None
     memory: WorkingMemory = WorkingMemory()
     warm_up: WarmUp | None = None
+    svd_work: Callable[[tuple[int, ...], int], float] | None = None
 
     # the model-count bounds, read where they were flat fields
     @property
