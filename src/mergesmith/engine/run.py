@@ -341,6 +341,30 @@ def _verify_finished(out_dir: Path, plan: Plan, journal: Journal, stop: threadin
 
 
 
+def _prepare_inputs(
+    out_dir: Path, plan: Plan, checkpoints: dict[str, Checkpoint], stop: threading.Event | None
+) -> dict[str, Checkpoint]:
+    """Run the data steps the plan names (`prepare`: e.g. regmean's Gram collection) into the state directory;
+    the checkpoints with the inputs they made added. Each step journals its own work, so a rerun reuses it."""
+    names = plan.options.get("prepare") or []
+    if not names:
+        return checkpoints
+    from .extensions import data_step
+
+    made = dict(checkpoints)
+    for name in names:
+        made.update(data_step(name).prepare(plan, checkpoints, out_dir, stop))
+    return made
+
+
+def _finish_data_steps(out_dir: Path, plan: Plan) -> None:
+    """Let each data step drop what it made (a complete merge never reads it again: Grams can be large)."""
+    from .extensions import data_step
+
+    for name in plan.options.get("prepare") or []:
+        data_step(name).finish(out_dir)
+
+
 def _check_space(out_dir: Path, plan: Plan, journal: Journal, force: bool) -> None:
     needed = SMALL_FILES_MARGIN
     for shard in plan.shards:
@@ -510,6 +534,7 @@ def _write_plan(
         from .execution.ray_executor import RayExecutor  # Ray is optional: imported only when asked for
 
         executor_cls = RayExecutor
+    checkpoints = _prepare_inputs(out, plan, checkpoints, stop)
     settings = ExecutionSettings.of(options)
     executor = executor_cls(plan, checkpoints, out, journal, settings, on_progress=on_progress, stop=stop)
     executor.run()
@@ -520,5 +545,6 @@ def _write_plan(
     _record_mtimes(out, journal)
     journal.complete = True
     journal.save()
+    _finish_data_steps(out, plan)
     seconds = time.monotonic() - started
     return MergeResult(out, plan, reused, False, seconds, warnings, executor.resumed_tensors, len(bad))

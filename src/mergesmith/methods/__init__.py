@@ -26,6 +26,7 @@ from . import (
     nuslerp,
     passthrough,
     ram,
+    regmean,
     sce,
     slerp,
     task_arithmetic,
@@ -69,6 +70,7 @@ BUILT_IN: tuple[MethodSpec, ...] = (
     *nearswap.METHODS,  # nearswap
     *arcee_fusion.METHODS,  # arcee_fusion
     *ram.METHODS,  # ram, ramplus_tl
+    *regmean.METHODS,  # regmean (its Grams come from the regmean feature's step)
     *passthrough.METHODS,  # passthrough
 )
 """Every built-in method: a new family's module adds its METHODS here."""
