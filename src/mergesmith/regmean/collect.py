@@ -226,7 +226,8 @@ def collect_streamed(
     config = skeleton.config
     layers = inner.layers
     head = layer_file(None)
-    last = len(layers) if head in pending else max(layer_of(plan[name][0]) or 0 for name in pending)
+    # the last layer to run: the last one, when the head's Gram (the final norm's output) is wanted
+    last = len(layers) - 1 if head in pending else max(layer_of(plan[name][0]) or 0 for name in pending)
 
     embedding = ckpt.get("model.embed_tokens.weight").to(torch.float32)
     hidden = [torch.nn.functional.embedding(x, embedding) for x in ids]
@@ -237,7 +238,7 @@ def collect_streamed(
     masks = [_masks(config, h, p) for h, p in zip(hidden, positions)]
 
     for index, layer in enumerate(layers):
-        if index >= last:
+        if index > last:
             break
         name = layer_file(index)
         collecting = name in pending

@@ -162,14 +162,18 @@ def plan_regmean(planner: PlanningView, recipes: list[TensorRecipe]) -> RegmeanP
     contributing = sorted({ref.model for r in recipes if r.op == "merge" for ref in r.inputs})
     models: dict[str, dict[str, Any]] = {}
     linears: dict[str, set[str]] = {}
+    token_counts: dict[str, int] = {}
     for model in contributing:
         tokenizer = _tokenizer_dir(planner, model)
+        if str(tokenizer) not in token_counts:
+            token_counts[str(tokenizer)] = _count_tokens(planner, model, tokenizer, lines, max_length)
         ckpt = planner.ckpts[model]
         linears[model], streamed = linear_modules(ckpt, planner.options.trust_remote_code)
         models[model] = {
             "path": str(ckpt.root),
             "tokenizer": str(tokenizer),
             "mode": "layers" if streamed else "whole",
+            "tokens": token_counts[str(tokenizer)],
             "modules": [],
         }
 
@@ -208,10 +212,10 @@ def plan_regmean(planner: PlanningView, recipes: list[TensorRecipe]) -> RegmeanP
     solved = sum(1 for r in out if dict(r.params).get(GRAMS_PARAM))
     gram_bytes = sum(input_bytes.values())
     whole = [m for m, e in models.items() if e["mode"] == "whole"]
-    tokens = f"at most {max_length} tokens each"
+    tokens = sum(e["tokens"] for e in models.values())
     description = (
         f"collect input Gram matrices of {solved} linear weights: {len(models)} models x {len(lines)} calibration "
-        f"lines ({tokens}) = {len(models) * len(lines)} forward passes, "
+        f"lines = {len(models) * len(lines)} forward passes over {tokens} tokens, "
         + (
             "one decoder layer in memory at a time"
             if not whole
@@ -237,6 +241,26 @@ def plan_regmean(planner: PlanningView, recipes: list[TensorRecipe]) -> RegmeanP
         }
     }
     return RegmeanPlan(out, warnings, options, input_bytes)
+
+
+def _count_tokens(planner: PlanningView, model: str, tokenizer: Path, lines: list[str], max_length: int) -> int:
+    """The tokens the collection will run through a model (the cost `plan` states); a tokenizer that makes none of
+    the lines into tokens is refused here rather than after the merge started."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=planner.options.trust_remote_code)
+        count = sum(len(tok(line, truncation=True, max_length=max_length)["input_ids"]) for line in lines)
+    except (OSError, ValueError) as exc:
+        why = " ".join(str(exc).split())
+        where = f"{planner.source}: model {model!r}"
+        raise ConfigError(f"{where}: its tokenizer in {tokenizer} cannot be loaded ({why})") from None
+    if count == 0:
+        raise ConfigError(
+            f"{planner.source}: `parameters.calibration`: the tokenizer of model {model!r} ({tokenizer}) makes no "
+            "token of any calibration line"
+        )
+    return count
 
 
 def _linear_module(ref: InputRef, linears: dict[str, set[str]]) -> str | None:
