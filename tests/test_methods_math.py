@@ -90,6 +90,7 @@ IDENTICAL_CASES: dict[str, tuple[int, int | None, dict, dict]] = {
     "passthrough": (1, None, {}, {}),
     "ram": (3, 0, {}, {}),
     "ramplus_tl": (3, 0, {}, {}),
+    "regmean": (3, None, {}, {}),  # without Grams (norms, embeddings): the average (tests/test_regmean.py: the rest)
 }
 
 

@@ -69,6 +69,15 @@ def test_linear_weights_equal_the_float64_closed_form(ratio):
     assert np.abs(expected - np.mean(weights, axis=0)).max() > 1e-3
 
 
+def test_identical_weights_give_that_weight_whatever_the_grams():
+    rng = np.random.default_rng(4)
+    weight = rng.normal(size=(20, 16))
+    grams = _grams(rng, 3, 16)
+    tensors = [torch.tensor(a, dtype=torch.float32) for a in [weight] * 3 + grams]
+    got = _merge(tensors, True)
+    np.testing.assert_allclose(got.double().numpy(), weight, rtol=1e-4, atol=1e-5)
+
+
 def test_ratio_zero_weights_each_input_feature_by_its_energy():
     """alpha = 0 leaves only the diagonals: each column is the average of the models' columns weighted by G_kk."""
     rng = np.random.default_rng(1)

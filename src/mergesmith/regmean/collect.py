@@ -145,9 +145,8 @@ def collect_grams(options: dict[str, Any], out_dir: Path, stop: threading.Event 
                     collect_streamed(model, entry, ids, out_dir, stop, trust)
                 else:
                     collect_whole(model, entry, ids, out_dir, trust)
-        ckpt = open_checkpoint(str(store_dir(out_dir, model)))
-        ckpt.ref = gram_ref(model)
-        made[gram_ref(model)] = ckpt
+        # its ref stays the directory's path: what a Ray worker opens (execution/ray_executor.py)
+        made[gram_ref(model)] = open_checkpoint(str(store_dir(out_dir, model)))
         _check_stop(stop)
     return made
 
