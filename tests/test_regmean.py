@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,23 @@ def test_streamed_grams_equal_hooks_on_the_whole_model(tmp_path, tiny_models, ar
     (ckpt_whole,) = collect_grams(whole, out, None).values()
     for name in ckpt.tensors:
         torch.testing.assert_close(ckpt_whole.get(name), ckpt.get(name), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_stop_between_layers_keeps_the_finished_ones(tmp_path, tiny_models):
+    """Ctrl-C (the run's stop event) during the collection: MergeInterrupted after the layer in hand is written."""
+    from mergesmith.errors import MergeInterrupted
+    from mergesmith.regmean.collect import collect_grams
+    from mergesmith.regmean.store import store_dir
+
+    model = tiny_models("llama", seed=5)
+    plan, _ = build_plan(write_config(tmp_path / "c.yml", _config([model])), MergeOptions())
+    out = tmp_path / "out"
+    out.mkdir()
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(MergeInterrupted, match="run the same command again"):
+        collect_grams(plan.options["regmean"], out, stop)
+    assert sorted(p.name for p in store_dir(out, str(model)).iterdir()) == ["grams-00000.safetensors"]
 
 
 # ----- end to end -------------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
         warnings: list[str]
         plan_options: dict[str, Any]  # entries for Plan.options (the report shows them, the fingerprint holds them)
         input_bytes: dict[tuple[str, str], int]  # (model, tensor) of each input the step makes -> its bytes
+        # (the merge's disk check counts their sum: the step writes them into the output directory's state)
 
     class DataStep(Protocol):
         """A step that computes extra merge inputs from the models themselves (running them on data) before the

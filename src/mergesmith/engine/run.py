@@ -366,7 +366,8 @@ def _finish_data_steps(out_dir: Path, plan: Plan) -> None:
 
 
 def _check_space(out_dir: Path, plan: Plan, journal: Journal, force: bool) -> None:
-    needed = SMALL_FILES_MARGIN
+    # what data steps write into the state before the merge (regmean's Grams; counted whole even when resuming)
+    needed = SMALL_FILES_MARGIN + int(plan.options.get("prepare_bytes") or 0)
     for shard in plan.shards:
         if shard.filename in journal.finished:
             continue

@@ -490,6 +490,7 @@ class Planner(VocabularyPlanning, ModelPlanner):
             names.append(step.name)
         if names:
             options["prepare"] = names
+            options["prepare_bytes"] = sum(self._made_inputs.values())
         options["_recipes"] = recipes
         return options
 
