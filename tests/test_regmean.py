@@ -152,15 +152,24 @@ def _config(models: list[Path], **parameters: Any) -> dict[str, Any]:
     return {"merge_method": "regmean", "models": [{"model": str(m)} for m in models], "parameters": params}
 
 
-@pytest.mark.parametrize("arch, tied", [("llama", False), ("qwen3", True)])
-def test_streamed_grams_equal_hooks_on_the_whole_model(tmp_path, tiny_models, arch, tied):
+@pytest.mark.parametrize(
+    "arch, overrides, mode",
+    [
+        ("llama", {}, "layers"),
+        ("qwen3", {"tie_word_embeddings": True}, "layers"),
+        ("mistral", {"sliding_window": 4}, "layers"),  # lines of up to 12 tokens: the window matters
+        ("phi3", {}, "whole"),  # not streamed: loaded whole by transformers
+    ],
+)
+def test_collected_grams_equal_hooks_on_the_whole_model(tmp_path, tiny_models, arch, overrides, mode):
     from mergesmith.regmean.collect import collect_grams
 
-    model = tiny_models(arch, seed=5, tie_word_embeddings=tied)
+    model = tiny_models(arch, seed=5, **overrides)
+    tied = bool(overrides.get("tie_word_embeddings"))
     plan, _ = build_plan(write_config(tmp_path / "c.yml", _config([model, model])), MergeOptions())
     options = plan.options["regmean"]
     (entry,) = options["models"].values()
-    assert entry["mode"] == "layers"  # the llama family is streamed one decoder layer at a time
+    assert entry["mode"] == mode  # the llama family is streamed one decoder layer at a time
     out = tmp_path / "out"
     out.mkdir()
     made = collect_grams(options, out, None)
@@ -173,6 +182,8 @@ def test_streamed_grams_equal_hooks_on_the_whole_model(tmp_path, tiny_models, ar
     for name in ckpt.tensors:
         torch.testing.assert_close(ckpt.get(name), expected[name], rtol=1e-4, atol=1e-5, msg=name)
 
+    if mode == "whole":
+        return
     # the fallback for other architectures (the whole model through transformers) collects the same Grams
     whole = {**options, "models": {"m": {**entry, "mode": "whole"}}}
     (ckpt_whole,) = collect_grams(whole, out, None).values()

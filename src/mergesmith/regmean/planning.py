@@ -105,40 +105,49 @@ def _tokenizer_dir(planner: PlanningView, model: str) -> Path:
     )
 
 
-_SKELETONS: dict[str, tuple[set[str], bool]] = {}
+@dataclass(frozen=True)
+class Skeleton:
+    """What the transformers class of a config says, without weights: its nn.Linear modules, and for a
+    llama-family model the parameter names it needs to stream (embedding, each layer's, the final norm)."""
+
+    linears: frozenset[str]
+    stream_names: frozenset[str] | None  # None: not streamable, the model is loaded whole
 
 
-def linear_modules(ckpt: Checkpoint, trust_remote_code: bool) -> tuple[set[str], bool]:
+_SKELETONS: dict[str, Skeleton] = {}
+
+
+def linear_modules(source: str, model: str, ckpt: Checkpoint, trust_remote_code: bool) -> tuple[set[str], bool]:
     """(names of the model's nn.Linear modules whose weight the checkpoint holds, whether it streams by layer)."""
-    config = ckpt.config or {}
-    key = json.dumps(config, sort_keys=True, default=str) + str(sorted(ckpt.tensors)[:1])
-    if key not in _SKELETONS:
-        _SKELETONS[key] = _skeleton_linears(ckpt, trust_remote_code)
-    linears, streamed = _SKELETONS[key]
-    return {m for m in linears if f"{m}.weight" in ckpt.tensors}, streamed
+    key = json.dumps(ckpt.config or {}, sort_keys=True, default=str) + f"|{trust_remote_code}"
+    if key not in _SKELETONS:  # models of one merge mostly share a config: one meta model each
+        try:
+            _SKELETONS[key] = _skeleton(ckpt, trust_remote_code)
+        except (ImportError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            why = " ".join(str(exc).split()) or type(exc).__name__
+            raise ConfigError(
+                f"{source}: model {model!r}: regmean runs it with transformers, which cannot build it as a causal LM "
+                f"({why})"
+            ) from None
+    skeleton = _SKELETONS[key]
+    streamed = skeleton.stream_names is not None and skeleton.stream_names <= set(ckpt.tensors)
+    return {m for m in skeleton.linears if f"{m}.weight" in ckpt.tensors}, streamed
 
 
-def _skeleton_linears(ckpt: Checkpoint, trust_remote_code: bool) -> tuple[set[str], bool]:
+def _skeleton(ckpt: Checkpoint, trust_remote_code: bool) -> Skeleton:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(str(ckpt.root), trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
-    names = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    linears = frozenset(name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear))
     inner = getattr(model, "model", None)
-    streamed = (
-        getattr(cfg, "model_type", None) in STREAMED_TYPES
-        and inner is not None
-        and all(hasattr(inner, part) for part in ("embed_tokens", "layers", "norm", "rotary_emb"))
-        and "model.embed_tokens.weight" in ckpt.tensors
-        and all(
-            f"model.layers.{i}.{n}" in ckpt.tensors
-            for i, layer in enumerate(inner.layers)
-            for n, _p in layer.named_parameters()
-        )
-    )
-    return names, bool(streamed)
+    parts = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if getattr(cfg, "model_type", None) not in STREAMED_TYPES or not all(hasattr(inner, p) for p in parts):
+        return Skeleton(linears, None)
+    names = {f"model.{n}" for n, _p in inner.named_parameters()}  # embedding, every layer's, the final norm
+    return Skeleton(linears, frozenset(names))
 
 
 def plan_regmean(planner: PlanningView, recipes: list[TensorRecipe]) -> RegmeanPlan:
@@ -168,7 +177,7 @@ def plan_regmean(planner: PlanningView, recipes: list[TensorRecipe]) -> RegmeanP
         if str(tokenizer) not in token_counts:
             token_counts[str(tokenizer)] = _count_tokens(planner, model, tokenizer, lines, max_length)
         ckpt = planner.ckpts[model]
-        linears[model], streamed = linear_modules(ckpt, planner.options.trust_remote_code)
+        linears[model], streamed = linear_modules(planner.source, model, ckpt, planner.options.trust_remote_code)
         models[model] = {
             "path": str(ckpt.root),
             "tokenizer": str(tokenizer),
