@@ -218,7 +218,10 @@ def test_merge_solves_every_linear_weight_from_the_models_grams(tmp_path, tiny_m
     assert code == 0, err
     assert "before merging (regmean): collect input Gram matrices of 29 linear weights: 2 models x 10" in out
     tokens = 2 * sum(min(len(line.split()), 12) for line in _calibration_lines(10))  # one token a word, no specials
-    assert f"= 20 forward passes over {tokens} tokens, one decoder layer in memory at a time" in out
+    weights = read_state_dict(a)
+    linear = [n for n, t in weights.items() if t.dim() == 2 and "embed" not in n]  # 4 x 7 projections, lm_head
+    flops = 2 * tokens * sum(weights[n].numel() + weights[n].shape[1] ** 2 for n in linear)  # matmuls and X^T X
+    assert f"= 20 forward passes over {tokens} tokens (about {flops / 1e6:.3g} MFLOP), one decoder layer" in out
     code, _out, err = run_cli(capsys, "merge", config, tmp_path / "out", "-q")
     assert code == 0, err
     merged = read_state_dict(tmp_path / "out")

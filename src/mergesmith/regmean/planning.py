@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -222,9 +223,10 @@ def plan_regmean(planner: PlanningView, recipes: list[TensorRecipe]) -> RegmeanP
     gram_bytes = sum(input_bytes.values())
     whole = [m for m, e in models.items() if e["mode"] == "whole"]
     tokens = sum(e["tokens"] for e in models.values())
+    flops = sum(_forward_flops(planner.ckpts[m], linears[m], e["modules"], e["tokens"]) for m, e in models.items())
     description = (
         f"collect input Gram matrices of {solved} linear weights: {len(models)} models x {len(lines)} calibration "
-        f"lines = {len(models) * len(lines)} forward passes over {tokens} tokens, "
+        f"lines = {len(models) * len(lines)} forward passes over {tokens} tokens (about {_flop_text(flops)}), "
         + (
             "one decoder layer in memory at a time"
             if not whole
@@ -270,6 +272,21 @@ def _count_tokens(planner: PlanningView, model: str, tokenizer: Path, lines: lis
             "token of any calibration line"
         )
     return count
+
+
+def _forward_flops(ckpt: Checkpoint, linears: set[str], collected: list[str], tokens: int) -> int:
+    """Multiply-adds x 2 of a model's forward passes through its linear layers plus its Gram products (X^T X per
+    collected module): what dominates the collection (attention scores over lines this short are small beside)."""
+    matmul = sum(math.prod(ckpt.info(f"{m}.weight").shape) for m in linears)
+    grams = sum(ckpt.info(f"{m}.weight").shape[-1] ** 2 for m in collected)
+    return 2 * tokens * (matmul + grams)
+
+
+def _flop_text(flops: int) -> str:
+    for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if flops >= size:
+            return f"{flops / size:.3g} {unit}"
+    return f"{flops} FLOP"
 
 
 def _linear_module(ref: InputRef, linears: dict[str, set[str]]) -> str | None:
