@@ -16,11 +16,12 @@ Lines are run one at a time (no padding: every token counted is a real one), eac
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,7 +30,7 @@ from ..io.references import open_checkpoint
 from .planning import read_calibration
 from .store import WHOLE_FILE, finished, gram_ref, layer_file, store_dir, write_grams
 
-if False:  # type checkers only (kept out of the import-time cost)
+if TYPE_CHECKING:
     from ..io.checkpoint import Checkpoint
 
 LAYER_PREFIX = "model.layers."
@@ -123,8 +124,6 @@ def tokenize(tokenizer_dir: str, lines: Iterable[str], max_length: int, trust_re
 def collect_grams(options: dict[str, Any], out_dir: Path, stop: threading.Event | None) -> dict[str, Checkpoint]:
     """Collect (or reuse) every model's Grams into the state directory; the checkpoints to read them from."""
     path = Path(options["calibration"])
-    import hashlib
-
     try:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
     except OSError as exc:

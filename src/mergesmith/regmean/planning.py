@@ -236,6 +236,11 @@ def plan_regmean(planner: PlanningView, recipes: list[TensorRecipe]) -> RegmeanP
         + f"; {human_size(gram_bytes)} of Grams in the output's state directory until the merge completes"
     )
     warnings: list[str] = []
+    if not solved:
+        warnings.append(
+            "regmean: no tensor is the weight of a linear layer every model has (transformers' nn.Linear modules; "
+            "GPT-2's Conv1D is not one), so every tensor is the simple average"
+        )
     if planner.compute_dtype not in ("F32", "F64"):
         warnings.append("regmean: `dtype` below float32 rounds the Gram matrices before the solve; leave it unset")
     options = {
