@@ -7,10 +7,12 @@ says why there: uploads skip it); below, `<state>`.
 1. the journal (plan fingerprint) is written first, and any config.json/index from an earlier run
    is removed (before any damaged shard), so a directory is never mistaken for complete while
    shards change;
-2. shards are written under `<state>/partial/`, fsync'ed, renamed into place, journaled;
+2. a plan's data steps (engine/extensions.py: regmean's Gram collection) write their inputs into `<state>`, each
+   file atomically, so a rerun reuses them; then shards are written under `<state>/partial/`, fsync'ed, renamed
+   into place, journaled;
 3. tokenizer files, model card and the config (`mergekit_config.yml`, as mergekit names it) are written;
 4. the index and finally `config.json` are written atomically: a directory that has `config.json`
-   has all of its shards.
+   has all of its shards (then the data steps' inputs are removed).
 
 A raw merge (`merge-raw`: bare state dicts, no architecture) has no `config.json`; its last model
 file is the index when sharded, else its single shard (whole by construction: fsync'ed, then renamed

@@ -475,10 +475,10 @@ class Planner(VocabularyPlanning, ModelPlanner):
     def shards(self, recipes: list[TensorRecipe]) -> list[ShardPlan]:
         return cut_shards(recipes, self.options.out_shard_size)
 
-    def _plan_data_steps(self, recipes: list[TensorRecipe]) -> dict[str, Any]:
-        """Run the data steps the config asks for (engine/extensions.py): their plan options, with the names of
-        the steps under `prepare` (what execution runs before the merge) and the rewritten recipes under
-        `_recipes`."""
+    def _plan_data_steps(self, recipes: list[TensorRecipe]) -> tuple[list[TensorRecipe], dict[str, Any]]:
+        """Run the data steps the config asks for (engine/extensions.py): the recipes they rewrote, and their plan
+        options with the steps' names under `prepare` (what execution runs before the merge) and the bytes they
+        will write under `prepare_bytes`."""
         options: dict[str, Any] = {}
         names: list[str] = []
         for step in data_steps(self.config):
@@ -491,8 +491,7 @@ class Planner(VocabularyPlanning, ModelPlanner):
         if names:
             options["prepare"] = names
             options["prepare_bytes"] = sum(self._made_inputs.values())
-        options["_recipes"] = recipes
-        return options
+        return recipes, options
 
     def _input_nbytes(self, ref: InputRef) -> int:
         """Bytes of one input as stored: a model's tensor, or one a data step makes before the merge."""
@@ -514,8 +513,7 @@ class Planner(VocabularyPlanning, ModelPlanner):
         tokenizer_plan = self.plan_vocabulary(recipes)
         if tokenizer_plan is not None:
             recipes = tokenizer_plan.recipes
-        data_options = self._plan_data_steps(recipes)
-        recipes = data_options.pop("_recipes")
+        recipes, data_options = self._plan_data_steps(recipes)
         self.warnings.extend(self._extras_warning())
         if tokenizer_plan is None or tokenizer_plan.vocab_rows is None:  # nothing re-indexes the rows by token
             self.warnings.extend(self._truncation_warnings())
