@@ -311,3 +311,16 @@ def test_an_interrupted_collection_resumes_without_collecting_finished_layers(tm
     fresh = tmp_path / "fresh"
     run_merge(config, fresh, MergeOptions())
     assert (out / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
+
+
+def test_a_link_in_the_gram_store_is_never_written_through(tmp_path, tiny_models, capsys):
+    model = tiny_models("llama", seed=21)
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    state = out.joinpath(*STATE_PARTS)
+    state.mkdir(parents=True)
+    outside.mkdir()
+    (state / "regmean").symlink_to(outside)
+    config = write_config(tmp_path / "c.yml", _config([model]))
+    code, _out, err = run_cli(capsys, "merge", config, out, "-q")
+    assert_one_line_error(code, err, "regmean", "link", exit_code=code)
+    assert code != 0 and list(outside.iterdir()) == []

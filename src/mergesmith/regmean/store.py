@@ -51,10 +51,8 @@ WHOLE_FILE = "grams-model.safetensors"
 def finished(out_dir: Path, model: str, name: str) -> bool:
     """Whether the file is there as a regular file, reached without links (a link is never taken for ours)."""
     directory = store_dir(out_dir, model)
-    for parent in [out_dir, *reversed(directory.relative_to(out_dir).parents)][1:]:
-        if (out_dir / parent).is_symlink():
-            return False
-    if directory.is_symlink():
+    parts = directory.relative_to(out_dir).parts
+    if any(out_dir.joinpath(*parts[: i + 1]).is_symlink() for i in range(len(parts))):
         return False
     try:
         return stat.S_ISREG((directory / name).lstat().st_mode)
