@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "features",
-        ("evolve", "multi", "moe", "raw", "lora", "tokenizer", "tokensurgeon"),
+        ("evolve", "multi", "moe", "raw", "lora", "tokenizer", "tokensurgeon", "regmean"),
         "one folder per feature: its config turned into plans run through the engine, its recipe operations and "
         "planning steps registered with the engine",
     ),

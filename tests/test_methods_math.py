@@ -94,6 +94,7 @@ IDENTICAL_CASES: dict[str, tuple[int, int | None, dict, dict]] = {
     "tsv": (3, 0, {"weight": 0.7}, {"alpha": 1.3}),
     "iso_c": (3, 0, {}, {"scaling_factor": 1.3}),
     "iso_cts": (3, 0, {}, {"scaling_factor": 1.3}),
+    "regmean": (3, None, {}, {}),  # without Grams (norms, embeddings): the average (tests/test_regmean.py: the rest)
 }
 
 

@@ -16,6 +16,7 @@ Names are imported on first use, so `import mergesmith` stays cheap (no torch) u
 import sys
 
 from ._version import __version__ as __version__  # the package version, as before
+from .regmean import registration as _regmean_registration  # noqa: F401
 
 # What the features add to the engine (recipe ops, vocabulary planning steps), registered here because Python
 # runs this module before any other of the package, in every process that builds or runs a plan (a Ray worker

@@ -190,6 +190,10 @@ def plan_report(
         report["moe"] = plan.options["moe"]
     if plan.options.get("tokensurgeon"):
         report["tokensurgeon"] = plan.options["tokensurgeon"]
+    # data steps run before the merge (engine/extensions.py), each with what it records under its own name
+    prepare = [{"step": name, **(plan.options.get(name) or {})} for name in plan.options.get("prepare") or []]
+    if prepare:
+        report["prepare"] = prepare
     return report
 
 
@@ -255,6 +259,8 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
         lines.append(f"input {i['model']}: {i['architecture']}, {layers}, {moe}, quantization: {i['quantization']}")
     for s in report["shards"]:
         lines.append(f"  {s['file']}: {s['tensors']} tensors, {human_size(s['bytes'])}")
+    for step in report.get("prepare") or []:
+        lines.append(f"before merging ({step['step']}): {step.get('description', 'a data step')}")
     lines.append(f"read: {human_size(report['bytes_read'])}    write: {human_size(report['bytes_written'])}")
     lines.append(
         f"peak memory (estimate, {report['threads']} threads): {human_size(report['peak_memory_bytes'])}"

@@ -7,10 +7,12 @@ says why there: uploads skip it); below, `<state>`.
 1. the journal (plan fingerprint) is written first, and any config.json/index from an earlier run
    is removed (before any damaged shard), so a directory is never mistaken for complete while
    shards change;
-2. shards are written under `<state>/partial/`, fsync'ed, renamed into place, journaled;
+2. a plan's data steps (engine/extensions.py: regmean's Gram collection) write their inputs into `<state>`, each
+   file atomically, so a rerun reuses them; then shards are written under `<state>/partial/`, fsync'ed, renamed
+   into place, journaled;
 3. tokenizer files, model card and the config (`mergekit_config.yml`, as mergekit names it) are written;
 4. the index and finally `config.json` are written atomically: a directory that has `config.json`
-   has all of its shards.
+   has all of its shards (then the data steps' inputs are removed).
 
 A raw merge (`merge-raw`: bare state dicts, no architecture) has no `config.json`; its last model
 file is the index when sharded, else its single shard (whole by construction: fsync'ed, then renamed
@@ -341,8 +343,33 @@ def _verify_finished(out_dir: Path, plan: Plan, journal: Journal, stop: threadin
 
 
 
+def _prepare_inputs(
+    out_dir: Path, plan: Plan, checkpoints: dict[str, Checkpoint], stop: threading.Event | None
+) -> dict[str, Checkpoint]:
+    """Run the data steps the plan names (`prepare`: e.g. regmean's Gram collection) into the state directory;
+    the checkpoints with the inputs they made added. Each step journals its own work, so a rerun reuses it."""
+    names = plan.options.get("prepare") or []
+    if not names:
+        return checkpoints
+    from .extensions import data_step
+
+    made = dict(checkpoints)
+    for name in names:
+        made.update(data_step(name).prepare(plan, checkpoints, out_dir, stop))
+    return made
+
+
+def _finish_data_steps(out_dir: Path, plan: Plan) -> None:
+    """Let each data step drop what it made (a complete merge never reads it again: Grams can be large)."""
+    from .extensions import data_step
+
+    for name in plan.options.get("prepare") or []:
+        data_step(name).finish(out_dir)
+
+
 def _check_space(out_dir: Path, plan: Plan, journal: Journal, force: bool) -> None:
-    needed = SMALL_FILES_MARGIN
+    # what data steps write into the state before the merge (regmean's Grams; counted whole even when resuming)
+    needed = SMALL_FILES_MARGIN + int(plan.options.get("prepare_bytes") or 0)
     for shard in plan.shards:
         if shard.filename in journal.finished:
             continue
@@ -510,6 +537,7 @@ def _write_plan(
         from .execution.ray_executor import RayExecutor  # Ray is optional: imported only when asked for
 
         executor_cls = RayExecutor
+    checkpoints = _prepare_inputs(out, plan, checkpoints, stop)
     settings = ExecutionSettings.of(options)
     executor = executor_cls(plan, checkpoints, out, journal, settings, on_progress=on_progress, stop=stop)
     executor.run()
@@ -520,5 +548,6 @@ def _write_plan(
     _record_mtimes(out, journal)
     journal.complete = True
     journal.save()
+    _finish_data_steps(out, plan)
     seconds = time.monotonic() - started
     return MergeResult(out, plan, reused, False, seconds, warnings, executor.resumed_tensors, len(bad))

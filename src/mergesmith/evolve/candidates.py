@@ -71,7 +71,13 @@ def plan_candidate(
         device=settings.merge_device,
         random_seed=settings.random_seed if settings.random_seed is not None else 0,
     )
-    return Planner(cfg, {r: checkpoints[r] for r in cfg.referenced_models()}, options, source).build()
+    plan = Planner(cfg, {r: checkpoints[r] for r in cfg.referenced_models()}, options, source).build()
+    if plan.options.get("prepare"):  # regmean: its Grams are collected into an output directory's state
+        raise ConfigError(
+            f"{source}: `merge_method: {cfg.merge_method}` runs the models on data before merging, which "
+            "candidates merged in memory cannot do; use another method"
+        )
+    return plan
 
 
 def eval_dtype(device: str) -> torch.dtype:

@@ -28,6 +28,7 @@ from . import (
     nuslerp,
     passthrough,
     ram,
+    regmean,
     sce,
     slerp,
     task_arithmetic,
@@ -72,6 +73,7 @@ BUILT_IN: tuple[MethodSpec, ...] = (
     *nearswap.METHODS,  # nearswap
     *arcee_fusion.METHODS,  # arcee_fusion
     *ram.METHODS,  # ram, ramplus_tl
+    *regmean.METHODS,  # regmean (its Grams come from the regmean feature's step)
     *passthrough.METHODS,  # passthrough
     *lines.METHODS,  # lines
     *task_singular.METHODS,  # tsv

@@ -158,6 +158,9 @@ class MethodSpec:
       in row blocks, reading each block's inputs twice (engine/execution/input_feed.py: from the disk, once per
       pass);
     - `memory`: its working memory (WorkingMemory), which the memory budget admits recipes by;
+    - `shaped_memory`: instead of `memory`, for a method whose inputs are not all the output's shape (regmean's
+      Gram matrices are in x in beside an out x in weight): (input count, output shape, the recipe's global
+      parameters, compute dtype size) -> its peak bytes besides the output;
     - `warm_up`: the compiled kernel groups a recipe's merge will use (WarmUp), None for none: the executor
       starts them as a merge begins, so it names no method (engine/execution/kernel_warmup.py);
     - `svd_work`: for a method whose time goes into SVDs (tsv, iso_c, iso_cts), (tensor shape, number of task
@@ -181,6 +184,7 @@ class MethodSpec:
     elementwise: bool = True
     totals: TotalsPass | None = None
     memory: WorkingMemory = WorkingMemory()
+    shaped_memory: Callable[[int, tuple[int, ...], dict[str, Any], int], int] | None = None
     warm_up: WarmUp | None = None
     svd_work: Callable[[tuple[int, ...], int], float] | None = None
 

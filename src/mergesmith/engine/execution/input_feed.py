@@ -119,6 +119,15 @@ def part_of(
     return Part(path, offset + start * row_bytes, take * row_bytes, dtype, (take, *info.shape[1:]), end - start - take)
 
 
+def _other_rows(ckpt: Checkpoint, ref: InputRef, recipe: TensorRecipe) -> bool:
+    """An input whose rows are not the output's and that no `ref.rows` lines up with them (regmean's in x in Gram
+    beside an out x in weight): compute reads it whole from its mapping, never cut to the output's rows."""
+    info = ckpt.tensors.get(ref.tensor)
+    if ref.rows is not None or info is None or not info.shape or not recipe.shape:
+        return False
+    return info.shape[0] != recipe.shape[0]
+
+
 class _Block:
     """One block's parts (None: that input is not streamed) and, once claimed, their reads."""
 
@@ -145,7 +154,11 @@ class InputFeed:
         self._streamed: dict[str, frozenset[int]] = {}
         direct = functools.cache(direct_io_supported)  # once per file, not per block (it reads the mount table)
         for recipe, rows, pass_ in blocks:
-            parts = [part_of(checkpoints[ref.model], ref, rows, direct) for ref in recipe.inputs]
+            parts = [
+                None if _other_rows(ckpt, ref, recipe) else part_of(ckpt, ref, rows, direct)
+                for ref in recipe.inputs
+                for ckpt in (checkpoints[ref.model],)
+            ]
             if any(p is not None for p in parts):
                 key = (recipe.name, rows[0], pass_)
                 self._order.append(key)

@@ -17,6 +17,7 @@ from ...io.checkpoint import Checkpoint
 from ...io.dtypes import is_float, parse_config_dtype
 from ...kernels.keyed_random import STREAM_NAME as KEYED_STREAM
 from ...methods import MethodSpec, require_method
+from ..extensions import data_steps
 from ..plan import Estimate, InputRef, Plan, ShardPlan, TensorRecipe
 from .architecture import (
     LM_HEAD_NAMES,
@@ -96,6 +97,8 @@ class Planner(VocabularyPlanning, ModelPlanner):
         # tensors only models other than the one the output follows have (warned about once; see _note_extras)
         self._extras: dict[str, dict[str, int]] = {}
         self._rests_index: dict[str, dict[int, list[str]]] = {}
+        # (model, tensor) -> bytes of the inputs a data step (engine/extensions.py) makes before the merge
+        self._made_inputs: dict[tuple[str, str], int] = {}
 
     def _check_architectures(self) -> None:
         """mergekit's rule: models whose config.json names different architectures (LlamaForCausalLM
@@ -478,10 +481,34 @@ class Planner(VocabularyPlanning, ModelPlanner):
     def shards(self, recipes: list[TensorRecipe]) -> list[ShardPlan]:
         return cut_shards(recipes, self.options.out_shard_size)
 
+    def _plan_data_steps(self, recipes: list[TensorRecipe]) -> tuple[list[TensorRecipe], dict[str, Any]]:
+        """Run the data steps the config asks for (engine/extensions.py): the recipes they rewrote, and their plan
+        options with the steps' names under `prepare` (what execution runs before the merge) and the bytes they
+        will write under `prepare_bytes`."""
+        options: dict[str, Any] = {}
+        names: list[str] = []
+        for step in data_steps(self.config):
+            result = step.plan(self, recipes)  # type: ignore[arg-type]  # the planner has what a PlanningView has
+            recipes = result.recipes
+            self.warnings.extend(result.warnings)
+            self._made_inputs.update(result.input_bytes)
+            options.update(result.plan_options)
+            names.append(step.name)
+        if names:
+            options["prepare"] = names
+            options["prepare_bytes"] = sum(self._made_inputs.values())
+        return recipes, options
+
+    def _input_nbytes(self, ref: InputRef) -> int:
+        """Bytes of one input as stored: a model's tensor, or one a data step makes before the merge."""
+        if ref.model not in self.ckpts:
+            return self._made_inputs[(ref.model, ref.tensor)]
+        return self.ckpts[ref.model].stored_nbytes(ref.tensor)
+
     def estimate(self, recipes: list[TensorRecipe]) -> Estimate:
         return estimate_plan(
             recipes,
-            lambda ref: self.ckpts[ref.model].stored_nbytes(ref.tensor),
+            self._input_nbytes,
             self.compute_dtype,
             self.options.threads,
             self.options.max_memory,
@@ -492,6 +519,7 @@ class Planner(VocabularyPlanning, ModelPlanner):
         tokenizer_plan = self.plan_vocabulary(recipes)
         if tokenizer_plan is not None:
             recipes = tokenizer_plan.recipes
+        recipes, data_options = self._plan_data_steps(recipes)
         self.warnings.extend(self._extras_warning())
         if tokenizer_plan is None or tokenizer_plan.vocab_rows is None:  # nothing re-indexes the rows by token
             self.warnings.extend(self._truncation_warnings())
@@ -535,6 +563,7 @@ class Planner(VocabularyPlanning, ModelPlanner):
                 "random_seed": self.options.random_seed if self.spec.randomized else None,
                 "explicit_dtype": self.config.dtype,
                 **(tokenizer_plan.plan_options if tokenizer_plan is not None else {}),
+                **data_options,
                 # the masks' generator decides the bytes: a run of an older one is not resumed with this one
                 **({"masks": KEYED_STREAM} if self.spec.randomized and self.spec.keyed_random else {}),
             },

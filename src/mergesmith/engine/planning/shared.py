@@ -199,6 +199,8 @@ def recipe_memory(recipe: TensorRecipe, compute_dtype: str) -> int:
     spec = get_method(recipe.method or "") if recipe.op == "merge" else None
     if spec is None:  # other ops (tokenizer surgery, MoE gates): the generic bound
         return numel * dtype_size(compute_dtype) * (2 * n + 3) + numel * dtype_size(recipe.dtype)
+    if spec.shaped_memory is not None:  # inputs of other shapes than the output's (regmean's Grams): merged whole
+        return spec.shaped_memory(n, recipe.shape, dict(recipe.params), dtype_size(compute_dtype)) + recipe.nbytes
     block = spec.working_memory(n, numel, dtype_size(compute_dtype)) + numel * dtype_size(recipe.dtype)
     if spec.totals is not None and spec.totals.memory is not None and two_pass(recipe):
         # a totals pass over the whole tensor (TIES' magnitudes) peaks before the first block is merged; what it
