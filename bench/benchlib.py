@@ -471,6 +471,13 @@ def make_config(case: str, models: Sequence[Path], dtype: str = "bfloat16") -> d
             **({"parameters": {"normalize": True}} if case == "della" else {}),
             **head,
         }
+    if case in ("tsv", "iso_c", "iso_cts"):  # the SVD methods (issue 32): mergesmith only, at their defaults
+        return {
+            "merge_method": case,
+            "base_model": m0,
+            "models": [{"model": m1}, {"model": m2}],
+            **head,
+        }
     if case == "slerp":
         layers = _layers(models[0])
         return {

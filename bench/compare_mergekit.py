@@ -35,7 +35,8 @@ import benchlib as bl
 from make_models import DEFAULT_ROOT, SIZES, ensure_models
 
 DEFAULT_CASES = ("linear", "ties", "dare_ties", "passthrough", "slerp")
-CASES = (*DEFAULT_CASES, "dare_linear", "della", "della_linear")  # the last three only when asked for
+CASES = (*DEFAULT_CASES, "dare_linear", "della", "della_linear", "tsv", "iso_c", "iso_cts")  # the rest when asked
+MERGESMITH_ONLY = ("tsv", "iso_c", "iso_cts")  # methods mergekit lacks: timed for mergesmith alone
 # each tool draws its own masks: outputs compared by statistics, not elementwise
 RANDOMISED = {"dare_ties", "dare_linear", "della", "della_linear"}
 SCALING_SIZES = ("0.25b", "0.5b", "1b")
@@ -112,10 +113,11 @@ class Runner:
         a = self.args
         config = bl.make_config(case, models, a.dtype)
         cfg_path = bl.write_config(config, a.out_root / "configs" / f"{size}-{case}.yml")
-        outs = {t: a.out_root / f"{t}-{size}-{case}" for t in self.tools.names}
-        summaries = {t: bl.Summary() for t in self.tools.names}
+        tools = [t for t in self.tools.names if t == "mergesmith" or case not in MERGESMITH_ONLY]
+        outs = {t: a.out_root / f"{t}-{size}-{case}" for t in tools}
+        summaries = {t: bl.Summary() for t in tools}
         for i in range(runs):
-            order = self.tools.names if i % 2 == 0 else list(reversed(self.tools.names))
+            order = tools if i % 2 == 0 else list(reversed(tools))
             for tool in order:
                 if tool == "mergekit" and a.mergekit_runs is not None and i >= a.mergekit_runs:
                     continue
