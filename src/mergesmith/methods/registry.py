@@ -42,6 +42,8 @@ class ParamSpec:
     `non_base=True` marks a per-model parameter that only the non-base models take (mergekit's
     NON_BASE scope, e.g. `weight` and `density` of the task-vector methods): the base model is
     neither required to have it nor given it, and a value set on the base is ignored.
+    `check`, where given, says why a value of the right kind is still out of range (None when it is not),
+    e.g. a fraction outside (0, 1] or a negative iteration count: see `at_least` and `fraction`.
     """
 
     name: str
@@ -49,6 +51,7 @@ class ParamSpec:
     required: bool = False
     non_base: bool = False
     choices: tuple[str, ...] | None = None
+    check: Callable[[Any], str | None] | None = None
 
     def problem(self, value: Any) -> str | None:
         """Why `value` cannot be this parameter's value (checked at plan time, before any tensor is read),
@@ -62,8 +65,30 @@ class ParamSpec:
             return None if ok else f"must be true or false, got {value!r}"
         if self.required or isinstance(self.default, int | float):
             ok = isinstance(value, int | float) and not isinstance(value, bool)
-            return None if ok else f"must be a number, got {value!r}"
-        return None
+            if not ok:
+                return f"must be a number, got {value!r}"
+        return self.check(value) if self.check is not None else None
+
+
+def at_least(low: float, integer: bool = False) -> Callable[[Any], str | None]:
+    """A ParamSpec check: a number >= `low` (a whole number with `integer`)."""
+
+    def check(value: Any) -> str | None:
+        if integer and float(value) != int(value):
+            return f"must be a whole number, got {value!r}"
+        return None if float(value) >= low else f"must be at least {low}, got {value!r}"
+
+    return check
+
+
+def fraction(value: Any) -> str | None:
+    """A ParamSpec check: a fraction in (0, 1]."""
+    return None if 0 < float(value) <= 1 else f"must be in (0, 1], got {value!r}"
+
+
+def positive(value: Any) -> str | None:
+    """A ParamSpec check: a number > 0."""
+    return None if float(value) > 0 else f"must be greater than 0, got {value!r}"
 
 
 @dataclass(frozen=True, kw_only=True)
