@@ -32,6 +32,11 @@ CASES: dict[str, dict] = {
     "arcee_fusion": {"base": True, "models": [("base", {}), ("a", {})]},
     "ram": {"base": True, "models": [("a", {}), ("b", {})]},
     "ramplus_tl": {"base": True, "models": [("a", {}), ("b", {})]},
+    "consensus_ta": {"base": True, "models": [("a", {"weight": 1.0, "k": 2, "lambda": 0.5}), ("b", {"weight": 1.0})]},
+    "consensus_ties": {"base": True, "models": [("a", {**TASK_VECTOR, "lambda": 0.4}), ("b", TASK_VECTOR)]},
+    "magmax": {"base": True, "models": [("a", {}), ("b", {}), ("c", {})]},
+    "pcb": {"base": True, "models": [("a", {}), ("b", {}), ("c", {})], "parameters": {"pcb_ratio": 0.2}},
+    "wudi": {"base": True, "models": [("a", {}), ("b", {}), ("c", {})], "parameters": {"iter_num": 20, "lr": 1e-4}},
 }
 
 

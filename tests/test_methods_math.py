@@ -90,6 +90,11 @@ IDENTICAL_CASES: dict[str, tuple[int, int | None, dict, dict]] = {
     "passthrough": (1, None, {}, {}),
     "ram": (3, 0, {}, {}),
     "ramplus_tl": (3, 0, {}, {}),
+    "consensus_ta": (3, 2, {"weight": 0.7, "k": 2}, {}),
+    "consensus_ties": (3, 2, {"weight": 0.7, "density": 0.5}, {}),
+    "magmax": (3, 0, {}, {}),
+    "pcb": (3, 0, {}, {}),
+    "wudi": (3, 0, {}, {}),
 }
 
 
