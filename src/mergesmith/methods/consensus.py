@@ -126,6 +126,7 @@ def _spec(ties: bool) -> MethodSpec:
         # the inputs, the raw task vectors (and TIES' trimmed copies with their sort), the mix's chunked
         # temporaries, the multi-task vector, the masks and votes
         memory=WorkingMemory(
+            work_size=4,
             per_input=4.0 if ties else 3.0, fixed=4, bytes=16 if ties else 2, chunked=(2.0, 2.0),
             chunk_elements=MIX_CHUNK,
         ),

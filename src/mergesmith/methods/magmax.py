@@ -52,6 +52,6 @@ METHODS = (
         task_vector=True,
         elementwise=True,
         # the inputs, the widened base, the running choice, one task vector, two magnitudes and the mask
-        memory=WorkingMemory(per_input=1.0, fixed=6, bytes=1),
+        memory=WorkingMemory(work_size=4, per_input=1.5, fixed=8, bytes=1),
     ),
 )

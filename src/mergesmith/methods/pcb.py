@@ -115,6 +115,6 @@ METHODS = (
         elementwise=False,
         # the inputs, the task vectors, their scores and kept scores; one task's softmax temporaries, the
         # top-k's values and int64 indices, the weighted products of the mix
-        memory=WorkingMemory(per_input=5.0, fixed=6, bytes=12),
+        memory=WorkingMemory(work_size=4, per_input=5.0, fixed=6, bytes=12),
     ),
 )

@@ -129,16 +129,19 @@ class WorkingMemory:
     chunks): that part's compute-dtype temporaries, per input and fixed (on the 65 M-entry embedding of a 1 B
     model a tensor-wide charge tripled TIES's estimate). Measured peaks of the allocations (torch profiler) plus
     the inputs at the compute width, with a margin; see `engine.planning.shared.recipe_memory` and
-    tests/test_planner_checks2.py."""
+    tests/test_planner_checks2.py. `work_size`: a method that computes in float32 whatever the compute dtype
+    (bf16 inputs upcast) sets 4, and c is then at least that."""
 
     per_input: float = 2.0
     fixed: float = 3.0
     bytes: int = 0
     chunked: tuple[float, float] = (0.0, 0.0)
     chunk_elements: int = 0
+    work_size: int = 0
 
     def of(self, n_inputs: int, numel: int, compute_size: int) -> int:
         """Bytes one call holds at its peak over `n_inputs` tensors of `numel` elements, the output aside."""
+        compute_size = max(compute_size, self.work_size)
         per_element = compute_size * (self.per_input * n_inputs + self.fixed) + self.bytes
         chunk = min(numel, self.chunk_elements) if self.chunk_elements else numel
         per_chunk_element = compute_size * (self.chunked[0] * n_inputs + self.chunked[1])

@@ -130,6 +130,6 @@ METHODS = (
         elementwise=False,
         # the inputs, the task vectors and their scaled copies; the merged vector, Adam's two moments, the
         # gradient and its denominator, B, and A or the T x out x out product (no larger than the matrix)
-        memory=WorkingMemory(per_input=4.0, fixed=8),
+        memory=WorkingMemory(work_size=4, per_input=4.0, fixed=8),
     ),
 )
