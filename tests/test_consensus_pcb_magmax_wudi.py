@@ -259,9 +259,9 @@ def ref_wudi(tensors: list[torch.Tensor], iters: int, lr: float) -> tuple[torch.
     return base + merged.detach(), taus
 
 
-@pytest.mark.parametrize("shape", [(64, 48), (48, 64)])
+@pytest.mark.parametrize("shape", [(64, 48), (48, 64), (8, 96)])
 def test_wudi_equals_an_adam_loop_on_the_papers_loss(shape):
-    """Both product forms (A for out >= in, its factors for out < in) give the autograd Adam loop's result:
+    """Both product forms (A where in <= 2 T out, its factors for the wide (8, 96)) give the autograd loop's result:
     float64 to 1e-12, float32 to 1e-6 (about 1% of the 1e-4 the 300 steps move each entry), and the loss
     falls from the sum's to the reference's."""
     tensors = models(shape, 4, seed=31)

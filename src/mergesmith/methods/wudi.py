@@ -20,13 +20,15 @@ How it is computed: L is quadratic, so its gradient needs no autograd,
     grad = 2 (tau_m A - B),   A = sum_i tau_i^T tau_i / ||tau_i||^2   (in x in),
                               B = sum_i tau_i tau_i^T tau_i / ||tau_i||^2,
 
-A and B fixed before the first step, so a step costs one matrix product: tau_m A where A is no larger than
-the matrix (in <= out), else (tau_m S^T) S with S the stacked tau_i / ||tau_i||. These are the steps of the
+A and B fixed before the first step, so a step costs one matrix product: tau_m A (out in^2 multiply-adds)
+where that is the cheaper, in <= 2 T out, else (tau_m S^T) S with S the stacked tau_i / ||tau_i||
+(2 T out^2 in); A then holds at most 2 T times the matrix's entries. These are the steps of the
 paper's autograd loop up to rounding; nothing is random, so a merge is deterministic.
 
-Cost: iterative. A step multiplies the out x in matrix by an in x in (or two T out-sized) factors, and there
-are `iter_num` of them: WUDI is by far the slowest data-free method on the CPU (minutes for a billion
-parameters on a GPU, hours on a few CPU cores): use `--device cuda` where there is one. Computed in float32
+Cost: iterative, `iter_num` such products per matrix: by far the slowest data-free method on a CPU. Measured
+on 2 busy cores (3 task vectors, float32): 300 steps on a 2048 x 2048 matrix took ~100 s, so a 1.1 B model
+(TinyLlama's shapes) takes hours there; a GPU does the same products in seconds: use `--device cuda` where
+there is one. Computed in float32
 (float64 stays float64).
 """
 
@@ -54,12 +56,12 @@ Factors = tuple["torch.Tensor | None", "torch.Tensor | None", torch.Tensor]
 
 def _factors(deltas: torch.Tensor, norms: torch.Tensor) -> Factors:
     """(A or None, S or None, B) of the stacked nonzero task matrices `deltas` with squared norms `norms`."""
-    out_dim, in_dim = deltas.shape[1:]
+    tasks, out_dim, in_dim = deltas.shape
     scaled = deltas / norms.sqrt().view(-1, 1, 1)
     target = torch.zeros_like(deltas[0])
     gram = None
     for s, d in zip(scaled, deltas):
-        if in_dim <= out_dim:
+        if in_dim <= 2 * tasks * out_dim:  # tau_m A costs out in^2, (tau_m S^T) S costs 2 T out^2 in
             part = s.T @ s  # in x in
             gram = part if gram is None else gram.add_(part)
             target.addmm_(d, part)
@@ -128,8 +130,8 @@ METHODS = (
         requires_base=True,
         task_vector=True,
         elementwise=False,
-        # the inputs, the task vectors and their scaled copies; the merged vector, Adam's two moments, the
-        # gradient and its denominator, B, and A or the T x out x out product (no larger than the matrix)
-        memory=WorkingMemory(work_size=4, per_input=4.0, fixed=8),
+        # the inputs, the task vectors and their scaled copies, A (at most 2 T matrices) or the T out x out
+        # product; the merged vector, Adam's two moments, the gradient and its denominator, B
+        memory=WorkingMemory(work_size=4, per_input=5.0, fixed=8),
     ),
 )
