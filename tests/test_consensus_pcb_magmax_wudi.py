@@ -103,7 +103,7 @@ def ref_consensus(tensors: list[torch.Tensor], weights, lambdas, k: int, ties: b
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_consensus_ta_equals_the_papers_masks(shape, k):
-    """float32 compute from float64 inputs and float64 compute, against the float64 reference (2e-7 and 1e-12:
+    """float32 compute from float64 inputs and float64 compute, against the float64 reference (2e-6 and 1e-12:
     the float32 one is a rounding of each input and of the sum; no mask flips on these seeds)."""
     tensors = models(shape, 4, seed=k)
     weights, lambdas = [1.0, 0.83, 1.17, 0.55], [0.41, 0.63, 0.97, 0.52]  # no exact ties on bf16 grids

@@ -91,7 +91,7 @@ def _merge(inputs: MergeInputs) -> torch.Tensor:
     base_index = require_base(inputs, "pcb")
     base = inputs.tensors[base_index]
     others = inputs.others()
-    if not others:
+    if not others or base.numel() == 0:
         return base
     dtype = work_dtype(*inputs.tensors)
     wide = base.to(dtype)
