@@ -305,6 +305,21 @@ def test_wudi_ignores_an_all_zero_task_vector_and_is_deterministic():
     assert torch.equal(run("wudi", f32, [{}] * 3), run("wudi", f32, [{}] * 3))
 
 
+def test_plan_prices_wudi_by_its_steps():
+    """`plan`'s compute estimate counts WUDI's Adam steps: a TinyLlama-sized MLP matrix at 300 steps is minutes of
+    CPU, against the fraction of a second the per-entry rate of the other methods gives."""
+    from mergesmith.engine.plan import InputRef, TensorRecipe
+    from mergesmith.engine.time_estimate import seconds_per_input_entry, wudi_seconds
+
+    inputs = tuple(InputRef(m, "w") for m in ("base", "a", "b", "c"))
+    up = TensorRecipe(MATRIX, (5632, 2048), "BF16", "merge", inputs, "wudi", 0, (), (("iter_num", 300),))
+    per_entry = 5632 * 2048 * 4 * seconds_per_input_entry("wudi")
+    assert wudi_seconds(up) > 100 * per_entry and wudi_seconds(up) > 60
+    tenth = TensorRecipe(MATRIX, (5632, 2048), "BF16", "merge", inputs, "wudi", 0, (), (("iter_num", 30),))
+    assert wudi_seconds(tenth) == pytest.approx(wudi_seconds(up) / 10)
+    assert wudi_seconds(TensorRecipe("model.norm.weight", (2048,), "BF16", "merge", inputs, "wudi", 0)) == 0
+
+
 # ----- identical models, spec flags -----------------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ paper's autograd loop up to rounding; nothing is random, so a merge is determini
 Cost: iterative, `iter_num` such products per matrix: by far the slowest data-free method on a CPU. Measured
 on 2 busy cores (3 task vectors, float32): 300 steps on a 2048 x 2048 matrix took ~100 s, so a 1.1 B model
 (TinyLlama's shapes) takes hours there; a GPU does the same products in seconds: use `--device cuda` where
-there is one. Computed in float32
+there is one. `plan` prices the steps at that measured rate (engine/time_estimate.py). Computed in float32
 (float64 stays float64).
 """
 
@@ -49,6 +49,12 @@ def optimised(name: str, shape: torch.Size | tuple[int, ...]) -> bool:
     """Whether WUDI optimises this tensor: a matrix that is not vocabulary-indexed (see the docstring)."""
     lowered = name.lower()
     return len(shape) == 2 and not any(m in lowered for m in _VOCABULARY_MARKERS)
+
+
+def step_flops(shape: tuple[int, ...], tasks: int) -> int:
+    """Floating-point operations of one Adam step's product on a matrix of `shape` (the cheaper form)."""
+    out_dim, in_dim = shape
+    return 2 * out_dim * in_dim * min(in_dim, 2 * tasks * out_dim)
 
 
 Factors = tuple["torch.Tensor | None", "torch.Tensor | None", torch.Tensor]
