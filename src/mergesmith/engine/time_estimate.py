@@ -89,6 +89,7 @@ LIKE = {
     "breadcrumbs_ties": "ties",  # the same magnitude selection and sign consensus
     "breadcrumbs": "ties",
     "della_linear": "della",
+    "consensus_ties": "ties",  # TIES' trim and election, then per-entry masks
 }
 """Methods not benched, and the benched method whose work they share."""
 
