@@ -50,6 +50,11 @@ CASES: dict[str, dict] = {
         "models": [("a", {}), ("b", {})],
         "parameters": {"calibration": str(CALIBRATION), "num_regmean_examples": 8, "max_length": 16},
     },
+    "consensus_ta": {"base": True, "models": [("a", {"weight": 1.0, "k": 2, "lambda": 0.5}), ("b", {"weight": 1.0})]},
+    "consensus_ties": {"base": True, "models": [("a", {**TASK_VECTOR, "lambda": 0.4}), ("b", TASK_VECTOR)]},
+    "magmax": {"base": True, "models": [("a", {}), ("b", {}), ("c", {})]},
+    "pcb": {"base": True, "models": [("a", {}), ("b", {}), ("c", {})], "parameters": {"pcb_ratio": 0.2}},
+    "wudi": {"base": True, "models": [("a", {}), ("b", {}), ("c", {})], "parameters": {"iter_num": 20, "lr": 1e-4}},
 }
 
 

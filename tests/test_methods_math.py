@@ -95,6 +95,11 @@ IDENTICAL_CASES: dict[str, tuple[int, int | None, dict, dict]] = {
     "iso_c": (3, 0, {}, {"scaling_factor": 1.3}),
     "iso_cts": (3, 0, {}, {"scaling_factor": 1.3}),
     "regmean": (3, None, {}, {}),  # without Grams (norms, embeddings): the average (tests/test_regmean.py: the rest)
+    "consensus_ta": (3, 2, {"weight": 0.7, "k": 2}, {}),
+    "consensus_ties": (3, 2, {"weight": 0.7, "density": 0.5}, {}),
+    "magmax": (3, 0, {}, {}),
+    "pcb": (3, 0, {}, {}),
+    "wudi": (3, 0, {}, {}),
 }
 
 

@@ -235,6 +235,11 @@ MEMORY_CASES = {  # method: (per-model parameters of the non-base models, global
     "sce": ({}, {"select_topk": 0.5}),
     "multislerp": ({"weight": 0.3}, {}),
     "ram": ({}, {}),
+    "consensus_ta": ({"weight": 0.7, "k": 2}, {}),
+    "consensus_ties": ({"weight": 0.7, "density": 0.5, "k": 2}, {}),
+    "magmax": ({}, {}),
+    "pcb": ({}, {}),
+    "wudi": ({}, {"iter_num": 5}),
 }
 
 

@@ -94,6 +94,7 @@ LIKE = {
     "breadcrumbs_ties": "ties",  # the same magnitude selection and sign consensus
     "breadcrumbs": "ties",
     "della_linear": "della",
+    "consensus_ties": "ties",  # TIES' trim and election, then per-entry masks
 }
 """Methods not benched, and the benched method whose work they share."""
 
@@ -142,6 +143,23 @@ def _recipe_seconds(method: str | None, entries: int, inputs: int) -> float:
     return entries * inputs * rate
 
 
+WUDI_FLOPS_PER_S = 5.1e10
+"""WUDI's matrix products on the CPU: 20 Adam steps on a 2048 x 2048 matrix of 3 task vectors (2 x 2048^3 flops
+each, methods/wudi.py's step_flops) took 6.7 s with 2 threads on the 2-core dev VM while other jobs ran."""
+
+
+def wudi_seconds(recipe: TensorRecipe) -> float:
+    """The Adam steps of a WUDI recipe at WUDI_FLOPS_PER_S (0 for the tensors it averages): iterative, so its cost
+    is steps x products, not entries x inputs (300 steps on a 1.1 B model are hours on a CPU)."""
+    from ..methods.wudi import optimised, step_flops
+
+    if recipe.method != "wudi" or not optimised(recipe.name, recipe.shape):
+        return 0.0
+    iters = int(dict(recipe.params).get("iter_num", 300))
+    tasks = len(recipe.inputs) - int(recipe.base_index is not None)
+    return iters * step_flops(recipe.shape, tasks) / WUDI_FLOPS_PER_S
+
+
 def compute_seconds(plan: Plan, threads: int) -> float:
     """The merged tensors' work at the bench's rates, for `threads` workers (no more than this machine's cores).
 
@@ -150,6 +168,7 @@ def compute_seconds(plan: Plan, threads: int) -> float:
     merges = [r for r in plan.recipes if r.op == "merge"]
     work = sum(_recipe_seconds(r.method, r.numel(), len(r.inputs)) for r in merges)
     work += sum(svd_seconds(r) for r in merges) / BENCH_WORKERS
+    work += sum(wudi_seconds(r) for r in merges)
     workers = max(1, min(threads, os.cpu_count() or 1))
     return work * BENCH_WORKERS / workers
 

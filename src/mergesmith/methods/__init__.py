@@ -18,21 +18,25 @@ from importlib.metadata import entry_points
 from ..errors import ConfigError
 from . import (
     arcee_fusion,
+    consensus,
     isotropic,
     karcher,
     linear,
     lines,
+    magmax,
     model_stock,
     multislerp,
     nearswap,
     nuslerp,
     passthrough,
+    pcb,
     ram,
     regmean,
     sce,
     slerp,
     task_arithmetic,
     task_singular,
+    wudi,
 )
 from .registry import (
     MergeFn,
@@ -64,6 +68,10 @@ __all__ = [
 BUILT_IN: tuple[MethodSpec, ...] = (
     *linear.METHODS,  # linear
     *task_arithmetic.METHODS,  # task_arithmetic, ties, dare_linear, dare_ties, breadcrumbs(_ties), della(_linear)
+    *consensus.METHODS,  # consensus_ta, consensus_ties
+    *magmax.METHODS,  # magmax
+    *pcb.METHODS,  # pcb
+    *wudi.METHODS,  # wudi
     *sce.METHODS,  # sce
     *slerp.METHODS,  # slerp
     *nuslerp.METHODS,  # nuslerp

@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 
 from .common import check_same_shape, require_base, work_dtype
-from .registry import MergeInputs, MethodSpec, ParamSpec
+from .registry import MergeInputs, MethodSpec, ParamSpec, within
 from .task_singular import SVD_MEMORY, finish, matrix_rank_tolerance, orthonormal_factor, task_matrices
 
 __all__ = ["METHODS", "common_size", "iso_c_matrix", "iso_cts_matrix"]
@@ -195,7 +195,7 @@ METHODS = (
         name="iso_cts",
         description="Iso-CTS: common and task-specific subspaces with a flat spectrum (Marczak et al. 2025)",
         merge=_merge_iso_cts,
-        params=(_SCALING, ParamSpec("common_space_fraction", 0.8, bounds=(0.0, 1.0))),
+        params=(_SCALING, ParamSpec("common_space_fraction", 0.8, check=within(0.0, 1.0))),
         model_params=(_WEIGHT,),
         requires_base=True,
         task_vector=True,

@@ -41,8 +41,9 @@ class ParamSpec:
 
     `non_base=True` marks a per-model parameter that only the non-base models take (mergekit's
     NON_BASE scope, e.g. `weight` and `density` of the task-vector methods): the base model is
-    neither required to have it nor given it, and a value set on the base is ignored. `bounds` (low, high),
-    inclusive, limits a number (e.g. a fraction to [0, 1]).
+    neither required to have it nor given it, and a value set on the base is ignored.
+    `check`, where given, says why a value of the right kind is still out of range (None when it is not),
+    e.g. a fraction outside (0, 1] or a negative iteration count: see `at_least` and `fraction`.
     """
 
     name: str
@@ -50,7 +51,7 @@ class ParamSpec:
     required: bool = False
     non_base: bool = False
     choices: tuple[str, ...] | None = None
-    bounds: tuple[float, float] | None = None
+    check: Callable[[Any], str | None] | None = None
 
     def problem(self, value: Any) -> str | None:
         """Why `value` cannot be this parameter's value (checked at plan time, before any tensor is read),
@@ -66,9 +67,37 @@ class ParamSpec:
             ok = isinstance(value, int | float) and not isinstance(value, bool)
             if not ok:
                 return f"must be a number, got {value!r}"
-            if self.bounds is not None and not self.bounds[0] <= value <= self.bounds[1]:
-                return f"must lie in [{self.bounds[0]}, {self.bounds[1]}], got {value!r}"
-        return None
+        return self.check(value) if self.check is not None else None
+
+
+def at_least(low: float, integer: bool = False) -> Callable[[Any], str | None]:
+    """A ParamSpec check: a number >= `low` (a whole number with `integer`)."""
+
+    def check(value: Any) -> str | None:
+        if integer and float(value) != int(value):
+            return f"must be a whole number, got {value!r}"
+        return None if float(value) >= low else f"must be at least {low}, got {value!r}"
+
+    return check
+
+
+def fraction(value: Any) -> str | None:
+    """A ParamSpec check: a fraction in (0, 1]."""
+    return None if 0 < float(value) <= 1 else f"must be in (0, 1], got {value!r}"
+
+
+def within(low: float, high: float) -> Callable[[Any], str | None]:
+    """A ParamSpec check: a number in [low, high], both included."""
+
+    def check(value: Any) -> str | None:
+        return None if low <= float(value) <= high else f"must lie in [{low}, {high}], got {value!r}"
+
+    return check
+
+
+def positive(value: Any) -> str | None:
+    """A ParamSpec check: a number > 0."""
+    return None if float(value) > 0 else f"must be greater than 0, got {value!r}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,16 +138,19 @@ class WorkingMemory:
     chunks): that part's compute-dtype temporaries, per input and fixed (on the 65 M-entry embedding of a 1 B
     model a tensor-wide charge tripled TIES's estimate). Measured peaks of the allocations (torch profiler) plus
     the inputs at the compute width, with a margin; see `engine.planning.shared.recipe_memory` and
-    tests/test_planner_checks2.py."""
+    tests/test_planner_checks2.py. `work_size`: a method that computes in float32 whatever the compute dtype
+    (bf16 inputs upcast) sets 4, and c is then at least that."""
 
     per_input: float = 2.0
     fixed: float = 3.0
     bytes: int = 0
     chunked: tuple[float, float] = (0.0, 0.0)
     chunk_elements: int = 0
+    work_size: int = 0
 
     def of(self, n_inputs: int, numel: int, compute_size: int) -> int:
         """Bytes one call holds at its peak over `n_inputs` tensors of `numel` elements, the output aside."""
+        compute_size = max(compute_size, self.work_size)
         per_element = compute_size * (self.per_input * n_inputs + self.fixed) + self.bytes
         chunk = min(numel, self.chunk_elements) if self.chunk_elements else numel
         per_chunk_element = compute_size * (self.chunked[0] * n_inputs + self.chunked[1])
