@@ -153,7 +153,7 @@ MAPPING: dict[str, Row] = {
         1e-6,
         "elementwise masks and a sum: float32 rounding only",
     ),
-    # as consensus_ta, the kept entries of FusionBench's TIES merge (threshold 20, sum)
+    # as consensus_ta with FusionBench's TIES merge (threshold 20, sum) as the merged vector, in the masks too
     "consensus_ties": Row(
         "consensus_ties",
         lambda hp, shape: {

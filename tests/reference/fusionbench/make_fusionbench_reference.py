@@ -41,8 +41,10 @@ How FusionBench is called (its public algorithm classes on a dict model pool of 
   (`fusion_bench.method.tall_mask.utils.generate_task_masks`), not a consensus merge. The case composes it
   with the paper's two remaining steps, written here: count per entry how many task masks hold it, keep the
   entries held by >= k tasks, and add lambda * (kept entries of the merged task vector) to the base; the
-  merged task vector is the plain sum (consensus TA) or FusionBench's TIES merge of the tensor (consensus
-  TIES). Only the mask rule is FusionBench's, which the manifest says (`fusionbench_part`).
+  merged task vector, which the TALL masks also compare with (theta_mt = base + merged), is the plain sum
+  (consensus TA) or FusionBench's TIES merge of the tensor, threshold 20, "sum" (consensus TIES), as in the
+  paper's code (github.com/nik-dim/tall_masks, src/eval/aggregation.py). Only the mask rule (and the TIES
+  merge) is FusionBench's, which the manifest says (`fusionbench_part`).
 
 FusionBench does not implement PCB (Du et al. 2024) or LiNeS (Wang et al. 2025): no fixtures for them; their
 tests code the papers' equations in float64 instead.
@@ -196,7 +198,7 @@ def run_consensus(kind: str, tall_mask_lambda: float, k: int, scaling: float):
             flat_ft = torch.stack([models[m][n].to(dtype).reshape(-1) for m in MODELS])
             tvs = flat_ft - flat_ptm
             merged = tvs.sum(0) if kind == "ta" else ties_merging(tvs, reset_thresh=20, merge_func="sum")
-            masks = generate_task_masks(tvs, flat_ft, flat_ptm, tv=tvs.sum(0), tall_mask_lambda=tall_mask_lambda)
+            masks = generate_task_masks(tvs, flat_ft, flat_ptm, tv=merged, tall_mask_lambda=tall_mask_lambda)
             keep = masks.float().sum(0) >= k
             out[n] = (flat_ptm + scaling * merged * keep).reshape(models["base"][n].shape)
         return out
