@@ -293,21 +293,16 @@ def test_fixtures_discriminate(case: dict[str, Any], inputs: dict[str, torch.Ten
 
 def test_ties_keeps_one_more_entry_than_its_threshold(inputs: dict[str, torch.Tensor]):
     """Why MAPPING's ties row adjusts the density: with density = threshold / 100 (floor(n p) entries kept, the
-    mergekit rule) the output differs from FusionBench's on the q projection, with the int(n p) + 1 of
+    mergekit rule) the output differs from FusionBench's on the q projection; with the int(n p) + 1 of
     ties_density it matches (test_matches_fusionbench)."""
     case = next(c for c in MANIFEST["cases"] if c["case"] == "ties")
     name = "model.layers.0.self_attn.q_proj.weight"
-    naive = dict(case, hyperparameters=dict(case["hyperparameters"]))
-    row = MAPPING["ties"]
     spec = get_method("ties")
-    shape = tuple(inputs[f"base/{name}"].shape)
-    params = row.params(case["hyperparameters"], shape) | {"density": case["hyperparameters"]["threshold"] / 100}
-    model_params = [{p.name: p.default for p in spec.model_params}] + [
-        {p.name: p.default for p in spec.model_params} | {"weight": 1.0, "density": params["density"]}
-        for _ in MANIFEST["models"]
-    ]
-    glob = {p.name: p.default for p in spec.params} | {"lambda": params["lambda"], "normalize": params["normalize"]}
+    hp = case["hyperparameters"]
+    per_model = {p.name: p.default for p in spec.model_params} | {"weight": 1.0, "density": hp["threshold"] / 100}
+    params = {p.name: p.default for p in spec.params} | {"lambda": hp["scaling_factor"], "normalize": False}
     tensors = [inputs[f"base/{name}"], *(inputs[f"{m}/{name}"] for m in MANIFEST["models"])]
-    got = spec.merge(MergeInputs(tensors, 0, model_params, glob, None, name))
-    expected = load_file(HERE / naive["output"])[name]
-    assert not torch.allclose(got, expected, rtol=0, atol=1e-4 * _scale(case, inputs, name, expected))
+    got = spec.merge(MergeInputs(tensors, 0, [per_model] * len(tensors), params, None, name))
+    expected = load_file(HERE / case["output"])[name]
+    differ = (got - expected).abs() > 1e-4 * _scale(case, inputs, name, expected)
+    assert 1 <= int(differ.sum()) <= len(MANIFEST["models"])  # at most the one extra entry of each task vector
