@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Create (or reuse) a separate virtual environment holding FusionBench (fusion-bench 0.2.33), the
+# reference implementation tests/test_fusionbench_reference.py's fixtures come from
+# (tests/reference/fusionbench/make_fusionbench_reference.py runs inside it).
+#
+# Usage: scripts/fusionbench_venv.sh           -> prints the venv's python path on its last line
+#   FUSIONBENCH_VENV=/path        where to put it (default ~/.cache/mergesmith/fusionbench-venv)
+#   FUSIONBENCH_TORCH_SPEC=...    the torch pin (default torch==2.13.0: on this project's machines pip's
+#                                 find-links resolves it to the local CPU wheel torch-2.13.0+cpu; elsewhere
+#                                 use torch==2.13.0+cpu with e.g.
+#                                 PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)
+#   FUSIONBENCH_PYTHON=python3.11 the interpreter that creates the venv (default: python3)
+#
+# torch is installed FIRST, on its own, and then held by a constraints file while fusion-bench and its
+# dependencies (hydra-core, lightning, transformers, datasets, peft, ...) are installed, so no CUDA
+# torch or nvidia-* wheel is pulled. fusion-bench 0.2.33 states no torch pin, so its full dependency
+# set installs against torch 2.13 as is (no --no-deps needed).
+#
+# Idempotent: when the venv already has fusion-bench 0.2.33 and the pinned torch, it does nothing but
+# print the python path; a half-made venv is completed.
+set -euo pipefail
+
+VENV="${FUSIONBENCH_VENV:-$HOME/.cache/mergesmith/fusionbench-venv}"
+TORCH_SPEC="${FUSIONBENCH_TORCH_SPEC:-torch==2.13.0}"
+PY="${FUSIONBENCH_PYTHON:-python3}"
+FB_VERSION="0.2.33"
+
+want_torch="${TORCH_SPEC#torch==}"
+
+installed_ok() {
+    [ -x "$VENV/bin/python" ] || return 1
+    "$VENV/bin/python" - "$want_torch" "$FB_VERSION" <<'PYEOF' >/dev/null 2>&1
+import sys
+from importlib.metadata import version
+assert version("fusion-bench") == sys.argv[2]
+torch, want = version("torch"), sys.argv[1]
+# a pin without a local label (torch==2.13.0) is met by any build of it, e.g. the local 2.13.0+cpu wheel
+assert torch == want or ("+" not in want and torch.split("+")[0] == want)
+import fusion_bench.method  # noqa: F401  (the merge functions import)
+PYEOF
+}
+
+if installed_ok; then
+    echo "fusionbench venv ready at $VENV" >&2
+    echo "$VENV/bin/python"
+    exit 0
+fi
+
+mkdir -p "$(dirname "$VENV")"
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+fi
+
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+echo "$TORCH_SPEC" >"$constraints"
+
+"$VENV/bin/python" -m pip install --quiet --upgrade pip >&2 || true
+# torch first, on its own, so a missing CPU wheel fails here with a clear message.
+"$VENV/bin/python" -m pip install --quiet -c "$constraints" "$TORCH_SPEC" >&2
+"$VENV/bin/python" -m pip install --quiet -c "$constraints" "fusion-bench==$FB_VERSION" >&2
+
+# Nothing CUDA may have slipped in.
+if "$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -i -E '^(nvidia-|triton==)' >&2; then
+    echo "error: CUDA packages were installed into $VENV; check the torch pin ($TORCH_SPEC)" >&2
+    exit 1
+fi
+if ! installed_ok; then
+    echo "error: $VENV does not hold fusion-bench==$FB_VERSION with torch $want_torch importable after install" >&2
+    exit 1
+fi
+echo "fusionbench venv ready at $VENV" >&2
+echo "$VENV/bin/python"
