@@ -27,6 +27,7 @@ import torch
 
 from ..errors import ConfigError, MergeInterrupted
 from ..io.references import open_checkpoint
+from ..runtime.intra_op_threads import shared_between
 from .planning import read_calibration
 from .store import WHOLE_FILE, finished, gram_ref, layer_file, store_dir, write_grams
 
@@ -139,7 +140,9 @@ def collect_grams(options: dict[str, Any], out_dir: Path, stop: threading.Event 
             ids = tokenize(entry["tokenizer"], lines, int(options["max_length"]), trust)
             if not ids:
                 raise ConfigError(f"`parameters.calibration`: no line gives any token with {entry['tokenizer']}")
-            with torch.inference_mode():
+            # One fixed intra-op thread count (every usable core), whatever the host process set: a Gram's last
+            # bits depend on how many threads summed it, and a resumed collection must match a fresh one.
+            with torch.inference_mode(), shared_between(1):
                 if entry["mode"] == "layers":
                     collect_streamed(model, entry, ids, out_dir, stop, trust)
                 else:
