@@ -110,7 +110,7 @@ RECIPES = {
         chars="0123456789abcdefghij+=>:^",
         skills=(Skill("add", addition, 3), Skill("rev", reverse, 1), Skill("sort", sort_letters, 1),
                 Skill("next", next_letter, 1)),
-        hidden=32, intermediate=64, layers=4, heads=4, base_steps=600, base_lr=3e-3, tune_steps=60, tune_lr=1e-3,
+        hidden=32, intermediate=64, layers=4, heads=4, base_steps=400, base_lr=3e-3, tune_steps=60, tune_lr=5e-4,
         calibration=64,
     ),
 }
