@@ -22,8 +22,11 @@ differently, so their fine-tunes pull the same weights different ways: a merge h
 
 `evolve` (two skills, 4 layers, hidden 48): fine-tunes of 60 steps at 3e-4, so both added at full weight keep
 much of both skills, which a merge search can find and a 50/50 average cannot (the README's evolve section).
-`skills4` (four skills, hidden 32): all five models fit in about 450 KB. Models are saved in bfloat16;
-training takes one CPU thread (evolve 38 s, skills4 about two minutes on a shared 2-core machine).
+`skills4` (four skills, 4 layers, hidden 32, 42 k parameters): a base of 400 steps (3:1:1:1, addition the
+slowest again) and fine-tunes of 60 steps at 5e-4, enough that each fine-tune forgets some of the other skills
+and task vectors added at full weight collide (bench/skills_table.py; the README's "Which method keeps the most
+skills"); the five models take 478 KB. Models are saved in bfloat16; training takes one CPU thread (evolve
+16 s, skills4 23 s on a shared 2-core machine; scoring every model one prompt at a time adds about as much).
 Deterministic: one seed, one torch thread; `--check` rebuilds into a temporary folder and compares every
 file's sha256 with the given folder's (exit 1 on a difference).
 """
@@ -221,7 +224,8 @@ def build(out: Path, recipe: Recipe, score: bool = True) -> None:
     evals = {s.name: held_out(s.make, rng) for s in recipe.skills}
     held = {p for pairs in evals.values() for p, _ in pairs}
     for name, pairs in evals.items():
-        (out / f"{name}_eval.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in pairs))
+        records = "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in pairs)
+        (out / f"{name}_eval.jsonl").write_text(records)
     if recipe.calibration:
         (out / "calibration.txt").write_text(_calibration(recipe, held))
     config = LlamaConfig(
