@@ -8,8 +8,9 @@ The models are tests/fixtures/skills4 (examples/evolve_skills/make_fixtures.py -
 (4 layers, hidden 32, 42 k parameters, bfloat16) trained on a mix of four skills and stopped half way, and four
 60-step fine-tunes of it, one per skill (`add`, `rev`, `sort`, `next`), each a small delta from the base. Each
 row merges the four fine-tunes onto the base with one method, as a user would (`mergesmith.merge` on a
-mergekit-shaped config, output in bfloat16), loads the result with transformers and scores it with mergesmith's
-built-in `exact_match` evaluator (greedy generation, batched) on each skill's 150 held-out prompts.
+mergekit-shaped config, computed in float32, written in bfloat16), loads the result with transformers and
+scores it with mergesmith's built-in `exact_match` evaluator (greedy generation, batched) on each skill's 150
+held-out prompts.
 
 Hyperparameters: TABLE below, one row per method, with where each value comes from. Most papers tune their
 scale on validation data; where they do, the row takes the value the paper (or its authors' code) names as its
@@ -97,7 +98,9 @@ def config_for(row: Row, fixtures: Path) -> dict[str, Any]:
     params = {k: (v.format(fixtures=fixtures) if isinstance(v, str) else v) for k, v in row.params.items()}
     models = [{"model": str(fixtures / s), **({"parameters": dict(row.model_params)} if row.model_params else {})}
               for s in SKILLS]
-    config: dict[str, Any] = {"merge_method": row.method, "models": models, "dtype": "bfloat16"}
+    # computed in float32, as the papers do (RegMean warns on a lower compute dtype), written in the fixtures' bf16
+    config: dict[str, Any] = {"merge_method": row.method, "models": models, "dtype": "float32",
+                              "out_dtype": "bfloat16"}
     if row.with_base:
         config["base_model"] = str(fixtures / "base")
     if params:
