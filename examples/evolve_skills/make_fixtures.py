@@ -1,26 +1,47 @@
-"""Build the evolve proof's fixtures: a tiny llama base and two fine-tunes on different skills.
+"""Build tiny skill models: a llama base and one short fine-tune per skill, for the evolve proof and the skills bench.
 
-    python examples/evolve_skills/make_fixtures.py tests/fixtures/evolve
+    python examples/evolve_skills/make_fixtures.py tests/fixtures/evolve             # two skills (evolve proof)
+    python examples/evolve_skills/make_fixtures.py --skills4 tests/fixtures/skills4  # four skills (skills bench)
+    python examples/evolve_skills/make_fixtures.py --skills4 --check tests/fixtures/skills4  # rebuild, compare
 
-- a character-level tokenizer built with the `tokenizers` library (digits, a-j, `+ = >`, specials);
-- `base`: a 4-layer llama (hidden 48) trained on a 3:1 mix of both skills and stopped half way through
-  learning them (275 steps at a constant learning rate: it knows both formats and is mediocre at both);
-- `add`: base fine-tuned on adding a digit to a two-digit number only ("37+5=" -> "42");
-- `rev`: base fine-tuned on reversing a short string only ("abcde>" -> "edcba");
-- `add_eval.jsonl`, `rev_eval.jsonl`: held-out prompts and answers (never trained on).
-The fine-tunes are short (60 steps) with a small learning rate (3e-4), so each task vector is a small delta
-from the base: both added at full weight keep much of both skills, which a merge search can find and a
-50/50 average (half of each delta) cannot. Measured accuracies: the README's evolve section.
-Models are saved in bfloat16 so the three fit in a few hundred KB; training takes under a minute of one
-CPU thread. Deterministic: one seed, one torch thread.
+Both recipes share the method; they differ in the skills, the model's size and the step counts (RECIPES):
+
+- a character-level tokenizer built with the `tokenizers` library (the recipe's characters and specials);
+- `base`: a small llama trained on a mix of all the skills and stopped half way through learning them (a
+  constant learning rate after a short warm-up: it knows every format and is mediocre at each);
+- one fine-tune per skill, named after it: the base trained on that skill only, briefly (a one-cycle schedule)
+  and at a small learning rate, so that each task vector is a small delta from the base;
+- `<skill>_eval.jsonl`: held-out prompts and answers per skill (never trained on);
+- `skills4` only: `calibration.txt`, training-distribution examples (prompt and answer, one a line, the skills
+  interleaved, none held out) for methods that need data (RegMean's Gram matrices).
+
+The skills: `add` adds a digit to a two-digit number ("37+5=" -> "42"); `rev` reverses a short string
+("abcde>" -> "edcba"); `sort` sorts a string's letters ("dbca:" -> "abcd"); `next` replaces each letter by the
+next one, j wrapping to a ("abj^" -> "bca"). The three letter skills read the same kind of input and map it
+differently, so their fine-tunes pull the same weights different ways: a merge has interference to resolve.
+
+`evolve` (two skills, 4 layers, hidden 48): fine-tunes of 60 steps at 3e-4, so both added at full weight keep
+much of both skills, which a merge search can find and a 50/50 average cannot (the README's evolve section).
+`skills4` (four skills, 4 layers, hidden 32, 42 k parameters): a base of 400 steps (3:1:1:1, addition the
+slowest again) and fine-tunes of 60 steps at 5e-4, enough that each fine-tune forgets some of the other skills
+and task vectors added at full weight collide (bench/skills_table.py; the README's "Which method keeps the most
+skills"); the five models take 478 KB. Models are saved in bfloat16; training takes one CPU thread (evolve
+16 s, skills4 23 s on a shared 2-core machine; scoring every model one prompt at a time adds about as much).
+Deterministic: one seed, one torch thread; `--check` rebuilds into a temporary folder and compares every
+file's sha256 with the given folder's (exit 1 on a difference).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import random
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,19 +49,78 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-CHARS = list("0123456789abcdefghij+=>")
 SEED = 1234
 EVAL_SIZE = 150
 BATCH = 128
-BASE_STEPS = 275  # stopped half way: more steps and the base has both skills already, fewer and it has neither
-BASE_LR = 3e-3
-BASE_MIX = (3, 1)  # addition is the slower skill to learn
-TUNE_STEPS = 60
-TUNE_LR = 3e-4  # small fine-tunes stay near the base, where task vectors add up
+LETTERS = "abcdefghij"
+
+Maker = Callable[[random.Random], tuple[str, str]]
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+def addition(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(10, 99), rng.randint(0, 9)
+    return f"{a}+{b}=", str(a + b)
+
+
+def _letters(rng: random.Random) -> str:
+    return "".join(rng.choice(LETTERS) for _ in range(rng.randint(4, 7)))
+
+
+def reverse(rng: random.Random) -> tuple[str, str]:
+    s = _letters(rng)
+    return f"{s}>", s[::-1]
+
+
+def sort_letters(rng: random.Random) -> tuple[str, str]:
+    s = _letters(rng)
+    return f"{s}:", "".join(sorted(s))
+
+
+def next_letter(rng: random.Random) -> tuple[str, str]:
+    s = _letters(rng)
+    return f"{s}^", "".join(LETTERS[(LETTERS.index(c) + 1) % len(LETTERS)] for c in s)
+
+
+@dataclass(frozen=True)
+class Skill:
+    name: str  # the fine-tune's folder and its eval file's prefix
+    make: Maker
+    share: int  # its count in the base's training mix
+
+
+@dataclass(frozen=True)
+class Recipe:
+    chars: str
+    skills: tuple[Skill, ...]
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    base_steps: int  # stopped half way: more steps and the base has the skills already, fewer and it has none
+    base_lr: float
+    tune_steps: int
+    tune_lr: float  # small fine-tunes stay near the base, where task vectors add up
+    calibration: int = 0  # training examples per skill in calibration.txt (0: no file)
+
+
+RECIPES = {
+    # addition is the slower skill to learn: 3 of every 4 base examples
+    "evolve": Recipe(
+        chars="0123456789abcdefghij+=>", skills=(Skill("add", addition, 3), Skill("rev", reverse, 1)),
+        hidden=48, intermediate=96, layers=4, heads=4, base_steps=275, base_lr=3e-3, tune_steps=60, tune_lr=3e-4,
+    ),
+    "skills4": Recipe(
+        chars="0123456789abcdefghij+=>:^",
+        skills=(Skill("add", addition, 3), Skill("rev", reverse, 1), Skill("sort", sort_letters, 1),
+                Skill("next", next_letter, 1)),
+        hidden=32, intermediate=64, layers=4, heads=4, base_steps=400, base_lr=3e-3, tune_steps=60, tune_lr=5e-4,
+        calibration=64,
+    ),
+}
+
+
+def build_tokenizer(chars: str) -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(chars))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -50,17 +130,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def addition(rng: random.Random) -> tuple[str, str]:
-    a, b = rng.randint(10, 99), rng.randint(0, 9)
-    return f"{a}+{b}=", str(a + b)
-
-
-def reverse(rng: random.Random) -> tuple[str, str]:
-    s = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(4, 7)))
-    return f"{s}>", s[::-1]
-
-
-def held_out(make, rng: random.Random) -> list[tuple[str, str]]:
+def held_out(make: Maker, rng: random.Random) -> list[tuple[str, str]]:
     seen, out = set(), []
     while len(out) < EVAL_SIZE:
         p, a = make(rng)
@@ -112,6 +182,7 @@ def train(model, tok, makers, held, steps: int, lr: float, seed: int, one_cycle:
 
 
 def accuracy(model, tok, pairs) -> float:
+    """Exact match of greedy generation, one prompt at a time (what the evolve fixtures' numbers were made with)."""
     ok = 0
     with torch.inference_mode():
         for p, a in pairs:
@@ -130,42 +201,96 @@ def _portable_tokenizer_config(path: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def main(out: Path) -> None:
+def _calibration(recipe: Recipe, held: set[str]) -> str:
+    """Lines of training-distribution text (prompt + answer, never a held-out prompt), the skills interleaved."""
+    rng = random.Random(SEED + 1)
+    lines = []
+    for _ in range(recipe.calibration):
+        for skill in recipe.skills:
+            p, a = skill.make(rng)
+            while p in held:
+                p, a = skill.make(rng)
+            lines.append(p + a)
+    return "".join(line + "\n" for line in lines)
+
+
+def build(out: Path, recipe: Recipe, score: bool = True) -> None:
     torch.manual_seed(SEED)
     torch.set_num_threads(1)  # the CPU is shared; more threads do not help a model this small
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
+    tok = build_tokenizer(recipe.chars)
     rng = random.Random(SEED)
-    add_eval, rev_eval = held_out(addition, rng), held_out(reverse, rng)
-    held = {p for p, _ in add_eval + rev_eval}
-    for name, pairs in (("add_eval.jsonl", add_eval), ("rev_eval.jsonl", rev_eval)):
-        (out / name).write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in pairs))
+    evals = {s.name: held_out(s.make, rng) for s in recipe.skills}
+    held = {p for pairs in evals.values() for p, _ in pairs}
+    for name, pairs in evals.items():
+        records = "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in pairs)
+        (out / f"{name}_eval.jsonl").write_text(records)
+    if recipe.calibration:
+        (out / "calibration.txt").write_text(_calibration(recipe, held))
     config = LlamaConfig(
-        vocab_size=len(SPECIALS) + len(CHARS), hidden_size=48, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=True,
+        vocab_size=len(SPECIALS) + len(recipe.chars), hidden_size=recipe.hidden,
+        intermediate_size=recipe.intermediate, num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads,
+        num_key_value_heads=recipe.heads, max_position_embeddings=32, tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
     base = LlamaForCausalLM(config)
-    print("base: both skills", flush=True)
-    mix = [addition] * BASE_MIX[0] + [reverse] * BASE_MIX[1]
-    train(base, tok, mix, held, steps=BASE_STEPS, lr=BASE_LR, seed=1, one_cycle=False)
+    print(f"base: {len(recipe.skills)} skills", flush=True)
+    mix = [s.make for s in recipe.skills for _ in range(s.share)]
+    train(base, tok, mix, held, steps=recipe.base_steps, lr=recipe.base_lr, seed=1, one_cycle=False)
     results = {}
-    for name, makers, steps, seed in (("add", [addition], TUNE_STEPS, 2), ("rev", [reverse], TUNE_STEPS, 3)):
+    for i, skill in enumerate(recipe.skills):
         model = LlamaForCausalLM(config)
         model.load_state_dict(base.state_dict())
-        print(f"{name}: fine-tune", flush=True)
-        train(model, tok, makers, held, steps=steps, lr=TUNE_LR, seed=seed, one_cycle=True)
-        results[name] = model
+        print(f"{skill.name}: fine-tune", flush=True)
+        train(model, tok, [skill.make], held, steps=recipe.tune_steps, lr=recipe.tune_lr, seed=2 + i, one_cycle=True)
+        results[skill.name] = model
     results["base"] = base
     for name, model in results.items():
         model.to(torch.bfloat16).save_pretrained(out / name)
         tok.save_pretrained(out / name)
         _portable_tokenizer_config(out / name / "tokenizer_config.json")
-        model.float()
-        print(f"{name}: add {accuracy(model, tok, add_eval):.3f} rev {accuracy(model, tok, rev_eval):.3f}", flush=True)
+        if score:
+            model.float()
+            accs = " ".join(f"{s}: {accuracy(model, tok, pairs):.3f}" for s, pairs in evals.items())
+            print(f"{name}: {accs}", flush=True)
     print(f"done in {time.time() - started:.0f} s")
 
 
+def digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder` (README.md aside: it is written by hand), by relative path."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "README.md"
+    }
+
+
+def check(folder: Path, recipe: Recipe) -> list[str]:
+    """Rebuild `recipe` in a temporary folder; the files whose bytes differ from `folder`'s (or miss on a side)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        build(Path(tmp), recipe, score=False)
+        new = digests(Path(tmp))
+    old = digests(folder)
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", type=Path, help="fixture folder (default tests/fixtures/<recipe>)")
+    parser.add_argument("--skills4", action="store_true", help="the four-skill recipe (default: two skills)")
+    parser.add_argument("--check", action="store_true", help="rebuild in a temporary folder and compare sha256s")
+    args = parser.parse_args(argv)
+    name = "skills4" if args.skills4 else "evolve"
+    out = args.out or Path("tests/fixtures") / name
+    if not args.check:
+        build(out, RECIPES[name])
+        return 0
+    differ = check(out, RECIPES[name])
+    for path in differ:
+        print(f"differs: {path}")
+    print("identical" if not differ else f"{len(differ)} files differ")
+    return 1 if differ else 0
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/evolve"))
+    sys.exit(main())
