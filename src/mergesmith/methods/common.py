@@ -6,6 +6,7 @@ kernels.merge_inputs, since the blocked machinery makes them too; they are re-ex
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from ..kernels.merge_inputs import MergeInputs, check_same_shape, require_base
 
 __all__ = [
+    "TaskVectors",
     "as_bool",
     "base_and_other",
     "as_float_list",
@@ -20,6 +22,7 @@ __all__ = [
     "non_base_values",
     "require_base",
     "require_generator",
+    "stacked_task_vectors",
     "work_dtype",
 ]
 
@@ -36,6 +39,33 @@ def base_and_other(inputs: MergeInputs, method: str) -> tuple[torch.Tensor, torc
             f"got {len(inputs.tensors)} models"
         )
     return inputs.tensors[base], inputs.tensors[others[0]]
+
+
+@dataclass(frozen=True)
+class TaskVectors:
+    """The task vectors of one tensor, stacked: `deltas[t]` = model `others[t]` - base, in the work dtype
+    (`wide` is the base in it). Methods that need all of them at once (consensus, pcb, wudi) start here."""
+
+    base: torch.Tensor
+    wide: torch.Tensor
+    deltas: torch.Tensor
+    others: list[int]
+
+
+def stacked_task_vectors(inputs: MergeInputs, method: str) -> TaskVectors:
+    """Check the shapes and the base, then stack every non-base model's difference from the base (releasing
+    each input as soon as its difference is taken: see MergeInputs.done_with). `deltas` has 0 rows when only
+    the base contributes."""
+    check_same_shape(inputs, method)
+    base = inputs.tensors[require_base(inputs, method)]
+    others = inputs.others()
+    dtype = work_dtype(*inputs.tensors)
+    wide = base.to(dtype)
+    deltas = torch.empty((len(others), *base.shape), dtype=dtype, device=base.device)
+    for row, i in enumerate(others):
+        torch.sub(inputs.tensors[i].to(dtype), wide, out=deltas[row])
+        inputs.done_with(i)
+    return TaskVectors(base, wide, deltas, others)
 
 
 def non_base_values(inputs: MergeInputs, name: str) -> list[Any]:

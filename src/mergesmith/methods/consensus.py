@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.task_vector_mix import CONSENSUS_METHODS, MIX_CHUNK, merge_task_vectors
-from .common import as_bool, check_same_shape, require_base, work_dtype
+from .common import as_bool, stacked_task_vectors
 from .registry import MergeInputs, MethodSpec, ParamSpec, WorkingMemory, at_least
 from .task_arithmetic import magnitude
 
@@ -78,20 +78,11 @@ def _merger(ties: bool):
     name = "consensus_ties" if ties else "consensus_ta"
 
     def merge(inputs: MergeInputs) -> torch.Tensor:
-        check_same_shape(inputs, name)
-        base_index = require_base(inputs, name)
-        base = inputs.tensors[base_index]
-        others = inputs.others()
-        if not others:
-            return base
-        dtype = work_dtype(*inputs.tensors)
-        wide = base.to(dtype)
-        deltas = torch.empty((len(others), *base.shape), dtype=dtype, device=base.device)
-        for row, i in enumerate(others):
-            torch.sub(inputs.tensors[i].to(dtype), wide, out=deltas[row])
-            inputs.done_with(i)
-        out = consensus_merge(wide, deltas, [inputs.model_params[i] for i in others], inputs.params, ties)
-        return out.to(base.dtype)
+        tv = stacked_task_vectors(inputs, name)
+        if not tv.others:
+            return tv.base
+        out = consensus_merge(tv.wide, tv.deltas, [inputs.model_params[i] for i in tv.others], inputs.params, ties)
+        return out.to(tv.base.dtype)
 
     return merge
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_same_shape, require_base, work_dtype
+from .common import stacked_task_vectors
 from .registry import MergeInputs, MethodSpec, ParamSpec, WorkingMemory, fraction
 
 
@@ -87,20 +87,11 @@ def pcb_merge(base: torch.Tensor, deltas: torch.Tensor, weights: list[float], ra
 
 
 def _merge(inputs: MergeInputs) -> torch.Tensor:
-    check_same_shape(inputs, "pcb")
-    base_index = require_base(inputs, "pcb")
-    base = inputs.tensors[base_index]
-    others = inputs.others()
-    if not others or base.numel() == 0:
-        return base
-    dtype = work_dtype(*inputs.tensors)
-    wide = base.to(dtype)
-    deltas = torch.empty((len(others), *base.shape), dtype=dtype, device=base.device)
-    for row, i in enumerate(others):
-        torch.sub(inputs.tensors[i].to(dtype), wide, out=deltas[row])
-        inputs.done_with(i)
-    weights = [float(inputs.model_params[i]["weight"]) for i in others]
-    return pcb_merge(wide, deltas, weights, float(inputs.params["pcb_ratio"])).to(base.dtype)
+    tv = stacked_task_vectors(inputs, "pcb")
+    if not tv.others or tv.base.numel() == 0:
+        return tv.base
+    weights = [float(inputs.model_params[i]["weight"]) for i in tv.others]
+    return pcb_merge(tv.wide, tv.deltas, weights, float(inputs.params["pcb_ratio"])).to(tv.base.dtype)
 
 
 METHODS = (

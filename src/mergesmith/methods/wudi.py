@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_same_shape, require_base, work_dtype
+from .common import stacked_task_vectors
 from .registry import MergeInputs, MethodSpec, ParamSpec, WorkingMemory, at_least, positive
 
 BETAS = (0.9, 0.999)
@@ -105,23 +105,14 @@ def wudi_matrix(deltas: torch.Tensor, iter_num: int, lr: float) -> torch.Tensor:
 
 
 def _merge(inputs: MergeInputs) -> torch.Tensor:
-    check_same_shape(inputs, "wudi")
-    base_index = require_base(inputs, "wudi")
-    base = inputs.tensors[base_index]
-    others = inputs.others()
-    if not others:
-        return base
-    dtype = work_dtype(*inputs.tensors)
-    wide = base.to(dtype)
-    deltas = torch.empty((len(others), *base.shape), dtype=dtype, device=base.device)
-    for row, i in enumerate(others):
-        torch.sub(inputs.tensors[i].to(dtype), wide, out=deltas[row])
-        inputs.done_with(i)
-    if optimised(inputs.tensor_name, base.shape):
-        merged = wudi_matrix(deltas, int(inputs.params["iter_num"]), float(inputs.params["lr"]))
+    tv = stacked_task_vectors(inputs, "wudi")
+    if not tv.others:
+        return tv.base
+    if optimised(inputs.tensor_name, tv.base.shape):
+        merged = wudi_matrix(tv.deltas, int(inputs.params["iter_num"]), float(inputs.params["lr"]))
     else:
-        merged = deltas.mean(dim=0)
-    return (wide + merged).to(base.dtype)
+        merged = tv.deltas.mean(dim=0)
+    return (tv.wide + merged).to(tv.base.dtype)
 
 
 METHODS = (
