@@ -40,34 +40,6 @@ import fusion_bench.method  # noqa: F401  (the merge functions import)
 PYEOF
 }
 
-if installed_ok; then
-    echo "fusionbench venv ready at $VENV" >&2
-    echo "$VENV/bin/python"
-    exit 0
-fi
-
-mkdir -p "$(dirname "$VENV")"
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PY" -m venv "$VENV"
-fi
-
-constraints="$(mktemp)"
-trap 'rm -f "$constraints"' EXIT
-echo "$TORCH_SPEC" >"$constraints"
-
-"$VENV/bin/python" -m pip install --quiet --upgrade pip >&2 || true
-# torch first, on its own, so a missing CPU wheel fails here with a clear message.
-"$VENV/bin/python" -m pip install --quiet -c "$constraints" "$TORCH_SPEC" >&2
-"$VENV/bin/python" -m pip install --quiet -c "$constraints" "fusion-bench==$FB_VERSION" >&2
-
-# Nothing CUDA may have slipped in.
-if "$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -i -E '^(nvidia-|triton==)' >&2; then
-    echo "error: CUDA packages were installed into $VENV; check the torch pin ($TORCH_SPEC)" >&2
-    exit 1
-fi
-if ! installed_ok; then
-    echo "error: $VENV does not hold fusion-bench==$FB_VERSION with torch $want_torch importable after install" >&2
-    exit 1
-fi
-echo "fusionbench venv ready at $VENV" >&2
-echo "$VENV/bin/python"
+# shellcheck source=scripts/reference_venv.sh
+source "$(dirname "${BASH_SOURCE[0]}")/reference_venv.sh"
+build_reference_venv fusionbench "fusion-bench==$FB_VERSION"

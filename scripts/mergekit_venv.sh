@@ -45,36 +45,6 @@ for extra in filter(None, sys.argv[2].split(",")):  # every requirement of each 
 EOF
 }
 
-if installed_ok; then
-    echo "mergekit venv ready at $VENV" >&2
-    echo "$VENV/bin/python"
-    exit 0
-fi
-
-mkdir -p "$(dirname "$VENV")"
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PY" -m venv "$VENV"
-fi
-
-constraints="$(mktemp)"
-trap 'rm -f "$constraints"' EXIT
-# torch pinned to the CPU build: mergekit only says torch>=2.0.0, so without this pip would pick the
-# newest (CUDA) torch and its multi-gigabyte nvidia-* wheels.
-echo "$TORCH_SPEC" >"$constraints"
-
-"$VENV/bin/python" -m pip install --quiet --upgrade pip >&2 || true
-# Install torch first on its own, so a missing CPU wheel fails here with a clear message.
-"$VENV/bin/python" -m pip install --quiet -c "$constraints" "$TORCH_SPEC" >&2
-"$VENV/bin/python" -m pip install --quiet -c "$constraints" "$MERGEKIT_SPEC" >&2
-
-# Nothing CUDA may have slipped in.
-if "$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -i -E '^(nvidia-|triton==)' >&2; then
-    echo "error: CUDA packages were installed into $VENV; check the torch pin ($TORCH_SPEC)" >&2
-    exit 1
-fi
-if ! installed_ok; then
-    echo "error: $VENV does not hold $MERGEKIT_SPEC with torch $want_torch after install" >&2
-    exit 1
-fi
-echo "mergekit venv ready at $VENV" >&2
-echo "$VENV/bin/python"
+# shellcheck source=scripts/reference_venv.sh
+source "$(dirname "${BASH_SOURCE[0]}")/reference_venv.sh"
+build_reference_venv mergekit "$MERGEKIT_SPEC"
