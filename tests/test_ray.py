@@ -217,3 +217,40 @@ def test_relative_and_model_plus_lora_inputs_reach_the_workers(local_ray, tiny_m
     run_merge(cfg, "local", MergeOptions(out_shard_size=SHARD_SIZE))
     run_merge(cfg, "ray", MergeOptions(out_shard_size=SHARD_SIZE, executor="ray"))
     assert _files(tmp_path / "ray") == _files(tmp_path / "local")
+
+
+# ----- the methods of issue 32 through Ray ---------------------------------------------------------------------
+NEW_METHODS: dict[str, tuple[dict, dict]] = {  # method -> (global parameters, each fine-tune's parameters)
+    "tsv": ({"alpha": 1.0}, {}),
+    "iso_cts": ({"scaling_factor": 1.2}, {}),
+    "consensus_ties": ({}, {"weight": 1.0, "density": 0.5, "k": 2, "lambda": 0.5}),
+    "pcb": ({"pcb_ratio": 0.3}, {}),
+    "magmax": ({}, {}),
+    "wudi": ({"iter_num": 10, "lr": 1e-4}, {}),
+    "lines": ({"beta": 0.5}, {}),
+    "ties": ({"lines_alpha": 0.4, "lines_beta": 0.6}, {"weight": 1.0, "density": 0.5}),
+    "regmean": ({"num_regmean_examples": 8, "max_length": 16}, {}),
+}
+
+
+@pytest.mark.parametrize("method", sorted(NEW_METHODS))
+def test_new_methods_give_the_local_bytes_through_ray(method, local_ray, tiny_models, tmp_path):
+    """Every new method (and the LiNeS option, and regmean's Gram inputs read by workers) merges to the same bytes
+    with the Ray executor as with the local one."""
+    from tests.test_methods_e2e import CALIBRATION
+
+    base = tiny_models("llama", seed=1)
+    tunes = [tiny_models.derive(base, seed=s) for s in (2, 3, 4)]
+    global_params, model_params = NEW_METHODS[method]
+    doc: dict = {"merge_method": method, "dtype": "float32", "parameters": dict(global_params)}
+    if method == "regmean":
+        doc["parameters"]["calibration"] = str(CALIBRATION)
+        doc["models"] = [{"model": str(t)} for t in tunes]
+    else:
+        doc["base_model"] = str(base)
+        doc["models"] = [{"model": str(t), "parameters": dict(model_params)} for t in tunes]
+    config = tmp_path / f"{method}.yml"
+    config.write_text(yaml.safe_dump(doc))
+    run_merge(config, tmp_path / "local", MergeOptions(out_shard_size=SHARD_SIZE, threads=2))
+    run_merge(config, tmp_path / "ray", _ray_options())
+    assert _files(tmp_path / "ray") == _files(tmp_path / "local")

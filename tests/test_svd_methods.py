@@ -470,3 +470,52 @@ def test_same_bytes_again_with_the_same_threads_and_close_with_others(method):
     change = float((first.double() - torch.from_numpy(base)).abs().max())
     rounding = 2 * torch.finfo(torch.float32).eps * float(first.abs().max())
     assert float((one - first).abs().max()) <= 2e-5 * change + rounding
+
+
+# ----- when LAPACK's SVD fails to converge ------------------------------------------------------------------------
+
+
+def _failing_svd(monkeypatch, fail_dtypes: set[torch.dtype]) -> list[torch.dtype]:
+    """Make torch.linalg.svd raise LAPACK's no-convergence error for inputs of `fail_dtypes` (as gesdd did on a
+    1 B iso_cts merge); returns the dtypes it was called with."""
+    real = torch.linalg.svd
+    calls: list[torch.dtype] = []
+
+    def svd(a, *args, **kwargs):
+        calls.append(a.dtype)
+        if a.dtype in fail_dtypes:
+            raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge (error code: 1)")
+        return real(a, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "svd", svd)
+    return calls
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("fail", ["float32", "float32 and float64"])
+def test_a_failed_svd_is_retried_and_still_equals_the_reference(method, fail, monkeypatch):
+    """A non-converging float32 SVD is redone in float64; if that fails too, from the eigendecomposition of the
+    Gram matrix: the merge still equals the float64 reference, tall and wide."""
+    failing = {torch.float32} if fail == "float32" else {torch.float32, torch.float64}
+    calls = _failing_svd(monkeypatch, failing)
+    for shape in [(96, 64), (64, 96)]:
+        base, xs = models(shape, 3, seed=5)
+        out = merge(method, base, xs, [1.0, 0.5, 1.3], **{SCALE[method]: 1.4})
+        assert out.dtype == torch.float32
+        assert_matches(out, REFERENCES[method](base, xs, [1.0, 0.5, 1.3], 1.4), base, rel=1e-4)
+    assert torch.float64 in calls  # the fallback ran
+
+
+def test_the_eigh_svd_drops_the_zero_directions_of_a_rank_deficient_matrix(monkeypatch):
+    """The last resort on a matrix with a block of exact zero singular values (a projection's, the case gesdd
+    fails on): the kept triplets reconstruct it, the rest are zero."""
+    from mergesmith.methods.task_singular import thin_svd
+
+    _failing_svd(monkeypatch, {torch.float32, torch.float64})
+    rng = np.random.default_rng(3)
+    a = torch.from_numpy(rng.standard_normal((80, 10)) @ rng.standard_normal((10, 60))).float()
+    u, s, vh = thin_svd(a)
+    assert u.shape == (80, 60) and s.shape == (60,) and vh.shape == (60, 60)
+    assert int((s > 0).sum()) == 10
+    assert torch.allclose((u * s) @ vh, a, atol=1e-4 * float(a.abs().max()))
+    assert torch.allclose(u[:, :10].T @ u[:, :10], torch.eye(10), atol=1e-5)

@@ -52,7 +52,7 @@ import torch
 
 from .common import check_same_shape, require_base, work_dtype
 from .registry import MergeInputs, MethodSpec, ParamSpec, within
-from .task_singular import SVD_MEMORY, finish, matrix_rank_tolerance, orthonormal_factor, task_matrices
+from .task_singular import SVD_MEMORY, finish, matrix_rank_tolerance, orthonormal_factor, task_matrices, thin_svd
 
 __all__ = ["METHODS", "common_size", "iso_c_matrix", "iso_cts_matrix"]
 
@@ -66,7 +66,7 @@ def _summed(inputs: MergeInputs, base: torch.Tensor, dtype: torch.dtype, release
 
 def iso_c_matrix(total: torch.Tensor) -> torch.Tensor:
     """sigma_bar U V^T of the summed task matrix, over its numerically nonzero singular values."""
-    u, s, vh = torch.linalg.svd(total, full_matrices=False)
+    u, s, vh = thin_svd(total)
     keep = int((s > matrix_rank_tolerance(s[0].item(), tuple(total.shape), s.dtype)).sum().item())
     if keep == 0:
         return torch.zeros_like(total)
@@ -89,7 +89,7 @@ def iso_cts_matrix(inputs: MergeInputs, base: torch.Tensor, dtype: torch.dtype, 
     tasks = len(inputs.others())
     c, k = common_size(min(shape), tasks, fraction)
     total = _summed(inputs, base, dtype, release=False)  # the task vectors are read again below
-    u, s, vh = torch.linalg.svd(total, full_matrices=False)
+    u, s, vh = thin_svd(total)
     del total
     keep = int((s[:c] > matrix_rank_tolerance(s[0].item(), shape, s.dtype)).sum().item())
     u_c, s_c, vh_c = u[:, :keep].clone(), s[:keep].clone(), vh[:keep].clone()
@@ -99,7 +99,7 @@ def iso_cts_matrix(inputs: MergeInputs, base: torch.Tensor, dtype: torch.dtype, 
         for delta in task_matrices(inputs, base, dtype, release=True):
             tol = matrix_rank_tolerance(torch.linalg.vector_norm(delta).item(), shape, dtype)
             delta -= u_c @ (u_c.T @ delta)  # the part outside the common subspace
-            u_t, s_t, vh_t = torch.linalg.svd(delta, full_matrices=False)
+            u_t, s_t, vh_t = thin_svd(delta)
             del delta
             kept = int((s_t[:k] > tol).sum().item())
             us.append(u_t[:, :kept].clone())

@@ -106,10 +106,47 @@ def matrix_rank_tolerance(s_max: float, shape: tuple[int, ...], dtype: torch.dty
     return float(s_max) * max(shape) * torch.finfo(dtype).eps
 
 
+def thin_svd(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch.linalg.svd(a, full_matrices=False), made to always converge.
+
+    LAPACK's divide-and-conquer driver (gesdd, what torch calls on the CPU) can fail to converge on matrices with
+    many repeated singular values, such as a task matrix projected off a common subspace (a block of exact zeros):
+    measured on the 1 B bench merge with iso_cts, which stopped after minutes of work. Then the same SVD is
+    retried in float64, and if that fails too, computed from the eigendecomposition of the float64 Gram matrix
+    (symmetric eigensolvers always converge): sigma_i^2 and V from eigh(a^T a) (a a^T for a wide `a`), U = a V /
+    sigma, with the directions whose sigma is at most the rank tolerance (which every caller drops) set to zero.
+    Results come back in `a`'s dtype; the fallbacks cost more but only run where the fast path failed."""
+    try:
+        return torch.linalg.svd(a, full_matrices=False)
+    except torch.linalg.LinAlgError:
+        pass
+    wide = a.to(torch.float64)
+    try:
+        u, s, vh = torch.linalg.svd(wide, full_matrices=False)
+    except torch.linalg.LinAlgError:
+        u, s, vh = _svd_by_eigh(wide)
+    return u.to(a.dtype), s.to(a.dtype), vh.to(a.dtype)
+
+
+def _svd_by_eigh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The thin SVD of a float64 matrix from the symmetric eigendecomposition of its smaller Gram matrix."""
+    if a.shape[0] < a.shape[1]:
+        v, s, uh = _svd_by_eigh(a.mT)
+        return uh.mT, s, v.mT
+    values, vectors = torch.linalg.eigh(a.mT @ a)  # ascending
+    s = values.flip(0).clamp_min(0).sqrt()
+    v = vectors.flip(1)
+    tol = matrix_rank_tolerance(s[0].item() if s.numel() else 0.0, tuple(a.shape), torch.float32)
+    kept = s > tol
+    u = torch.zeros((a.shape[0], s.numel()), dtype=a.dtype, device=a.device)
+    u[:, kept] = (a @ v[:, kept]) / s[kept]
+    return u, torch.where(kept, s, torch.zeros_like(s)), v.mT
+
+
 def orthonormal_factor(a: torch.Tensor) -> torch.Tensor:
     """The matrix with orthonormal columns (rows, for a wide `a`) nearest to `a` (orthogonal Procrustes):
     P Q^T from a = P S Q^T."""
-    p, _s, qh = torch.linalg.svd(a, full_matrices=False)
+    p, _s, qh = thin_svd(a)
     return p @ qh
 
 
@@ -122,7 +159,7 @@ def tsv_task_matrix(deltas: Iterator[torch.Tensor], count: int, like: torch.Tens
         return None
     us, ss, vhs = [], [], []
     for delta in deltas:
-        u, s, vh = torch.linalg.svd(delta, full_matrices=False)
+        u, s, vh = thin_svd(delta)
         del delta
         keep = int((s[:k] > matrix_rank_tolerance(s[0].item(), shape, s.dtype)).sum().item()) if s.numel() else 0
         if keep:  # s is sorted: the kept triplets are a prefix
