@@ -233,6 +233,14 @@ NEW_METHODS: dict[str, tuple[dict, dict]] = {  # method -> (global parameters, e
 }
 
 
+# LAPACK's SVD rounds differently with another intra-op thread count (a Ray worker's is not the local executor's):
+# the SVD methods' last bits follow the thread count, library and device (README, Methods), so through Ray they are
+# compared within 1e-4 of each tensor's largest entry (measured 2e-5 on lm_head: these random task vectors have flat
+# spectra, so rounding moves the truncated subspaces by more than float32's epsilon); every other method gives the
+# same bytes.
+THREAD_SENSITIVE = {"tsv", "iso_cts"}
+
+
 @pytest.mark.parametrize("method", sorted(NEW_METHODS))
 def test_new_methods_give_the_local_bytes_through_ray(method, local_ray, tiny_models, tmp_path):
     """Every new method (and the LiNeS option, and regmean's Gram inputs read by workers) merges to the same bytes
@@ -253,4 +261,13 @@ def test_new_methods_give_the_local_bytes_through_ray(method, local_ray, tiny_mo
     config.write_text(yaml.safe_dump(doc))
     run_merge(config, tmp_path / "local", MergeOptions(out_shard_size=SHARD_SIZE, threads=2))
     run_merge(config, tmp_path / "ray", _ray_options())
-    assert _files(tmp_path / "ray") == _files(tmp_path / "local")
+    if method not in THREAD_SENSITIVE:
+        assert _files(tmp_path / "ray") == _files(tmp_path / "local")
+        return
+    from tests.helpers import read_state_dict
+
+    local, remote = read_state_dict(tmp_path / "local"), read_state_dict(tmp_path / "ray")
+    assert local.keys() == remote.keys()
+    for name, tensor in local.items():
+        scale = float(tensor.abs().max()) or 1.0
+        assert float((remote[name] - tensor).abs().max()) <= 1e-4 * scale, name
