@@ -22,6 +22,16 @@ from mergesmith.methods.registry import MergeInputs
 KEYED = ("dare_ties", "dare_linear", "della", "della_linear")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The torch stream is hundreds of small operations: on a busy 2-core machine torch's two OpenMP threads wait
+    on each other in every one of them (one test took 11 s on two threads, 0.15 s on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _numpy_draws(seed: int, stream: int, start: int, count: int) -> np.ndarray:
     """numpy's generator itself (not keyed_kernels' compiled copy), as int64."""
     saved = keyed_random.COMPILED
@@ -78,18 +88,16 @@ def test_pieces_join_without_a_seam(monkeypatch):
 
 
 def test_the_word_product_is_exact_at_the_extremes():
-    """_mulhilo's 128-bit product against Python's integers, at words with every bit set and random ones."""
+    """mulhilo's 128-bit products against Python's integers, at words with every bit set and random ones."""
     rng = random.Random(5)
     values = [0, 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1] + [rng.getrandbits(64) for _ in range(200)]
-    tensor = torch.tensor([v - 2**64 if v >= 2**63 else v for v in values], dtype=torch.int64)
-    word = ((tensor >> 32) & 0xFFFFFFFF, tensor & 0xFFFFFFFF)
-    for constant, limbs in ((keyed_random_torch._M0, keyed_random_torch._M0_LIMBS),
-                            (keyed_random_torch._M1, keyed_random_torch._M1_LIMBS)):
-        (h1, h0), (l1, l0) = keyed_random_torch._mulhilo(word, limbs)
+    constants = [keyed_random_torch._M1, keyed_random_torch._M0, 2**64 - 1]
+    words = torch.tensor([[[v & 0xFFFFFFFF for v in values], [v >> 32 for v in values]]] * 3, dtype=torch.int64)
+    limbs = torch.tensor([[(c >> (16 * k)) & 0xFFFF for k in range(4)] for c in constants]).view(3, 1, 4, 1)
+    quarters = keyed_random_torch.mulhilo(words, limbs)
+    for w, constant in enumerate(constants):
         for i, v in enumerate(values):
-            product = v * constant
-            assert (h1[i].item() << 32 | h0[i].item()) == product >> 64
-            assert (l1[i].item() << 32 | l0[i].item()) == product & (2**64 - 1)
+            assert sum(quarters[w, q, i].item() << (32 * q) for q in range(4)) == v * constant, (w, i)
 
 
 # ----- the device path, forced on the CPU ------------------------------------------------------------------------

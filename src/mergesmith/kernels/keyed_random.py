@@ -12,10 +12,12 @@ keyed by the recipe's per-tensor seed (itself derived from `--random-seed` and t
 number (one per task vector). Entries come in chunks of CHUNK: chunk c is the Philox stream whose counter
 starts at (0, c, s, 0) for stream s, so chunks never share a counter value. numpy guarantees a bit generator's
 output does not change across versions and platforms, so the bytes are the same on every machine. For tensors on
-another device (a GPU) the same draws are computed there by keyed_random_torch (torch integer operations, the same
-bits: tests/test_keyed_random_torch.py), so a mask is drawn where the arithmetic runs instead of on the CPU. Measured with `python bench/profile_task_vectors.py` (bench/README.md, one
-thread of a shared 2-core machine): ~3.7 ns per entry for the draw and the compare, against ~15.7 ns for torch's
-CPU `bernoulli`.
+another device (a GPU) the same draws are computed there by keyed_random_torch (torch integer operations, the
+same bits: tests/test_keyed_random_torch.py), so a mask is drawn where the arithmetic runs instead of on the CPU
+and copied over. On the CPU numpy's generator (or keyed_kernels' compiled copy) stays: ~1.5 ns a draw against
+~47 for the torch operations (`python bench/philox_torch.py`, 4M draws, one thread, AMD EPYC, shared 2-core
+machine). Measured with `python bench/profile_task_vectors.py` (bench/README.md, one thread of a shared 2-core
+machine): ~3.7 ns per entry for the draw and the compare, against ~15.7 ns for torch's CPU `bernoulli`.
 
 Entry i is kept with probability p when u_i < p, u_i = (top 24 bits of the i-th 32-bit draw) / 2**24: the
 same 24-bit grid a float32 uniform has. For a scalar p this is the integer test draw < ceil(p * 2**24) * 256.

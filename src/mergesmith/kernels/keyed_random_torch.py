@@ -8,17 +8,19 @@ torch operations over blocks of the counter, so the draws are computed on the GP
 the CPU stream (tests/test_keyed_random_torch.py compares them with numpy's generator).
 
 Nothing here relies on integer overflow, whose result C++ leaves undefined for signed types (torch has no
-unsigned 64-bit arithmetic on every device): each 64-bit Philox word is held as two int64 tensors of 32-bit
-halves, and the 64x64 -> 128-bit products of a round multiply a 32-bit half by a 16-bit limb of the constant
-(< 2**48), summed in 16-bit columns with explicit carries (every intermediate < 2**51). The keying (counter
-(1 + block, chunk, stream, 0), key (seed, KEY_TAG), draws the low then the high half of each output) is
-keyed_random's; see MaskStream._chunk.
+unsigned 64-bit arithmetic on every device): each 64-bit Philox word is held as two int64 32-bit halves, and the
+64x64 -> 128-bit products of a round multiply a 32-bit half by a 16-bit limb of the constant (< 2**48), summed in
+16-bit columns with explicit carries (every intermediate < 2**51). The state of all blocks is one (4 words, 2
+halves, blocks) tensor and a round's two products are computed stacked, so a round is ~20 tensor operations
+whatever the number of blocks: on a GPU a call costs ~200 kernel launches plus memory-speed passes, and callers
+draw a few million entries at a time (keyed_random.MaskStream.draws_on's window). The keying (counter
+(1 + block, chunk, stream, 0), key (seed, KEY_TAG), the low then the high half of each output) is keyed_random's;
+see MaskStream._chunk.
 
-On the CPU this is not used: measured by `python bench/philox_torch.py` (4M draws, one thread of a shared
-2-core machine), numpy's generator takes ~2.4 ns a draw, keyed_kernels' compiled one ~2 ns, and these torch
-operations ~20 ns (each of their ~500 operations per call passes over the whole array). On a GPU the same
-operations run at the device's memory speed, and a call costs ~500 kernel launches whatever its size, so
-callers draw a keyed chunk range at a time or more (MaskStream.draws_on).
+On the CPU this is not used: measured by `python bench/philox_torch.py` (4M draws, one thread, AMD EPYC, a shared
+2-core machine, torch 2.13), numpy's generator takes ~1.5 ns a draw, keyed_kernels' compiled copy ~1.4 ns, and
+these torch operations ~47 ns (in pieces of CPU_PIECE draws; ~125 ns in pieces of PIECE, out of the cache).
+No GPU was available to time it there.
 """
 
 from __future__ import annotations
@@ -36,80 +38,84 @@ _LOW32 = 0xFFFFFFFF
 _LOW16 = 0xFFFF
 
 PIECE = 1 << 22
-"""Draws computed at a time: the work tensors hold one int64 per block of 8 draws (4 MB each for a piece of
-this size, a few dozen alive at once), and a piece this large amortises the per-operation launch cost on a GPU."""
+"""Draws computed at a time on a GPU: the work tensors hold one int64 per block of 8 draws per 32-bit quarter (a
+few dozen MB for a piece of this size), and a piece this large amortises the launch cost of an operation."""
+
+CPU_PIECE = 1 << 16
+"""Draws computed at a time on the CPU (only when asked for: keyed_random draws with numpy there): the work tensors
+stay in the cache, ~2.5x faster than PIECE at a time (bench/philox_torch.py)."""
 
 
-def _limbs(value: int) -> tuple[int, int, int, int]:
+def _limbs(value: int) -> list[int]:
     """The 16-bit limbs of a 64-bit constant, lowest first."""
-    return tuple((value >> (16 * k)) & _LOW16 for k in range(4))  # type: ignore[return-value]
+    return [(value >> (16 * k)) & _LOW16 for k in range(4)]
 
 
-_M0_LIMBS, _M1_LIMBS = _limbs(_M0), _limbs(_M1)
-
-Word = tuple[torch.Tensor, torch.Tensor]
-"""A 64-bit word of every block: (high 32 bits, low 32 bits) as int64 tensors with values in [0, 2**32)."""
-
-
-def _mulhilo(word: Word, limbs: tuple[int, int, int, int]) -> tuple[Word, Word]:
-    """(high, low) 64-bit halves of the 128-bit product word * constant (given by its 16-bit limbs).
-
-    The product is the sum of x_i * m_k at bit 32 i + 16 k (x_i: the word's 32-bit halves, m_k: the limbs),
-    each < 2**48; summed in 16-bit columns (at most two terms a column, < 2**49) and carried column by column,
-    the result's 16-bit limbs come out one at a time."""
-    x1, x0 = word
-    m0, m1, m2, m3 = limbs
-    columns = (x0 * m0, x0 * m1, x0 * m2 + x1 * m0, x0 * m3 + x1 * m1, x1 * m2, x1 * m3)
-    out = []
-    carry: torch.Tensor | int = 0
-    for column in columns:
-        total = column + carry
-        out.append(total & _LOW16)
-        carry = total >> 16  # total >= 0: the arithmetic shift is the logical one
-    out.append(carry & _LOW16)  # type: ignore[operator]
-    out.append(carry >> 16)  # type: ignore[operator]
-    halves = [out[2 * h] | (out[2 * h + 1] << 16) for h in range(4)]  # < 2**32 each
-    return (halves[3], halves[2]), (halves[1], halves[0])
+def _halves(value: int) -> list[int]:
+    """The 32-bit halves of a 64-bit value, low first."""
+    return [value & _LOW32, value >> 32]
 
 
-def _xor(word: Word, key: int) -> Word:
-    return word[0] ^ (key >> 32), word[1] ^ (key & _LOW32)
-
-
-def _xor_words(a: Word, b: Word) -> Word:
-    return a[0] ^ b[0], a[1] ^ b[1]
-
-
-def philox_blocks(counter: tuple[Word, Word, Word, Word], key: tuple[int, int]) -> tuple[Word, Word, Word, Word]:
-    """The four 64-bit outputs of Philox-4x64-10 for each block's counter (c0, c1, c2, c3) and the key (k0, k1):
-    keyed_kernels._philox_block, a block per tensor entry."""
-    c0, c1, c2, c3 = counter
-    k0, k1 = key
+def _round_keys(seed: int) -> list[list[list[int]]]:
+    """The key (k0, k1) of each round as 32-bit halves: (seed, KEY_TAG) bumped by the Weyl increments."""
+    k0, k1, keys = seed & _MASK64, KEY_TAG, []
     for _ in range(ROUNDS):
-        high0, low0 = _mulhilo(c0, _M0_LIMBS)
-        high1, low1 = _mulhilo(c2, _M1_LIMBS)
-        c0, c1, c2, c3 = _xor(_xor_words(high1, c1), k0), low1, _xor(_xor_words(high0, c3), k1), low0
-        k0 = (k0 + _W0) & _MASK64
-        k1 = (k1 + _W1) & _MASK64
-    return c0, c1, c2, c3
+        keys.append([_halves(k0), _halves(k1)])
+        k0, k1 = (k0 + _W0) & _MASK64, (k1 + _W1) & _MASK64
+    return keys
 
 
-def _split(value: torch.Tensor) -> Word:
-    """A non-negative int64 tensor (< 2**63) as a word."""
-    return value >> 32, value & _LOW32
+def mulhilo(words: torch.Tensor, limbs: torch.Tensor) -> torch.Tensor:
+    """The 128-bit products words[w] * constant[w], exact, for a stack of 64-bit words.
+
+    `words`: int64 (W, 2, N), the 32-bit halves of each word (low first, values in [0, 2**32)); `limbs`: int64
+    (W, 1, 4, 1), each constant's 16-bit limbs (lowest first). Returns int64 (W, 4, N): the product's 32-bit
+    quarters, lowest first (so [:, :2] is the low word and [:, 2:] the high word, as halves).
+
+    The product is the sum of x_i * m_k at bit 32 i + 16 k (x_i: a half of the word, m_k: a limb), each < 2**48.
+    Summed in 16-bit columns (at most two terms a column, < 2**49), the odd columns are split at bit 16 into the
+    32-bit quarters around them, and the quarters' carries are passed up one at a time: every value < 2**51."""
+    width = words.shape[-1]
+    columns = words.new_zeros((words.shape[0], 6, width))  # 16-bit column 2 i + k
+    limbs = limbs.view(-1, 4, 1)
+    torch.mul(words[:, :1], limbs, out=columns[:, :4])
+    columns[:, 2:] += words[:, 1:] * limbs  # (addcmul_ is not integer on every device)
+    odd = columns[:, 1::2]
+    quarters = words.new_zeros((words.shape[0], 4, width))
+    quarters[:, :3] = columns[:, 0::2] + ((odd & _LOW16) << 16)
+    quarters[:, 1:] += odd >> 16
+    for q in range(3):
+        quarters[:, q + 1] += quarters[:, q] >> 32
+    return quarters.bitwise_and_(_LOW32)
 
 
-def _constant(value: int, like: torch.Tensor) -> Word:
-    return torch.full_like(like, value >> 32), torch.full_like(like, value & _LOW32)
+def philox_blocks(counter: torch.Tensor, seed: int) -> torch.Tensor:
+    """The four 64-bit outputs of Philox-4x64-10 for each block's counter and the key (seed, KEY_TAG):
+    keyed_kernels._philox_block, a block per entry of the last dimension.
+
+    `counter`: int64 (4, 2, N), words c0..c3 as 32-bit halves, low first; the result has the same layout. A
+    round is c0, c1, c2, c3 = hi(M1 c2) ^ c1 ^ k0, lo(M1 c2), hi(M0 c0) ^ c3 ^ k1, lo(M0 c0): here with the
+    products of c2 and c0 stacked in that order, so the new even words are their high words ^ (c1, c3) ^ (k0, k1)
+    and the new odd words their low words."""
+    device = counter.device
+    limbs = torch.tensor([_limbs(_M1), _limbs(_M0)], dtype=torch.int64, device=device).view(2, 1, 4, 1)
+    keys = torch.tensor(_round_keys(seed), dtype=torch.int64, device=device).unsqueeze(-1)  # (round, 2, 2, 1)
+    state = counter
+    for r in range(ROUNDS):
+        products = mulhilo(state.flip(0)[1::2], limbs)  # (c2, c0) times (M1, M0)
+        state = torch.cat([products[:, 2:] ^ state[1::2] ^ keys[r], products[:, :2]], dim=1).view(4, 2, -1)
+    return state
 
 
 def draws(seed: int, stream: int, start: int, count: int, chunk: int, device: torch.device | str) -> torch.Tensor:
     """The 32-bit draws start, ..., start + count - 1 of `stream` (keyed_random.MaskStream.draws, same bits) as an
     int64 tensor on `device`, values in [0, 2**32). `chunk` is keyed_random.CHUNK (a multiple of 8)."""
+    device = torch.device(device)
     out = torch.empty(count, dtype=torch.int64, device=device)
-    for first in range(start, start + count, PIECE):
-        piece = min(PIECE, start + count - first)
-        out[first - start : first - start + piece] = _piece(seed, stream, first, piece, chunk, torch.device(device))
+    size = min(PIECE, CPU_PIECE) if device.type == "cpu" else PIECE
+    for first in range(start, start + count, size):
+        piece = min(size, start + count - first)
+        out[first - start : first - start + piece] = _piece(seed, stream, first, piece, chunk, device)
     return out
 
 
@@ -119,14 +125,12 @@ def _piece(seed: int, stream: int, start: int, count: int, chunk: int, device: t
     per_chunk = chunk // 8
     first, last = start // 8, (start + count - 1) // 8
     blocks = torch.arange(first, last + 1, dtype=torch.int64, device=device)
-    counter = (
-        _split(blocks % per_chunk + 1),
-        _split(blocks // per_chunk),
-        _constant(stream & _MASK64, blocks),
-        _constant(0, blocks),
-    )
-    words = philox_blocks(counter, (seed & _MASK64, KEY_TAG))
-    halves = torch.stack([half for high, low in words for half in (low, high)], dim=1)  # low half first
+    counter = blocks.new_zeros((4, 2, blocks.numel()))
+    counter[0, 0] = blocks % per_chunk + 1  # < 2**13: the low half only
+    counter[1, 0] = (blocks // per_chunk) & _LOW32
+    counter[1, 1] = blocks // per_chunk >> 32
+    counter[2, 0], counter[2, 1] = stream & _LOW32, (stream >> 32) & _LOW32
+    halves = philox_blocks(counter, seed).permute(2, 0, 1)  # (block, word, half): a block's draws in order
     skip = start - 8 * first
     return halves.reshape(-1)[skip : skip + count]
 
