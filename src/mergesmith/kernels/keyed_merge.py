@@ -226,7 +226,8 @@ def keep_array(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor
 
 def keep_mask(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> torch.Tensor | None:
     """keep_array's flags as a flat bool tensor on `delta`'s device, drawn there (MaskStream.draws_on: the same
-    bits) when it is not the CPU, so a GPU merge neither waits on the CPU's draws nor copies masks over."""
+    bits) when it is not the CPU, so a GPU merge neither waits on the CPU's draws nor copies masks over (DELLA's
+    ranks too: _della_thresholds_on_device)."""
     if keyed_random.drawn_by_numpy(delta.device):
         flags = keep_array(stream, vec, offset, delta)
         return None if flags is None else torch.from_numpy(flags)
@@ -240,8 +241,23 @@ def keep_mask(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor)
         return stream.draws_on(vec.stream, offset, numel, device) < (threshold << 8)
     if vec.density <= 0:
         return torch.zeros(numel, dtype=torch.bool, device=device)
-    thresholds = _della_thresholds_of(vec, delta).to(device)  # the ranking is numpy's, on the CPU
-    return (stream.draws_on(vec.stream, offset, numel, device) >> 8) < thresholds
+    return (stream.draws_on(vec.stream, offset, numel, device) >> 8) < _della_thresholds_on_device(vec, delta)
+
+
+def _della_thresholds_on_device(vec: Vector, delta: torch.Tensor) -> torch.Tensor:
+    """_della_thresholds_of computed on `delta`'s device: a stable sort of each row's |d| orders equal magnitudes
+    by column, as the CPU's sort of (magnitude bits, column) keys does (|d| >= 0, so the float order is the bits'
+    order; NaNs come last in both, though the CPU orders NaNs of different payloads by payload)."""
+    assert vec.epsilon is not None
+    moved = delta.reshape(1, -1) if delta.dim() <= 1 else delta.movedim(1, -1)
+    width = moved.shape[-1]
+    order = torch.sort(moved.abs().reshape(-1, width), dim=1, stable=True).indices
+    ranks_thresholds = torch.from_numpy(della_thresholds(width, vec.density, vec.epsilon)).to(delta.device)
+    thresholds = torch.empty(order.shape, dtype=torch.int32, device=delta.device)
+    thresholds.scatter_(1, order, ranks_thresholds.expand(order.shape))
+    if delta.dim() > 2:
+        thresholds = thresholds.view(*moved.shape).movedim(-1, 1).contiguous()
+    return thresholds.reshape(-1)
 
 
 def keep_flags(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> torch.Tensor | None:
