@@ -239,12 +239,17 @@ def test_same_bytes_whole_blocked_threads_budget_and_resume(method, three_models
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 @pytest.mark.parametrize("method", KEYED)
-def test_keyed_masks_are_drawn_on_the_cpu_for_any_device(method):
-    """The stream draws on the CPU and moves the mask: on CUDA the same entries are dropped, so the result agrees
-    with the CPU's to float rounding (the device's reductions add in another order)."""
+def test_keyed_masks_are_drawn_on_the_device_with_the_cpu_bits(method):
+    """On CUDA the stream draws on the device (kernels/keyed_random_torch.py) and keeps exactly the CPU's entries,
+    so the result agrees with the CPU's to float rounding (the device's reductions add in another order)."""
     spec = get_method(method)
     params = {p.name: p.default for p in spec.params}
     tensors = _models((64, 300), torch.float32)
+    delta = tensors[1] - tensors[0]
+    vector = keyed_merge.Vector(1, 0, 1.0, 0.4, 0.1 if method.startswith("della") else None)
+    on_gpu = keyed_merge.keep_flags(MaskStream(4), vector, 77, delta.cuda())
+    assert on_gpu is not None and on_gpu.device.type == "cuda"
+    assert torch.equal(on_gpu.cpu(), keyed_merge.keep_flags(MaskStream(4), vector, 77, delta))
 
     def on(device: str) -> torch.Tensor:
         moved = [t.to(device) for t in tensors]

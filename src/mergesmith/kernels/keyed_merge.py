@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import keyed_kernels
+from . import keyed_kernels, keyed_random
 from .compiled import CONSENSUS_CODES
 from .keyed_random import MaskStream
 from .reductions import BlockedTotal
@@ -179,9 +179,9 @@ def della_thresholds(n: int, density: float, epsilon: float) -> np.ndarray:
     return np.minimum(np.ceil(p.astype(np.float64) * _UNIT), _UNIT).astype(np.int32)
 
 
-def _della_keep(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> np.ndarray:
-    """Bool keep flags (flat, C order of `delta`) of DELLA's rank-dependent draw; ranks run along dim 1
-    (the only dim of a 1-D tensor)."""
+def _della_thresholds_of(vec: Vector, delta: torch.Tensor) -> torch.Tensor:
+    """The keep threshold (24-bit grid, int32, on the CPU) of each entry of `delta`, in its C order: that of the
+    entry's rank in its row; ranks run along dim 1 (the only dim of a 1-D tensor)."""
     assert vec.epsilon is not None
     moved = delta.reshape(1, -1) if delta.dim() <= 1 else delta.movedim(1, -1)
     width = moved.shape[-1]
@@ -197,9 +197,16 @@ def _della_keep(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tenso
     thresholds.scatter_(1, order, ranks_thresholds.expand(order.shape))  # threshold of each entry, in place
     if delta.dim() > 2:  # back to the tensor's own order of entries
         thresholds = thresholds.view(*moved.shape).movedim(-1, 1).contiguous()
+    return thresholds.reshape(-1)
+
+
+def _della_keep(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> np.ndarray:
+    """Bool keep flags (flat, C order of `delta`) of DELLA's rank-dependent draw: the draw's top 24 bits below
+    the threshold of the entry's rank."""
+    thresholds = _della_thresholds_of(vec, delta)
     draws = stream.draws(vec.stream, offset, delta.numel())
     draws >>= np.uint32(8)
-    return draws.view(np.int32) < thresholds.numpy().reshape(-1)
+    return draws.view(np.int32) < thresholds.numpy()
 
 
 _LITTLE = np.little_endian
@@ -217,17 +224,55 @@ def keep_array(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor
     return _della_keep(stream, vec, offset, delta)
 
 
+def keep_mask(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> torch.Tensor | None:
+    """keep_array's flags as a flat bool tensor on `delta`'s device, drawn there (MaskStream.draws_on: the same
+    bits) when it is not the CPU, so a GPU merge neither waits on the CPU's draws nor copies masks over (DELLA's
+    ranks too: _della_thresholds_on_device)."""
+    if keyed_random.drawn_by_numpy(delta.device):
+        flags = keep_array(stream, vec, offset, delta)
+        return None if flags is None else torch.from_numpy(flags)
+    if vec.density >= 1:
+        return None
+    numel, device = delta.numel(), delta.device
+    if vec.epsilon is None:
+        threshold = math.ceil(float(np.float32(vec.density)) * _UNIT)
+        if threshold >= _UNIT:
+            return torch.ones(numel, dtype=torch.bool, device=device)
+        return stream.draws_on(vec.stream, offset, numel, device) < (threshold << 8)
+    if vec.density <= 0:
+        return torch.zeros(numel, dtype=torch.bool, device=device)
+    return (stream.draws_on(vec.stream, offset, numel, device) >> 8) < _della_thresholds_on_device(vec, delta)
+
+
+def _della_thresholds_on_device(vec: Vector, delta: torch.Tensor) -> torch.Tensor:
+    """_della_thresholds_of computed on `delta`'s device: a stable sort of each row's |d| orders equal magnitudes
+    by column, as the CPU's sort of (magnitude bits, column) keys does (|d| >= 0, so the float order is the bits'
+    order; NaNs come last in both, though the CPU orders NaNs of different payloads by payload)."""
+    assert vec.epsilon is not None
+    moved = delta.reshape(1, -1) if delta.dim() <= 1 else delta.movedim(1, -1)
+    width = moved.shape[-1]
+    order = torch.sort(moved.abs().reshape(-1, width), dim=1, stable=True).indices
+    ranks_thresholds = torch.from_numpy(della_thresholds(width, vec.density, vec.epsilon)).to(delta.device)
+    thresholds = torch.empty(order.shape, dtype=torch.int32, device=delta.device)
+    thresholds.scatter_(1, order, ranks_thresholds.expand(order.shape))
+    if delta.dim() > 2:
+        thresholds = thresholds.view(*moved.shape).movedim(-1, 1).contiguous()
+    return thresholds.reshape(-1)
+
+
 def keep_flags(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> torch.Tensor | None:
     """The keep mask of `delta` (see keep_array) as a bool tensor of its shape on its device."""
-    flags = keep_array(stream, vec, offset, delta)
-    return None if flags is None else torch.from_numpy(flags).view(delta.shape).to(delta.device)
+    flags = keep_mask(stream, vec, offset, delta)
+    return None if flags is None else flags.view(delta.shape)
 
 
-def _as_factors(flags: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+def _as_factors(flags: np.ndarray | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The flags as 0/1 float32 in a work buffer shaped like `like`: a float32 mask multiplies ~5x faster than
     a bool one (torch casts bool operands entry by entry), and uint8 converts to float32 ~7x faster than bool
     (bench/README.md, issue 21)."""
     keep = _BUFFERS.get("keep", like.shape, F32, like.device)
+    if isinstance(flags, torch.Tensor):  # drawn on the device (keep_mask)
+        return keep.copy_(flags.view(torch.uint8).view(like.shape))
     return keep.copy_(torch.from_numpy(flags.view(np.uint8)).view(like.shape))
 
 
@@ -287,9 +332,9 @@ def gather(
                 after.add(kept)
             else:
                 d = _task_vector("d0", piece.of(tensors[vec.index]), base32)
-                flags = keep_array(stream, vec, start, d)
+                flags = keep_mask(stream, vec, start, d)
                 assert flags is not None
-                packed = np.packbits(flags)
+                packed = np.packbits(flags.numpy()) if keyed_random.drawn_by_numpy(d.device) else flags
                 before.add(torch.abs(d, out=mags))
                 after.add(mags.mul_(_as_factors(flags, mags)))
             state.masks[(k, start)] = packed
@@ -370,10 +415,12 @@ def merge(
         for k, vec in enumerate(vectors):
             d = _task_vector(f"d{k}", piece.of(tensors[vec.index]), base32)
             packed = kept.get((k, offset + piece.start))
-            if packed is not None:
+            if isinstance(packed, np.ndarray):
                 flags = np.unpackbits(packed, count=d.numel()).view(np.bool_)
+            elif packed is not None:
+                flags = packed
             else:
-                flags = keep_array(stream, vec, offset + piece.start, d)
+                flags = keep_mask(stream, vec, offset + piece.start, d)
             if flags is not None:
                 d.mul_(_as_factors(flags, d))
             weighted.append(d.mul_(factors[k]))

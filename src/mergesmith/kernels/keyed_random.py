@@ -11,10 +11,13 @@ The generator is numpy's Philox-4x64 (Salmon et al. 2011, "Parallel random numbe
 keyed by the recipe's per-tensor seed (itself derived from `--random-seed` and the tensor name) and a stream
 number (one per task vector). Entries come in chunks of CHUNK: chunk c is the Philox stream whose counter
 starts at (0, c, s, 0) for stream s, so chunks never share a counter value. numpy guarantees a bit generator's
-output does not change across versions and platforms, and the draws are made on the CPU, so the bytes are the
-same on every machine and device. Measured with `python bench/profile_task_vectors.py` (bench/README.md, one
-thread of a shared 2-core machine): ~3.7 ns per entry for the draw and the compare, against ~15.7 ns for torch's
-CPU `bernoulli`.
+output does not change across versions and platforms, so the bytes are the same on every machine. For tensors on
+another device (a GPU) the same draws are computed there by keyed_random_torch (torch integer operations, the
+same bits: tests/test_keyed_random_torch.py), so a mask is drawn where the arithmetic runs instead of on the CPU
+and copied over. On the CPU numpy's generator (or keyed_kernels' compiled copy) stays: ~1.5 ns a draw against
+~47 for the torch operations (`python bench/philox_torch.py`, 4M draws, one thread, AMD EPYC, shared 2-core
+machine). Measured with `python bench/profile_task_vectors.py` (bench/README.md, one thread of a shared 2-core
+machine): ~3.7 ns per entry for the draw and the compare, against ~15.7 ns for torch's CPU `bernoulli`.
 
 Entry i is kept with probability p when u_i < p, u_i = (top 24 bits of the i-th 32-bit draw) / 2**24: the
 same 24-bit grid a float32 uniform has. For a scalar p this is the integer test draw < ceil(p * 2**24) * 256.
@@ -28,7 +31,7 @@ import sys
 import numpy as np
 import torch
 
-from . import keyed_kernels
+from . import keyed_kernels, keyed_random_torch
 
 STREAM_NAME = "philox4x64/chunk65536/top24"
 """Names this keying of the draws in a plan's options (so in its fingerprint): a change here is a new name."""
@@ -39,9 +42,19 @@ CHUNK = 1 << 16
 COMPILED = keyed_kernels.AVAILABLE
 """Draws by keyed_kernels' compiled Philox (tests switch it off to compare with numpy's generator)."""
 
-_KEY_TAG = 0x6D65726765736D74  # "mergesmt": the second key word, so these streams differ from any other use
+_KEY_TAG = keyed_random_torch.KEY_TAG  # "mergesmt": the second key word, so these streams differ from any other use
+
+WINDOW = 1 << 22
+"""Draws computed at once on a device (draws_on): a call costs a few hundred kernel launches whatever its size,
+so a device draws this many ahead and serves the next pieces of the tensor from them."""
 _UNIT = float(1 << 24)
 _LITTLE = sys.byteorder == "little"
+
+
+def drawn_by_numpy(device: torch.device) -> bool:
+    """Whether masks for tensors on `device` are drawn by numpy (or keyed_kernels) on the CPU: for CPU tensors,
+    where that is the fastest exact path (keyed_random_torch's docstring); elsewhere they are drawn on the device."""
+    return device.type == "cpu"
 
 
 class MaskStream:
@@ -53,6 +66,22 @@ class MaskStream:
         self.seed = int(seed) & ((1 << 64) - 1)
         self._bits = np.random.Philox(key=np.array([self.seed, _KEY_TAG], dtype=np.uint64))
         self._state = self._bits.state
+        self._ahead: dict[tuple[int, torch.device], tuple[int, torch.Tensor]] = {}
+
+    def draws_on(self, stream: int, start: int, count: int, device: torch.device) -> torch.Tensor:
+        """The draws of `draws` as an int64 tensor on `device` (values in [0, 2**32)): on the CPU numpy's (or the
+        compiled) ones, elsewhere computed there by keyed_random_torch, WINDOW at a time: later calls for the
+        entries that follow (the next pieces of a tensor) are slices of the same window."""
+        device = torch.device(device)
+        if drawn_by_numpy(device):
+            return torch.from_numpy(self.draws(stream, start, count).astype(np.int64))
+        held = self._ahead.get((stream, device))
+        if held is None or not (held[0] <= start and start + count <= held[0] + held[1].numel()):
+            ahead = max(count, min(WINDOW, 16 * count))  # a small tensor's window stays small
+            drawn = keyed_random_torch.draws(self.seed, stream, start, ahead, CHUNK, device)
+            held = self._ahead[(stream, device)] = (start, drawn)
+        first, drawn = held
+        return drawn[start - first : start - first + count]
 
     def draws(self, stream: int, start: int, count: int) -> np.ndarray:
         """The 32-bit draws of entries [start, start + count) of stream `stream`, as a uint32 array (computed by
@@ -93,15 +122,23 @@ class MaskStream:
         first = lo - 2 * first_output  # 1 when lo is the high half of its output
         return halves[first : first + hi - lo]
 
-    def keep(self, stream: int, start: int, shape: tuple[int, ...], p: float) -> torch.Tensor:
-        """Bool mask of `shape` (entries start, start+1, ... in C order): True with probability p each."""
+    def keep(
+        self, stream: int, start: int, shape: tuple[int, ...], p: float, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """Bool mask of `shape` (entries start, start+1, ... in C order) on `device`: True with probability p each."""
         count = math.prod(shape)
         threshold = min(1 << 32, math.ceil(p * _UNIT) * 256)
-        return torch.from_numpy(self.draws(stream, start, count) < threshold).reshape(shape)
+        if drawn_by_numpy(torch.device(device)):
+            return torch.from_numpy(self.draws(stream, start, count) < threshold).reshape(shape)
+        return (self.draws_on(stream, start, count, torch.device(device)) < threshold).reshape(shape)
 
     def keep_with(self, stream: int, start: int, probs: torch.Tensor) -> torch.Tensor:
-        """Bool mask shaped like `probs` (on the CPU): entry j kept when u_j < probs[j] (compared in float32,
+        """Bool mask shaped like `probs`, on its device: entry j kept when u_j < probs[j] (compared in float32,
         exact: u_j is on the 24-bit grid and probs * 2**24 only shifts the exponent)."""
+        if not drawn_by_numpy(probs.device):
+            draws = self.draws_on(stream, start, probs.numel(), probs.device)
+            grid = (draws >> 8).to(torch.float32).reshape(probs.shape)
+            return grid < probs.to(torch.float32) * _UNIT
         draws = self.draws(stream, start, probs.numel())
         grid = torch.from_numpy((draws >> 8).astype(np.float32)).reshape(probs.shape)
         return grid < probs.to(torch.float32) * _UNIT
