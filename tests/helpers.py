@@ -8,7 +8,7 @@ tests that never touch a model do not pay for the import.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -135,3 +135,13 @@ def write_config(path: Path, data: dict[str, Any]) -> Path:
 
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def one_torch_thread() -> Iterator[None]:
+    """A fixture body (`pytest.fixture(autouse=True, scope="module")(one_torch_thread)`): torch on one intra-op
+    thread, put back afterwards. For tests of many small tensor operations, where on a busy 2-core machine
+    torch's threads wait on each other in every operation and cost far more than the arithmetic."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -18,18 +18,12 @@ from mergesmith.kernels import keyed_merge, keyed_random, keyed_random_torch
 from mergesmith.kernels.keyed_random import CHUNK, MaskStream
 from mergesmith.methods import get_method
 from mergesmith.methods.registry import MergeInputs
+from tests.helpers import one_torch_thread
 
 KEYED = ("dare_ties", "dare_linear", "della", "della_linear")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The torch stream is hundreds of small operations: on a busy 2-core machine torch's two OpenMP threads wait
-    on each other in every one of them (one test took 11 s on two threads, 0.15 s on one)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(autouse=True)(one_torch_thread)
 
 
 def _numpy_draws(seed: int, stream: int, start: int, count: int) -> np.ndarray:

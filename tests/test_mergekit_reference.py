@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 from mergesmith.kernels.keyed_random import MaskStream
 from mergesmith.methods import get_method
 from mergesmith.methods.registry import MergeInputs
+from tests.helpers import one_torch_thread
 
 REFERENCE = Path(__file__).parent / "reference"
 MANIFEST = json.loads((REFERENCE / "manifest.json").read_text())
@@ -104,12 +105,7 @@ def inputs() -> dict[str, dict[str, torch.Tensor]]:
     return models
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 def load_reference(case: str) -> dict[str, torch.Tensor]:

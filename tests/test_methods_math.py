@@ -20,17 +20,12 @@ from mergesmith.errors import ConfigError
 from mergesmith.methods import get_method, method_names
 from mergesmith.methods.registry import MergeInputs
 from mergesmith.methods.task_arithmetic import della_magprune, magnitude, magnitude_outliers, random_drop
+from tests.helpers import one_torch_thread
 
 SETTINGS = settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: thread start-up and contention on a busy machine cost 100x the arithmetic."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 def call(

@@ -30,18 +30,20 @@ from mergesmith.engine.plan import InputRef, TensorRecipe
 from mergesmith.methods import get_method
 from mergesmith.methods.isotropic import common_size
 from mergesmith.methods.registry import MergeInputs
-from tests.helpers import assert_one_line_error, finite_logits, load_causal_lm, read_state_dict, run_cli
+from tests.helpers import (
+    assert_one_line_error,
+    finite_logits,
+    load_causal_lm,
+    one_torch_thread,
+    read_state_dict,
+    run_cli,
+)
 
 METHODS = ("tsv", "iso_c", "iso_cts")
 SCALE = {"tsv": "alpha", "iso_c": "scaling_factor", "iso_cts": "scaling_factor"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 # ----- the float64 references ----------------------------------------------------------------------------------
