@@ -548,6 +548,42 @@ def test_arcee_fusion_takes_only_important_changes():
     assert 1 <= int(taken.sum()) < base.numel() // 4
 
 
+def _summed_backwards(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """A row sum in another order (last entry first, one at a time): what a device's reduction may do."""
+    acc = torch.zeros_like(x.select(dim, 0))
+    for i in reversed(range(x.shape[dim])):
+        acc = acc + x.select(dim, i)
+    return acc.unsqueeze(dim) if keepdim else acc
+
+
+def test_arcee_fusion_kl_does_not_depend_on_the_summation_order(monkeypatch):
+    """The cause of the CUDA mismatch (issue 33: 2 of 60,000 entries differed from the CPU by a whole change):
+    summed as p log(p / q), the KL of a fine-tune's row against its base cancels (terms of size |b - a|, a sum of
+    size |b - a|^2), so its float32 digits follow the order of the sum and entries near the threshold flip.
+    row_kl sums nonnegative terms in float64 and rounds once: another order gives the same bits, and so the same
+    selection; the old formula, summed backwards, does not give the same bits (the check can fail)."""
+    import torch.nn.functional as F
+
+    from mergesmith.methods import arcee_fusion as af
+
+    base = rand((200, 300), 11, 0.02)
+    other = base + rand((200, 300), 12, 0.002)
+    p, q = F.softmax(other, -1) + 1e-8, F.softmax(base, -1) + 1e-8
+    old_terms = p * torch.log(p / q)
+    assert not torch.equal(old_terms.sum(-1), _summed_backwards(old_terms))  # the old formula follows the order
+
+    kl = af.row_kl(base, other)
+    out = call("arcee_fusion", [base, other], 0)
+    monkeypatch.setattr(af, "sum_along", _summed_backwards)
+    assert torch.equal(af.row_kl(base, other), kl)
+    assert torch.equal(call("arcee_fusion", [base, other], 0), out)
+
+    # and it is the KL: against sum p log(p / q) of the same distributions in float64
+    p64, q64 = F.softmax(other.double(), -1) + 1e-8, F.softmax(base.double(), -1) + 1e-8
+    direct = (p64 * torch.log(p64 / q64)).sum(-1, keepdim=True)
+    torch.testing.assert_close(kl.double(), direct, rtol=1e-6, atol=0.0)
+
+
 def test_arcee_fusion_large_tensor_samples_with_the_generator():
     base, (other,) = finetunes(1, (1100, 1000), seed=3)
     one = call("arcee_fusion", [base, other], 0, seed=5)
