@@ -383,12 +383,33 @@ def test_large_tensors_agree_with_live_mergekit(tmp_path):
                 "model.layers.0.mlp.up_proj.weight",
             )
         )
+        if method == "arcee_fusion":
+            merged = _arcee_fusion_past_mergekit_rounding(merged, theirs[method], _live_models(n))
         # Karcher: mergekit's float32 MKL dot over 1.1M entries is off by ~5e-6 from a float64 Karcher mean (ours,
         # blocked, by ~1e-6), and the iteration carries it into every entry.
         atol = 1e-5 if method == "karcher" else 2e-6
         torch.testing.assert_close(
             merged, theirs[method], rtol=2e-5, atol=atol, msg=lambda m, method=method: f"{method}: {m}"
         )
+
+
+def _arcee_fusion_past_mergekit_rounding(ours: torch.Tensor, theirs: torch.Tensor, models: list) -> torch.Tensor:
+    """Ours with the entries where the two selections differ taken from mergekit's, after checking that each lies
+    at the threshold within mergekit's KL error: mergekit sums the row KL as p log(p / q) in float32, which cancels
+    (0.4 % off on rows like these; methods/arcee_fusion.row_kl), ours is exact to float64 and rounded once (so
+    that the selection is the same on every device). Measured: 11 of the 1.1 M entries differ."""
+    from mergesmith.methods.arcee_fusion import importance
+
+    differ = ours != theirs
+    assert int(differ.sum()) <= 1e-4 * ours.numel(), int(differ.sum())
+    base, other = models
+    scores = importance(base, other)
+    gen = torch.Generator().manual_seed(11)
+    picks = torch.randint(scores.numel(), (1_000_000,), generator=gen)
+    q1, median, q3 = torch.sort(scores.reshape(-1)[picks]).values[(torch.tensor([0.25, 0.5, 0.75]) * 999_999).long()]
+    threshold = median + 1.5 * (q3 - q1)
+    assert torch.all((scores[differ] - threshold).abs() <= 0.01 * threshold), "a difference far from the threshold"
+    return torch.where(differ, theirs, ours)
 
 
 def test_ulp_distance_is_measured_at_the_tensors_scale_and_refuses_real_differences():
