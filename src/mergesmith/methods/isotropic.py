@@ -50,9 +50,18 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_same_shape, require_base, work_dtype
+from .common import require_base
 from .registry import MergeInputs, MethodSpec, ParamSpec, within
-from .task_singular import SVD_MEMORY, finish, matrix_rank_tolerance, orthonormal_factor, task_matrices, thin_svd
+from .task_singular import (
+    SVD_MEMORY,
+    finish,
+    matrix_rank_tolerance,
+    orthonormal_factor,
+    prepared_base,
+    task_matrices,
+    task_mean,
+    thin_svd,
+)
 
 __all__ = ["METHODS", "common_size", "iso_c_matrix", "iso_cts_matrix"]
 
@@ -122,34 +131,20 @@ def iso_cts_matrix(inputs: MergeInputs, base: torch.Tensor, dtype: torch.dtype, 
     return (u_perp * values.mean()) @ vh_perp
 
 
-def _mean(inputs: MergeInputs, base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return _summed(inputs, base, dtype, release=True).div_(len(inputs.others()))
-
-
-def _prepare(inputs: MergeInputs, method: str) -> tuple[torch.Tensor, torch.Tensor, torch.dtype] | None:
-    """(the base as given, the base in the work dtype, the work dtype), or None when no model besides the base."""
-    check_same_shape(inputs, method)
-    base_in = inputs.tensors[require_base(inputs, method)]
-    if not inputs.others():
-        return None
-    dtype = work_dtype(base_in)
-    return base_in, base_in.to(dtype), dtype
-
-
 def _merge_iso_c(inputs: MergeInputs) -> torch.Tensor:
-    prepared = _prepare(inputs, "iso_c")
+    prepared = prepared_base(inputs, "iso_c")
     if prepared is None:
         return inputs.tensors[require_base(inputs, "iso_c")]
     base_in, base, dtype = prepared
     if base.dim() == 2:
         merged = iso_c_matrix(_summed(inputs, base, dtype, release=True))
     else:
-        merged = _mean(inputs, base, dtype)
+        merged = task_mean(inputs, base, dtype)
     return finish(base, merged, float(inputs.params["scaling_factor"]), base_in.dtype)
 
 
 def _merge_iso_cts(inputs: MergeInputs) -> torch.Tensor:
-    prepared = _prepare(inputs, "iso_cts")
+    prepared = prepared_base(inputs, "iso_cts")
     if prepared is None:
         return inputs.tensors[require_base(inputs, "iso_cts")]
     base_in, base, dtype = prepared
@@ -157,7 +152,7 @@ def _merge_iso_cts(inputs: MergeInputs) -> torch.Tensor:
     if base.dim() == 2:
         merged = iso_cts_matrix(inputs, base, dtype, fraction)
     else:
-        merged = _mean(inputs, base, dtype)
+        merged = task_mean(inputs, base, dtype)
     return finish(base, merged, float(inputs.params["scaling_factor"]), base_in.dtype)
 
 

@@ -67,6 +67,7 @@ __all__ = [
     "finish",
     "matrix_rank_tolerance",
     "orthonormal_factor",
+    "prepared_base",
     "task_matrices",
     "task_mean",
     "tsv_task_matrix",
@@ -188,21 +189,28 @@ def finish(base: torch.Tensor, merged: torch.Tensor, scale: float, out_dtype: to
     return merged.add_(base).to(out_dtype)
 
 
-def _merge(inputs: MergeInputs) -> torch.Tensor:
-    check_same_shape(inputs, "tsv")
-    base_in = inputs.tensors[require_base(inputs, "tsv")]
-    others = inputs.others()
-    if not others:
-        return base_in
+def prepared_base(inputs: MergeInputs, method: str) -> tuple[torch.Tensor, torch.Tensor, torch.dtype] | None:
+    """(the base as given, the base in the work dtype, the work dtype) after the shape and base checks, or None
+    when no model besides the base contributes (the base is then the output): how every SVD method starts."""
+    check_same_shape(inputs, method)
+    base_in = inputs.tensors[require_base(inputs, method)]
+    if not inputs.others():
+        return None
     dtype = work_dtype(base_in)
-    base = base_in.to(dtype)
-    alpha = float(inputs.params["alpha"])
+    return base_in, base_in.to(dtype), dtype
+
+
+def _merge(inputs: MergeInputs) -> torch.Tensor:
+    prepared = prepared_base(inputs, "tsv")
+    if prepared is None:
+        return inputs.tensors[require_base(inputs, "tsv")]
+    base_in, base, dtype = prepared
     merged = None
     if base.dim() == 2:
-        merged = tsv_task_matrix(task_matrices(inputs, base, dtype), len(others), base)
+        merged = tsv_task_matrix(task_matrices(inputs, base, dtype), len(inputs.others()), base)
     if merged is None:
         merged = task_mean(inputs, base, dtype)
-    return finish(base, merged, alpha, base_in.dtype)
+    return finish(base, merged, float(inputs.params["alpha"]), base_in.dtype)
 
 
 def tsv_svd_work(shape: tuple[int, ...], tasks: int) -> float:
