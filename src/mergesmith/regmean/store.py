@@ -11,6 +11,7 @@ loose safetensors files), which is how the merge reads them: as one more input m
 from __future__ import annotations
 
 import hashlib
+import os
 import stat
 from pathlib import Path
 
@@ -50,13 +51,11 @@ WHOLE_FILE = "grams-model.safetensors"
 
 def finished(out_dir: Path, model: str, name: str) -> bool:
     """Whether the file is there as a regular file, reached without links (a link is never taken for ours)."""
-    directory = store_dir(out_dir, model)
-    parts = directory.relative_to(out_dir).parts
-    if any(out_dir.joinpath(*parts[: i + 1]).is_symlink() for i in range(len(parts))):
-        return False
+    parts = store_dir(out_dir, model).relative_to(out_dir).parts
     try:
-        return stat.S_ISREG((directory / name).lstat().st_mode)
-    except OSError:
+        with safe_fs.opened_dir(out_dir, parts) as directory:  # a link on the way raises LinkError
+            return stat.S_ISREG(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode)
+    except (OSError, MergesmithError):
         return False
 
 
