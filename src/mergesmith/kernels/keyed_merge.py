@@ -180,24 +180,38 @@ def della_thresholds(n: int, density: float, epsilon: float) -> np.ndarray:
 
 
 def _della_thresholds_of(vec: Vector, delta: torch.Tensor) -> torch.Tensor:
-    """The keep threshold (24-bit grid, int32, on the CPU) of each entry of `delta`, in its C order: that of the
-    entry's rank in its row; ranks run along dim 1 (the only dim of a 1-D tensor)."""
+    """The keep threshold (24-bit grid, int32, on `delta`'s device) of each entry of `delta`, in its C order: that
+    of the entry's rank in its row; ranks run along dim 1 (the only dim of a 1-D tensor). Equal magnitudes rank
+    by column on every device (_row_order_on_cpu, _row_order_on_device)."""
     assert vec.epsilon is not None
     moved = delta.reshape(1, -1) if delta.dim() <= 1 else delta.movedim(1, -1)
     width = moved.shape[-1]
-    mags = moved.abs().contiguous().reshape(-1, width).cpu().numpy()  # rows of |d|, ranked along their length
-    keys = mags.view(np.uint32).astype(np.uint64)
-    keys <<= np.uint64(32)
-    keys |= np.arange(width, dtype=np.uint64)  # ties by column: every key distinct, so a value sort is an order
-    keys.sort(axis=1)
-    order = torch.from_numpy(keys.view(np.uint32)[:, 0 :: 2] if _LITTLE else keys.view(np.uint32)[:, 1 :: 2])
-    order = order.to(torch.int64)
-    ranks_thresholds = torch.from_numpy(della_thresholds(width, vec.density, vec.epsilon))
-    thresholds = torch.empty(order.shape, dtype=torch.int32)
+    rows = moved.abs().contiguous().reshape(-1, width)  # rows of |d|, ranked along their length
+    order = _row_order_on_cpu(rows) if keyed_random.drawn_by_numpy(delta.device) else _row_order_on_device(rows)
+    ranks_thresholds = torch.from_numpy(della_thresholds(width, vec.density, vec.epsilon)).to(order.device)
+    thresholds = torch.empty(order.shape, dtype=torch.int32, device=order.device)
     thresholds.scatter_(1, order, ranks_thresholds.expand(order.shape))  # threshold of each entry, in place
     if delta.dim() > 2:  # back to the tensor's own order of entries
         thresholds = thresholds.view(*moved.shape).movedim(-1, 1).contiguous()
     return thresholds.reshape(-1)
+
+
+def _row_order_on_cpu(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's ascending order (int64), ties by column, from one numpy sort of (magnitude bits, column) keys."""
+    width = rows.shape[-1]
+    keys = rows.cpu().numpy().view(np.uint32).astype(np.uint64)
+    keys <<= np.uint64(32)
+    keys |= np.arange(width, dtype=np.uint64)  # ties by column: every key distinct, so a value sort is an order
+    keys.sort(axis=1)
+    order = torch.from_numpy(keys.view(np.uint32)[:, 0 :: 2] if _LITTLE else keys.view(np.uint32)[:, 1 :: 2])
+    return order.to(torch.int64)
+
+
+def _row_order_on_device(rows: torch.Tensor) -> torch.Tensor:
+    """_row_order_on_cpu's order on the rows' device: a stable sort of each row's |d| orders equal magnitudes by
+    column, as the CPU's keys do (|d| >= 0, so the float order is the bits' order; NaNs come last in both, though
+    the CPU orders NaNs of different payloads by payload)."""
+    return torch.sort(rows, dim=1, stable=True).indices
 
 
 def _della_keep(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> np.ndarray:
@@ -227,7 +241,7 @@ def keep_array(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor
 def keep_mask(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> torch.Tensor | None:
     """keep_array's flags as a flat bool tensor on `delta`'s device, drawn there (MaskStream.draws_on: the same
     bits) when it is not the CPU, so a GPU merge neither waits on the CPU's draws nor copies masks over (DELLA's
-    ranks too: _della_thresholds_on_device)."""
+    ranks too: _della_thresholds_of)."""
     if keyed_random.drawn_by_numpy(delta.device):
         flags = keep_array(stream, vec, offset, delta)
         return None if flags is None else torch.from_numpy(flags)
@@ -241,23 +255,7 @@ def keep_mask(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor)
         return stream.draws_on(vec.stream, offset, numel, device) < (threshold << 8)
     if vec.density <= 0:
         return torch.zeros(numel, dtype=torch.bool, device=device)
-    return (stream.draws_on(vec.stream, offset, numel, device) >> 8) < _della_thresholds_on_device(vec, delta)
-
-
-def _della_thresholds_on_device(vec: Vector, delta: torch.Tensor) -> torch.Tensor:
-    """_della_thresholds_of computed on `delta`'s device: a stable sort of each row's |d| orders equal magnitudes
-    by column, as the CPU's sort of (magnitude bits, column) keys does (|d| >= 0, so the float order is the bits'
-    order; NaNs come last in both, though the CPU orders NaNs of different payloads by payload)."""
-    assert vec.epsilon is not None
-    moved = delta.reshape(1, -1) if delta.dim() <= 1 else delta.movedim(1, -1)
-    width = moved.shape[-1]
-    order = torch.sort(moved.abs().reshape(-1, width), dim=1, stable=True).indices
-    ranks_thresholds = torch.from_numpy(della_thresholds(width, vec.density, vec.epsilon)).to(delta.device)
-    thresholds = torch.empty(order.shape, dtype=torch.int32, device=delta.device)
-    thresholds.scatter_(1, order, ranks_thresholds.expand(order.shape))
-    if delta.dim() > 2:
-        thresholds = thresholds.view(*moved.shape).movedim(-1, 1).contiguous()
-    return thresholds.reshape(-1)
+    return (stream.draws_on(vec.stream, offset, numel, device) >> 8) < _della_thresholds_of(vec, delta)
 
 
 def keep_flags(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor) -> torch.Tensor | None:
