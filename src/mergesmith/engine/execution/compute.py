@@ -38,13 +38,13 @@ def load_input(ckpt: Checkpoint, ref: InputRef, rows: tuple[int, int] | None = N
         padded[: part.shape[0]] = part
         return padded
     tensor = ckpt.get(ref.tensor)
-    if ref.rows is None or tensor.shape[0] == ref.rows:
-        return tensor
-    if tensor.shape[0] > ref.rows:
-        return tensor[: ref.rows]
-    padded = torch.zeros((ref.rows, *tensor.shape[1:]), dtype=tensor.dtype)
-    padded[: tensor.shape[0]] = tensor
-    return padded
+    if ref.rows is not None and tensor.shape[0] > ref.rows:
+        tensor = tensor[: ref.rows]
+    elif ref.rows is not None and tensor.shape[0] < ref.rows:
+        padded = torch.zeros((ref.rows, *tensor.shape[1:]), dtype=tensor.dtype)
+        padded[: tensor.shape[0]] = tensor
+        tensor = padded
+    return tensor if rows is None else tensor[rows[0] : rows[1]]
 
 
 class MethodError(ConfigError):
@@ -99,12 +99,7 @@ def compute(
         if index is not None and streamed(index):
             tensor = loaded[index]  # type: ignore[index]
         else:
-            ckpt = checkpoints[ref.model]
-            if rows is not None and ref.tensor in ckpt.quantized:
-                tensor = load_input(ckpt, ref, rows)
-            else:
-                tensor = load_input(ckpt, ref)
-                tensor = tensor if rows is None else tensor[rows[0] : rows[1]]
+            tensor = load_input(checkpoints[ref.model], ref, rows)
         if monitor is not None:
             monitor.check_input(ref.model, ref.tensor, tensor, None if rows is None else rows[0])
         return tensor
