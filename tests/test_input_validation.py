@@ -539,7 +539,8 @@ def test_input_truncated_during_a_mapped_read_is_one_line_not_sigbus(
     tmp_path: Path, tiny_models: Any, base: Path, tuned: list[Path]
 ) -> None:
     """An input shrinks while the merge reads it through its memory map (MERGESMITH_FEED=0; a `.bin`,
-    which torch maps; a model on tmpfs, which the feed would otherwise read by buffered reads): before the tensor is viewed, and after (its pages past the new end are
+    which torch maps; a model on tmpfs, which the feed would otherwise read by buffered reads): before the tensor is
+    viewed, and after (its pages past the new end are
     then read by the merge itself: SIGBUS before io.map_guard). Each ends with the direct-read path's one line."""
     mapped = {"MERGESMITH_FEED": "0"}
     binary = tiny_models("llama", seed=1, layers=2, fmt="bin")
