@@ -32,8 +32,9 @@ from .compiled import AVAILABLE, KernelGroup, compiled
 if AVAILABLE:
     from .compiled import bits_from_float32, float32_from_bits, fused_multiply_add
 
-MAX_INPUTS = 8
-"""Input counts the loops are compiled for (numba compiles one variant per count: the inputs are a tuple)."""
+MAX_INPUTS = 6
+"""Input counts the loops are compiled for (numba compiles one variant per count: the inputs are a tuple; each
+variant adds ~30 ms to loading the group from the cache, so merges of more models take the torch path)."""
 
 STEP = 512
 """Entries summed per step: a float32 sum of this many stays in L1 while every input adds into it. Each step's

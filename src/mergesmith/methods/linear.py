@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..kernels import weighted_sum as compiled_sum
 from ..kernels.weighted_sum import weighted_sum
 from .common import as_bool, check_same_shape, work_dtype
 from .registry import MergeInputs, MethodSpec, ParamSpec
@@ -62,5 +63,6 @@ METHODS = (
         merge=_merge,
         params=(ParamSpec("normalize", True),),
         model_params=(ParamSpec("weight", required=True),),
+        warm_up=lambda params, seeded: [compiled_sum.KERNELS],
     ),
 )
