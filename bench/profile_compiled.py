@@ -4,13 +4,15 @@ Why a separate script: the merge benchmarks time whole merges; this one times ea
 torch/numpy code it stands in for, through the module switches the tests use, on one row block of bench-like
 data: keyed_merge's totals and merge passes (dare_ties, 2 task vectors, rescale), keyed_random's Philox draws,
 sort_select's replay (TIES' selection of half of a task vector of bf16 magnitudes), bf16_mix's subtraction and
-masking of a bf16 task vector, and task_vector_mix's bf16 mix (TIES, sum consensus, normalize). Process CPU
+masking of a bf16 task vector, task_vector_mix's bf16 mix (TIES, sum consensus, normalize), and weighted_sum's
+linear average (3 bf16 models, and 3 float32 ones). Process CPU
 time, one torch thread, after a warm-up call (which compiles or loads the loops).
 
 Usage::
 
     python bench/profile_compiled.py
     python bench/profile_compiled.py --rows 2048 --cols 5632 --reps 5
+    python bench/profile_compiled.py --only linear
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ os.environ.setdefault("MERGESMITH_KERNELS", "wait")  # the compiled column must 
 import torch  # noqa: E402
 from profile_task_vectors import per_entry  # bench/ is on the path when a script here runs
 
-from mergesmith.kernels import bf16_mix, keyed_merge, keyed_random, sort_select, task_vector_mix
+from mergesmith.kernels import bf16_mix, keyed_merge, keyed_random, sort_select, task_vector_mix, weighted_sum
 from mergesmith.kernels.keyed_random import MaskStream
+from mergesmith.methods.linear import linear_average
 
 
 def main() -> None:
@@ -32,6 +35,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--cols", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--only", default="", help="time only the stages whose name contains this (e.g. linear)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -52,23 +56,28 @@ def main() -> None:
     def totals() -> keyed_merge.Totals:
         return keyed_merge.finish(keyed_merge.gather(None, tensors, 0, vectors, MaskStream(3), 0))
 
+    floats = [t.float() for t in tensors]
+
     def stages() -> dict[str, float]:
         done = totals()
+        timed = {
+            "keyed totals pass (dare_ties)": totals,
+            "keyed merge pass (dare_ties)": lambda: keyed_merge.merge(tensors, 0, vectors, mix, MaskStream(3), 0, done),
+            "Philox draws, one task vector": lambda: MaskStream(3).draws(0, 0, n),
+            "TIES selection, half of one vector": lambda: sort_select.sorted_window_mask(
+                magnitudes.clone(), 0, n // 2, True
+            ),
+            "bf16 subtract + mask, one vector": subtract_and_mask,
+            "bf16 mix, TIES (2 vectors)": lambda: task_vector_mix.merge_task_vectors(
+                base, deltas, [0.5, 0.5], consensus="sum", normalize=True
+            ),
+            "linear average, 3 bf16 models": lambda: linear_average(tensors, [0.5, 0.3, 0.2], True),
+            "linear average, 3 float32 models": lambda: linear_average(floats, [0.5, 0.3, 0.2], True),
+        }
         return {
-            "keyed totals pass (dare_ties)": per_entry(totals, n, args.reps),
-            "keyed merge pass (dare_ties)": per_entry(
-                lambda: keyed_merge.merge(tensors, 0, vectors, mix, MaskStream(3), 0, done), n, args.reps
-            ),
-            "Philox draws, one task vector": per_entry(lambda: MaskStream(3).draws(0, 0, n), n, args.reps),
-            "TIES selection, half of one vector": per_entry(
-                lambda: sort_select.sorted_window_mask(magnitudes.clone(), 0, n // 2, True), n, args.reps
-            ),
-            "bf16 subtract + mask, one vector": per_entry(subtract_and_mask, n, args.reps),
-            "bf16 mix, TIES (2 vectors)": per_entry(
-                lambda: task_vector_mix.merge_task_vectors(base, deltas, [0.5, 0.5], consensus="sum", normalize=True),
-                n,
-                args.reps,
-            ),
+            stage: per_entry(fn, n, args.reps)
+            for stage, fn in timed.items()
+            if args.only in stage
         }
 
     switches = (
@@ -77,6 +86,7 @@ def main() -> None:
         (sort_select, "COMPILED"),
         (task_vector_mix, "COMPILED_MIX"),
         (bf16_mix, "ELEMENTWISE"),
+        (weighted_sum, "ENABLED"),
     )
     results = {}
     for compiled in (False, True):

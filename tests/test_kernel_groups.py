@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from mergesmith.kernels import bf16_mix, compiled, introsort_replay, keyed_kernels
+from mergesmith.kernels import bf16_mix, compiled, introsort_replay, keyed_kernels, weighted_sum
 
 pytestmark = pytest.mark.skipif(not compiled.AVAILABLE, reason="numba is not installed")
 
@@ -152,4 +152,5 @@ def test_the_executor_starts_what_each_method_announces(monkeypatch):
     assert kernel_warmup.kernel_groups([recipe("ties", big)]) == [bf16_mix.KERNELS, introsort_replay.KERNELS]
     assert kernel_warmup.kernel_groups([recipe("dare_ties", big, 3)]) == [keyed_kernels.KERNELS]
     assert kernel_warmup.kernel_groups([recipe("dare_ties", big)]) == [bf16_mix.KERNELS]
-    assert kernel_warmup.kernel_groups([recipe("linear", big), recipe("sce", big)]) == []
+    assert kernel_warmup.kernel_groups([recipe("linear", big), recipe("sce", big)]) == [weighted_sum.KERNELS]
+    assert kernel_warmup.kernel_groups([recipe("sce", big)]) == []

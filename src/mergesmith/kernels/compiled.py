@@ -172,6 +172,16 @@ if AVAILABLE:
         return types.uint32(types.float32), codegen
 
     @intrinsic
+    def fused_multiply_add(typingctx, a, b, c):
+        """a * b + c in float32 with one rounding (llvm.fma: one instruction on a CPU with FMA, as torch's AVX2
+        and AVX-512 kernels use for addcmul)."""
+
+        def codegen(context, builder, sig, args):
+            return builder.fma(*args)
+
+        return types.float32(types.float32, types.float32, types.float32), codegen
+
+    @intrinsic
     def mulhilo64(typingctx, a, b):
         """(high, low) 64-bit halves of the 128-bit product a * b (one `mul` instruction on x86-64)."""
         signature = types.UniTuple(types.uint64, 2)(types.uint64, types.uint64)

@@ -23,9 +23,18 @@ costs no CPU and overlaps the merging. Where the disk is the bottleneck instead 
 few hundred MB/s, a hard disk), those recipes are read through the memory maps, so the disk reads each byte once:
 a short probe of the disk decides (see second_read; `MERGESMITH_SECOND_READ=disk|cache` chooses instead).
 
-Inputs that cannot be streamed (`.bin` checkpoints, LoRA-adapted tensors, files on filesystems without
-O_DIRECT) come back as None and are read through the checkpoint's memory map, as are the inputs of
-operations other than copies and merges (tokenizer surgery, MoE gates), which index them freely.
+Files on a filesystem that does not do O_DIRECT well (overlayfs in a container, tmpfs, NFS, FUSE mounts; or
+`MERGESMITH_DIRECT_IO=0`) are fed too, by buffered reads through the page cache into the same reused buffers:
+the kernel copies each byte out once, where reading through a memory map faults every 4 KB page into the
+process and unmaps it again. Measured on the 1 B bench merges with direct reads off (`MERGESMITH_DIRECT_IO=0
+python bench/compare_mergekit.py --methods linear,dare_ties`, this project's 2-core VM, one run each): linear
+18.5 s and 22.9 CPU-s through the maps; see bench/README.md for the fed figures. Bytes read this way that no other
+block needs are dropped from the page cache once read when the inputs exceed the memory there is (as
+Checkpoint.advise "uncache" does for mapped ones), so they do not evict the inputs read next.
+
+Inputs that cannot be streamed (`.bin` checkpoints, LoRA-adapted tensors) come back as None and are read through
+the checkpoint's memory map, as are the inputs of operations other than copies and merges (tokenizer surgery,
+MoE gates), which index them freely.
 """
 
 from __future__ import annotations
@@ -58,6 +67,11 @@ SECOND_READ_ENV = "MERGESMITH_SECOND_READ"
 """How a two-pass recipe's inputs are read again: "disk" (the feed reads them once per pass), "cache" (through the
 memory maps, so the second pass finds them in the page cache), or "auto" (the default: "disk" when a short probe
 of the disk reads at REREAD_MIN_RATE or more, io/read_rate.py)."""
+
+FEED_ENV = "MERGESMITH_FEED"
+"""Set to 0 to read every input through the checkpoints' memory maps instead (the workers fault the pages in): the
+path `.bin` inputs always take, kept reachable for comparisons and as a way around a filesystem the feed reads
+badly."""
 
 REREAD_MIN_RATE = 800e6
 """Bytes per second from which reading twice from the disk beats a second read through the page cache.
@@ -95,28 +109,38 @@ class Part:
     shape: tuple[int, ...]  # of the bytes read: (rows read, *row shape)
     pad_rows: int  # zero rows below them (the input has fewer rows than the output)
     repeated: bool = False  # other blocks read the same bytes: read through the page cache
+    buffered: bool = False  # its filesystem does not do O_DIRECT (well): read through the page cache
+
+    @property
+    def through_cache(self) -> bool:
+        """Whether the bytes are read through the page cache rather than around it."""
+        return self.repeated or self.buffered
 
 
 def part_of(
     ckpt: Checkpoint, ref: InputRef, rows: Rows, direct: Callable[[Path], bool] = direct_io_supported
 ) -> Part | None:
     """What input `ref` contributes to output rows [start, end), or None when it is not streamed (`direct`:
-    whether a file is read around the page cache).
+    whether a file is read around the page cache; the others are read buffered, through it).
 
     As `compute.load_input` does for a whole tensor: the input's rows are cut or zero-padded to
     `ref.rows` (vocabularies of different sizes), then the block's rows are taken."""
     located = ckpt.byte_range(ref.tensor)
-    if located is None or not direct(located[0]):
+    if located is None:
         return None
     path, offset, info = located
+    buffered = not direct(path)
     dtype = SAFETENSORS_TO_TORCH[info.dtype]
     if not info.shape:  # 0-dim: the whole value
-        return Part(path, offset, info.nbytes, dtype, (), 0)
+        return Part(path, offset, info.nbytes, dtype, (), 0, buffered=buffered)
     start, end = rows
     have = info.shape[0] if ref.rows is None else min(info.shape[0], ref.rows)
     row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
     take = max(0, min(end, have) - start)
-    return Part(path, offset + start * row_bytes, take * row_bytes, dtype, (take, *info.shape[1:]), end - start - take)
+    return Part(
+        path, offset + start * row_bytes, take * row_bytes, dtype, (take, *info.shape[1:]), end - start - take,
+        buffered=buffered,
+    )
 
 
 def _other_rows(ckpt: Checkpoint, ref: InputRef, recipe: TensorRecipe) -> bool:
@@ -131,12 +155,13 @@ def _other_rows(ckpt: Checkpoint, ref: InputRef, recipe: TensorRecipe) -> bool:
 class _Block:
     """One block's parts (None: that input is not streamed) and, once claimed, their reads."""
 
-    __slots__ = ("parts", "reads", "claimed")
+    __slots__ = ("parts", "reads", "claimed", "last_read")
 
-    def __init__(self, parts: list[Part | None]) -> None:
+    def __init__(self, parts: list[Part | None], last_read: bool = True) -> None:
         self.parts = parts
         self.reads: list[Future[ReadBuffer] | None] | None = None
         self.claimed = False
+        self.last_read = last_read  # False for a totals pass's block: its bytes are read again for the merge
 
 
 class InputFeed:
@@ -147,8 +172,15 @@ class InputFeed:
         blocks: Sequence[tuple[TensorRecipe, Rows, str]],
         checkpoints: dict[str, Checkpoint],
         reader: DirectReader,
+        *,
+        uncache: bool = False,
+        cached_twice: bool = False,
     ) -> None:
+        """`uncache`: drop the bytes read through the page cache from it once read for the last time (the inputs
+        are more than the memory there is). `cached_twice`: the blocks of two-pass recipes are read through the
+        page cache, so that the merge pass finds what the totals pass read there (see second_read)."""
         self.reader = reader
+        self.uncache = uncache
         self._order: list[Key] = []
         self._blocks: dict[Key, _Block] = {}
         self._streamed: dict[str, frozenset[int]] = {}
@@ -161,8 +193,10 @@ class InputFeed:
             ]
             if any(p is not None for p in parts):
                 key = (recipe.name, rows[0], pass_)
+                if cached_twice and two_pass(recipe):
+                    parts = [None if p is None else replace(p, buffered=True) for p in parts]
                 self._order.append(key)
-                self._blocks[key] = _Block(parts)
+                self._blocks[key] = _Block(parts, last_read=pass_ != TOTALS)
                 self._streamed[recipe.name] = frozenset(i for i, p in enumerate(parts) if p is not None)
         self._mark_repeated()
         self._lock = threading.Lock()
@@ -229,8 +263,12 @@ class InputFeed:
                 reads.append(None)
                 continue
             memory = next(spare)
+            drop = self.uncache and block.last_read and part.buffered and not part.repeated
             reads.append(
-                self.reader.submit(part.path, part.offset, part.length, memory, pooled, through_cache=part.repeated)
+                self.reader.submit(
+                    part.path, part.offset, part.length, memory, pooled, through_cache=part.through_cache,
+                    uncache=drop,
+                )
             )
         return reads
 
@@ -312,24 +350,28 @@ class InputFeed:
         self.reader.close()
 
 
-def open_feed(recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint], pool_bytes: int) -> InputFeed | None:
+def open_feed(
+    recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint], pool_bytes: int, uncache: bool = False
+) -> InputFeed | None:
     """A started feed for the blocks of these recipes' copies and merges (rows as blocks.row_blocks cuts them;
-    those of a two-pass merge twice, all for its totals pass, then all for its merge, or not at all where
-    second_read says "cache"), in this order; None when no input of them can be streamed."""
-    twice: tuple[str, ...] = (TOTALS, MERGE)
+    those of a two-pass merge twice, all for its totals pass, then all for its merge: from the disk each time, or
+    through the page cache where second_read says "cache"), in this order; None when no input of them can be
+    streamed (or the feed is turned off: FEED_ENV). `uncache`: see InputFeed."""
+    if os.environ.get(FEED_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
     twofold = [recipe for recipe in recipes if recipe.op in STREAMED_OPS and two_pass(recipe)]
-    if twofold and second_read(lambda: _probe(twofold[0], checkpoints)) == "cache":
-        twice = ()  # two-pass recipes read through the maps, the second pass from the page cache
+    cached_twice = bool(twofold) and second_read(lambda: _probe(twofold[0], checkpoints)) == "cache"
     blocks = [
         (recipe, rows, pass_)
         for recipe in recipes
         if recipe.op in STREAMED_OPS
-        for pass_ in (twice if two_pass(recipe) else (MERGE,))
+        for pass_ in ((TOTALS, MERGE) if two_pass(recipe) else (MERGE,))
         for rows in row_blocks(recipe)
     ]
     if not blocks:
         return None
-    feed = InputFeed(blocks, checkpoints, DirectReader(BufferPool(pool_bytes)))
+    reader = DirectReader(BufferPool(pool_bytes))
+    feed = InputFeed(blocks, checkpoints, reader, uncache=uncache, cached_twice=cached_twice)
     if not len(feed):
         feed.close()
         return None
@@ -341,7 +383,7 @@ def _probe(recipe: TensorRecipe, checkpoints: dict[str, Checkpoint]) -> float | 
     """The read rate of the disk under the recipe's first input that the feed could read (None: none can)."""
     for ref in recipe.inputs:
         part = part_of(checkpoints[ref.model], ref, (0, recipe.shape[0] if recipe.shape else 1))
-        if part is not None:
+        if part is not None and not part.buffered:
             return direct_read_rate(part.path, part.offset)
     return None
 

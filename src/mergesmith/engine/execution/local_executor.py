@@ -209,7 +209,7 @@ class LocalExecutor(Executor):
         costs = [cost_of[recipe.name] for _, recipe in work]
         self.budget.watch, self.budget.held_bytes = watch, feed_bytes
         try:
-            self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes)
+            self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes, self._uncache_inputs)
             self.budget.held_unmapped = self._feed.reader.pool.unmapped if self._feed is not None else (lambda: 0)
             self._run_work(work, costs)
         finally:
