@@ -1,0 +1,68 @@
+"""Device (GPU) memory of a plan: what each recipe holds on the device, the peak with several in flight, and the
+plan-time refusal of a tensor that cannot fit the device budget.
+
+Why here, beside shared.recipe_memory: on `--device cuda` a merge recipe's inputs, the method's temporaries and
+its output all live on the device, so its device working set is the host estimate of the same recipe (over its
+largest row block: a large elementwise tensor is already merged in blocks of blocks.BLOCK_ELEMENTS, a few MB,
+whatever its size). A copy never touches the device. A recipe merged whole (SVD methods, quantized output) whose
+working set exceeds the budget cannot be cut smaller, so it is refused before a tensor is read, one line naming
+it and the budget, instead of a CUDA out-of-memory error halfway through the merge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ...errors import ConfigError
+from ...runtime.device_memory import DeviceLimit
+from ...sizes import human_size
+from ..plan import TensorRecipe
+from .shared import recipe_memory
+
+
+def device_recipe_memory(recipe: TensorRecipe, compute_dtype: str) -> int:
+    """Device bytes one recipe holds at once on the GPU path (0 for copies and non-merge ops, which run on the CPU)."""
+    if recipe.op != "merge":
+        return 0
+    return recipe_memory(recipe, compute_dtype)
+
+
+@dataclass(frozen=True)
+class DeviceEstimate:
+    """The device memory a merge holds: at peak with `threads` recipes in flight, and its largest recipe."""
+
+    peak: int
+    largest_tensor: str
+    largest_bytes: int
+    limit: DeviceLimit | None
+
+
+def device_estimate(
+    recipes: Sequence[TensorRecipe], compute_dtype: str, threads: int, limit: DeviceLimit | None
+) -> DeviceEstimate:
+    """The `threads` largest device working sets at once, capped by the budget but never below the largest
+    one (as shared.estimate_plan counts host memory); the CUDA context and the allocator's cache come on top."""
+    costs = sorted(((device_recipe_memory(r, compute_dtype), r.name) for r in recipes), reverse=True) or [(0, "")]
+    peak = sum(c for c, _ in costs[: max(1, threads)])
+    if limit is not None:
+        peak = min(peak, max(limit.limit, costs[0][0]))
+    return DeviceEstimate(peak, costs[0][1], costs[0][0], limit)
+
+
+def check_device_budget(recipes: Sequence[TensorRecipe], compute_dtype: str, limit: DeviceLimit | None) -> None:
+    """Refuse (ConfigError, one line) a recipe whose device working set alone exceeds the device budget: it is
+    merged whole, or even its row blocks do not fit."""
+    if limit is None:
+        return
+    from ..execution.blocks import row_blocks
+
+    for recipe in recipes:
+        cost = device_recipe_memory(recipe, compute_dtype)
+        if cost <= limit.limit:
+            continue
+        how = "even in row blocks" if len(row_blocks(recipe)) > 1 else f"merged whole by {recipe.method}"
+        raise ConfigError(
+            f"tensor {recipe.name!r} needs {human_size(cost)} of GPU memory ({how}), over {limit.describe()}; "
+            "raise --max-gpu-memory, free the GPU, or merge on --device cpu"
+        )
