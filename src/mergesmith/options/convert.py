@@ -77,7 +77,8 @@ def to_merge_options(kw: dict[str, Any], command: str = "merge", echo: Callable[
     extra = _passed_on(kw, values)  # adds to `values` the fields it finds by name
     if values["max_gpu_memory"] and not str(device).startswith("cuda"):
         taken.notes.append(
-            f"note: `--max-gpu-memory` has no effect here: the arithmetic runs on {device} (add --cuda or --device cuda)"
+            f"note: `--max-gpu-memory` has no effect here: the arithmetic runs on {device} "
+            "(add --cuda or --device cuda)"
         )
     options = MergeOptions(**values, extra=extra)
     taken.say_notes(echo)  # the options are checked: a refused command line printed no note
