@@ -370,3 +370,46 @@ def test_lane_copies_give_the_plain_copies_values(source, compute):
     plain = host.to(device="cuda", dtype=compute)
     assert torch.equal(moved, plain) and moved.dtype == compute
     assert torch.equal(back, plain.to(source).cpu())
+
+
+def test_executor_admits_under_the_device_budget(tmp_path, tiny_models, monkeypatch, fake_cuda):
+    """The local executor on `cuda` (the arithmetic itself sent to the CPU: no GPU here) admits recipes while their
+    device bytes fit --max-gpu-memory, holds the pinned staging buffers as host memory, and writes the CPU bytes."""
+    import mergesmith
+    from mergesmith.engine.execution import local_executor as executor
+    from mergesmith.engine.planning.device_memory import device_recipe_memory
+
+    cfg = _config(tmp_path, tiny_models)
+    mergesmith.merge(str(cfg), tmp_path / "cpu", threads=4)
+    budgets: list[MemoryBudget] = []
+
+    class Recording(executor.MemoryBudget):
+        def __init__(self, limit: int | None) -> None:
+            super().__init__(limit)
+            budgets.append(self)
+
+    real_compute = executor.compute
+
+    def on_cpu(recipe, checkpoints, compute_dtype, explicit_dtype, device, **kw):
+        assert device.type == "cuda"
+        import time
+
+        time.sleep(0.01)  # let the threads overlap
+        return real_compute(recipe, checkpoints, compute_dtype, explicit_dtype, torch.device("cpu"), **kw)
+
+    monkeypatch.setattr(executor, "MemoryBudget", Recording)
+    monkeypatch.setattr(executor, "compute", on_cpu)
+    plan = mergesmith.plan(str(cfg), threads=4, device="cuda").plan
+    costs = sorted((device_recipe_memory(r, plan.compute_dtype) for r in plan.recipes), reverse=True)
+    limit = costs[0] + costs[-1]  # the largest fits, but never beside another large one
+    assert sum(costs[:4]) > limit  # four threads unbudgeted could pass it
+    mergesmith.merge(str(cfg), tmp_path / "gpu", threads=4, device="cuda", max_gpu_memory=str(limit))
+    device = budgets[-1].device
+    assert device is not None and device.limit == limit and device.in_flight == 0
+    assert costs[0] <= device.peak <= limit
+    assert budgets[-1].held_bytes >= 4 * device_transfer.PINNED_BYTES_PER_THREAD
+    assert _shard_bytes(tmp_path / "gpu") == _shard_bytes(tmp_path / "cpu")
+    # without --max-gpu-memory the budget is read from the device
+    fake_cuda.clear()
+    mergesmith.merge(str(cfg), tmp_path / "auto", threads=4, device="cuda")
+    assert budgets[-1].device is not None and budgets[-1].device.limit == 36 * GB and fake_cuda
