@@ -268,6 +268,50 @@ def test_pinned_pool_grows_to_the_largest_block_and_reuses_it():
     assert pool.take(1, 10) is not None and event.waited == 1  # once
 
 
+class _Stream:
+    def __init__(self) -> None:
+        self.synchronized = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def _cpu_lane(monkeypatch) -> device_transfer.DeviceLane:
+    """A lane whose 'device' is the CPU, its stream and events stubbed: the staging and conversion logic runs."""
+    monkeypatch.setattr(device_transfer, "_recorded", lambda _stream: _Event())
+    lane = object.__new__(device_transfer.DeviceLane)
+    lane.device, lane.stream = torch.device("cpu"), _Stream()
+    lane.pool = PinnedPool(cap=64 << 20, pin=lambda n: torch.empty(n, dtype=torch.uint8))
+    return lane
+
+
+@pytest.mark.parametrize(
+    "source,compute",
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float32),
+     (torch.float32, torch.float32), (torch.int64, torch.float32), (torch.float16, torch.bfloat16)],
+)
+def test_lane_staging_gives_the_plain_conversion_values(monkeypatch, source, compute):
+    lane = _cpu_lane(monkeypatch)
+    torch.manual_seed(0)
+    host = (torch.randn(300, 7, dtype=torch.float64) * 1e3).to(source)
+    moved = lane.to_device(host, compute, 0)
+    assert moved.dtype == compute and torch.equal(moved, host.to(dtype=compute))
+    assert moved.data_ptr() != host.data_ptr()  # staged: the input's own memory is not kept
+    back = lane.to_host(moved, torch.bfloat16, lend=True)
+    assert torch.equal(back, moved.to(torch.bfloat16)) and lane.stream.synchronized == 1
+    kept = lane.to_host(moved, torch.bfloat16, lend=False)
+    assert kept.data_ptr() != back.data_ptr() and torch.equal(kept, back)  # a copy, not the pool's buffer
+    assert lane.pool.pinned_calls == 2  # one input slot, one output slot: reused by the second call
+
+
+def test_lane_copies_a_block_over_the_cap_without_staging(monkeypatch):
+    lane = _cpu_lane(monkeypatch)
+    lane.pool.cap = 1 << 20
+    big = torch.randn(1 << 19)  # 2 MiB of float32
+    assert torch.equal(lane.to_device(big, torch.float32, 0), big) and lane.pool.pinned_calls == 0
+    assert torch.equal(lane.to_host(big, torch.float32, lend=True), big) and lane.pool.pinned_calls == 0
+
+
 def test_off_cuda_there_is_no_lane():
     assert device_transfer.lane_for(torch.device("cpu")) is None
     assert device_transfer.lane_for(torch.device("meta")) is None
