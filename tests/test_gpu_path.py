@@ -196,6 +196,9 @@ def test_plan_on_cuda_json_and_api_agree_on_the_budget(tmp_path, tiny_models, ca
     report = mergesmith.plan(str(cfg), threads=2, device="cuda", max_gpu_memory="20GB").report
     assert report["gpu"]["budget_bytes"] == 20 * GB
     assert report["gpu"]["to_device_bytes"] == 2 * report["gpu"]["to_host_bytes"] > 0
+    # the staging pool of each of the 2 threads: the largest merged tensor's 2 float32 inputs and its output
+    largest = max(r.numel() for r in report.plan.recipes if r.op == "merge")
+    assert report["gpu"]["pinned_bytes"] == 2 * largest * (2 * 4 + 4)
     parts = report["estimated_seconds_parts"]
     assert parts["transfer"] == pytest.approx(report["gpu"]["transfer_seconds"])
     assert report["estimated_seconds"] >= parts["startup"] + max(parts["io"], parts["compute"]) - 1e-9
@@ -421,7 +424,7 @@ def test_executor_admits_under_the_device_budget(tmp_path, tiny_models, monkeypa
     device bytes fit --max-gpu-memory, holds the pinned staging buffers as host memory, and writes the CPU bytes."""
     import mergesmith
     from mergesmith.engine.execution import local_executor as executor
-    from mergesmith.engine.planning.device_memory import device_recipe_memory
+    from mergesmith.engine.planning.device_memory import device_recipe_memory, staging_bytes
 
     cfg = _config(tmp_path, tiny_models)
     mergesmith.merge(str(cfg), tmp_path / "cpu", threads=4)
@@ -451,7 +454,8 @@ def test_executor_admits_under_the_device_budget(tmp_path, tiny_models, monkeypa
     device = budgets[-1].device
     assert device is not None and device.limit == limit and device.in_flight == 0
     assert costs[0] <= device.peak <= limit
-    assert budgets[-1].held_bytes >= 4 * device_transfer.PINNED_BYTES_PER_THREAD
+    staging = staging_bytes(plan.recipes, plan.compute_dtype, device_transfer.PINNED_BYTES_PER_THREAD)
+    assert staging > 0 and budgets[-1].held_bytes >= 4 * staging
     assert _shard_bytes(tmp_path / "gpu") == _shard_bytes(tmp_path / "cpu")
     # without --max-gpu-memory the budget is read from the device
     fake_cuda.clear()

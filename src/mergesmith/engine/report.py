@@ -240,7 +240,7 @@ def gpu_report(plan: Plan, options: MergeOptions, timing: dict[str, float], thre
         return None
     from ..runtime.device_memory import device_limit
     from .execution.device_transfer import PINNED_BYTES_PER_THREAD
-    from .planning.device_memory import check_device_budget, device_estimate
+    from .planning.device_memory import check_device_budget, device_estimate, staging_bytes
 
     limit = device_limit(options.device, options.max_gpu_memory) if options.executor != "ray" else None
     check_device_budget(plan.recipes, plan.compute_dtype, limit)
@@ -251,7 +251,7 @@ def gpu_report(plan: Plan, options: MergeOptions, timing: dict[str, float], thre
         "largest_tensor": {"name": est.largest_tensor, "working_bytes": est.largest_bytes},
         "budget_bytes": limit.limit if limit is not None else None,
         "budget": limit.describe() if limit is not None else None,
-        "pinned_bytes": threads * PINNED_BYTES_PER_THREAD,
+        "pinned_bytes": threads * staging_bytes(plan.recipes, plan.compute_dtype, PINNED_BYTES_PER_THREAD),
         "pcie_bytes_per_s": PCIE_BYTES_PER_S,
         "rates_assumed": True,  # not measured: no GPU was available when they were set (time_estimate.py)
         "to_device_bytes": int(timing.get("to_device_bytes", 0)),

@@ -36,7 +36,7 @@ from ...runtime.devices import resolve_device
 from ...runtime.memory_limits import MemoryWatch, memory_room
 from ...runtime.memory_release import release_free_heap
 from ..plan import InputRef, Plan, ShardPlan, TensorRecipe
-from ..planning.device_memory import device_recipe_memory
+from ..planning.device_memory import device_recipe_memory, staging_bytes
 from ..planning.shared import MergeOptions, automatic_budget, distinct_input_bytes, recipe_memory
 from .admission import ADMISSION_WINDOW, DeviceBudget, MemoryBudget
 from .blocks import row_blocks, two_pass
@@ -222,7 +222,8 @@ class LocalExecutor(Executor):
         costs = [cost_of[recipe.name] for _, recipe in work]
         device_costs = self._device_costs(work)
         if device_costs is not None:  # the workers' pinned staging buffers are held host memory too
-            feed_bytes += self.threads * PINNED_BYTES_PER_THREAD
+            staging = staging_bytes([r for _, r in work], self.plan.compute_dtype, PINNED_BYTES_PER_THREAD)
+            feed_bytes += self.threads * staging
         self.budget.watch, self.budget.held_bytes = watch, feed_bytes
         try:
             self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...errors import ConfigError
+from ...io.dtypes import dtype_size
 from ...runtime.device_memory import DeviceLimit
 from ...sizes import human_size
 from ..plan import TensorRecipe
@@ -26,6 +27,19 @@ def device_recipe_memory(recipe: TensorRecipe, compute_dtype: str) -> int:
     if recipe.op != "merge":
         return 0
     return recipe_memory(recipe, compute_dtype)
+
+
+def staging_bytes(recipes: Sequence[TensorRecipe], compute_dtype: str, cap: int) -> int:
+    """Pinned bytes one worker's staging pool grows to (device_transfer.PinnedPool): the largest merge block's inputs
+    in the compute dtype and its output, at most `cap` (larger blocks are copied without staging)."""
+    from ..execution.blocks import block_numel
+
+    largest = 0
+    for recipe in recipes:
+        if recipe.op == "merge":
+            per_entry = len(recipe.inputs) * dtype_size(compute_dtype) + dtype_size(recipe.dtype)
+            largest = max(largest, block_numel(recipe) * per_entry)
+    return min(largest, cap)
 
 
 @dataclass(frozen=True)
