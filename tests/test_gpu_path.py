@@ -193,11 +193,12 @@ def test_plan_on_cuda_json_and_api_agree_on_the_budget(tmp_path, tiny_models, ca
     assert gpu["budget_bytes"] == 20 * GB and gpu["rates_assumed"] and gpu["pcie_bytes_per_s"] == 12e9
     assert 0 < gpu["peak_memory_bytes"] <= 2 * gpu["largest_tensor"]["working_bytes"]
     # a linear merge of two float32 models: both inputs cross as float32, the output comes back once
-    report = mergesmith.plan(str(cfg), threads=2, device="cuda", max_gpu_memory="20GB").report
+    planned = mergesmith.plan(str(cfg), threads=2, device="cuda", max_gpu_memory="20GB")
+    report = planned.report
     assert report["gpu"]["budget_bytes"] == 20 * GB
     assert report["gpu"]["to_device_bytes"] == 2 * report["gpu"]["to_host_bytes"] > 0
     # the staging pool of each of the 2 threads: the largest merged tensor's 2 float32 inputs and its output
-    largest = max(r.numel() for r in report.plan.recipes if r.op == "merge")
+    largest = max(r.numel() for r in planned.plan.recipes if r.op == "merge")
     assert report["gpu"]["pinned_bytes"] == 2 * largest * (2 * 4 + 4)
     parts = report["estimated_seconds_parts"]
     assert parts["transfer"] == pytest.approx(report["gpu"]["transfer_seconds"])
