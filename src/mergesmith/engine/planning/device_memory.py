@@ -30,16 +30,24 @@ def device_recipe_memory(recipe: TensorRecipe, compute_dtype: str) -> int:
 
 
 def staging_bytes(recipes: Sequence[TensorRecipe], compute_dtype: str, cap: int) -> int:
-    """Pinned bytes one worker's staging pool grows to (device_transfer.PinnedPool): the largest merge block's inputs
-    in the compute dtype and its output, at most `cap` (larger blocks are copied without staging)."""
+    """Pinned bytes one worker's staging pool grows to (device_transfer.PinnedPool): a buffer per input position and
+    one for the output, each the power of two that holds the largest block seen there (the recipe's output dtype
+    standing for its inputs' stored one), in all at most `cap` (larger blocks are copied without staging)."""
+    from ...io.dtypes import to_torch
     from ..execution.blocks import block_numel
+    from ..execution.device_transfer import OUTPUT_SLOT, slot_size, staging_dtype
 
-    largest = 0
+    largest: dict[object, int] = {}
+    compute = to_torch(compute_dtype)
     for recipe in recipes:
-        if recipe.op == "merge":
-            per_entry = len(recipe.inputs) * dtype_size(compute_dtype) + dtype_size(recipe.dtype)
-            largest = max(largest, block_numel(recipe) * per_entry)
-    return min(largest, cap)
+        if recipe.op != "merge":
+            continue
+        numel = block_numel(recipe)
+        wire = staging_dtype(to_torch(recipe.dtype), compute).itemsize
+        for index in range(len(recipe.inputs)):
+            largest[index] = max(largest.get(index, 0), numel * wire)
+        largest[OUTPUT_SLOT] = max(largest.get(OUTPUT_SLOT, 0), numel * dtype_size(recipe.dtype))
+    return min(cap, sum(slot_size(nbytes, cap) for nbytes in largest.values()))
 
 
 @dataclass(frozen=True)
