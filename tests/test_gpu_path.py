@@ -210,6 +210,21 @@ def test_plan_refuses_a_tensor_over_the_gpu_budget_in_one_line(tmp_path, tiny_mo
     assert _exit(["plan", str(cfg), "--device", "cuda", "--max-gpu-memory", "1K"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: tensor ") and "the --max-gpu-memory budget of 1.00 KB" in err[0]
+    assert "even in row blocks" in err[0]
+
+
+def test_plan_names_a_tensor_merged_whole_that_cannot_fit(tmp_path, tiny_models, capsys, fake_cuda):
+    base, other = tiny_models("llama", seed=1), tiny_models("llama", seed=2)
+    cfg = tmp_path / "tsv.yml"
+    models = [{"model": str(other)}, {"model": str(base)}]
+    cfg.write_text(yaml.safe_dump({"merge_method": "tsv", "base_model": str(base), "models": models}))
+    assert _exit(["plan", str(cfg), "--device", "cuda", "--max-gpu-memory", "300K"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: tensor 'model.embed_tokens.weight' needs 459 KB of GPU memory (merged whole by tsv), over the "
+        "--max-gpu-memory budget of 300 KB; raise --max-gpu-memory, free the GPU, or merge on --device cpu"
+    ]
+    assert _exit(["plan", str(cfg), "--device", "cuda", "--max-gpu-memory", "500K"]) == 0
 
 
 def test_merge_refuses_a_tensor_over_the_gpu_budget_before_writing(tmp_path, tiny_models, capsys, fake_cuda):

@@ -77,13 +77,15 @@ def check_device_budget(recipes: Sequence[TensorRecipe], compute_dtype: str, lim
     merged whole, or even its row blocks do not fit."""
     if limit is None:
         return
-    from ..execution.blocks import row_blocks
+    from ..execution.blocks import BLOCK_ELEMENTS, blockable
 
     for recipe in recipes:
         cost = device_recipe_memory(recipe, compute_dtype)
         if cost <= limit.limit:
             continue
-        how = "even in row blocks" if len(row_blocks(recipe)) > 1 else f"merged whole by {recipe.method}"
+        how = f"merged whole by {recipe.method}"
+        if blockable(recipe):
+            how = f"even in row blocks of {BLOCK_ELEMENTS:,} entries"
         raise ConfigError(
             f"tensor {recipe.name!r} needs {human_size(cost)} of GPU memory ({how}), over {limit.describe()}; "
             "raise --max-gpu-memory, free the GPU, or merge on --device cpu"
