@@ -144,8 +144,7 @@ class DeviceLane:
     def to_device(self, tensor: torch.Tensor, compute_dtype: torch.dtype, slot: Any) -> torch.Tensor:
         """`tensor.to(device, compute_dtype)` with the same values, through a pinned buffer and asynchronously."""
         wire = staging_dtype(tensor.dtype, compute_dtype) if tensor.is_floating_point() else compute_dtype
-        size = torch.empty((), dtype=wire).element_size()
-        buffer = self.pool.take(slot, tensor.numel() * size)
+        buffer = self.pool.take(slot, tensor.numel() * wire.itemsize)
         if buffer is None:  # too large to stage: the old synchronous copy
             return tensor.to(device=self.device, dtype=compute_dtype)
         staged = buffer.view(wire).view(tensor.shape)
