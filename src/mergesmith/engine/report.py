@@ -15,7 +15,7 @@ from ..io.checkpoint import Checkpoint
 from ..sizes import human_size
 from .plan import Plan
 from .planning.shared import MergeOptions
-from .time_estimate import estimate_seconds
+from .time_estimate import PCIE_BYTES_PER_S, estimate_seconds
 
 PROBE_BYTES = 256 << 20
 SEED_DRAWN_TEXT = "drawn at merge time (pass --random-seed N to fix it)"
@@ -181,6 +181,7 @@ def plan_report(
         "output_layers": plan.output_config.get("num_hidden_layers"),
         "warnings": list(plan.warnings),
         "memory": _memory(est),
+        "gpu": gpu_report(plan, options, timing, est.concurrency),
     }
     report["inputs"] = [input_summary(ref, ck) for ref, ck in checkpoints.items()]
     if downloads:
@@ -230,6 +231,48 @@ def _memory(est: Any) -> dict[str, Any]:
     return memory_report(est.peak_memory, est.largest_tensor_bytes, est.read_ahead)
 
 
+def gpu_report(plan: Plan, options: MergeOptions, timing: dict[str, float], threads: int) -> dict[str, Any] | None:
+    """What `plan --device cuda` says of the device (None off CUDA): its memory at peak with `threads` recipes in
+    flight against the device budget (runtime/device_memory.py; not read for Ray, whose workers hold the GPUs), the
+    largest recipe's, the pinned staging buffers, and the PCIe copies at the assumed rate (time_estimate.py).
+    Refuses (ConfigError) a tensor whose device working set alone exceeds the budget, as the merge would."""
+    if not options.device.startswith("cuda"):
+        return None
+    from ..runtime.device_memory import device_limit
+    from .execution.device_transfer import PINNED_BYTES_PER_THREAD
+    from .planning.device_memory import check_device_budget, device_estimate, staging_bytes
+
+    limit = device_limit(options.device, options.max_gpu_memory) if options.executor != "ray" else None
+    check_device_budget(plan.recipes, plan.compute_dtype, limit)
+    est = device_estimate(plan.recipes, plan.compute_dtype, threads, limit)
+    return {
+        "device": options.device,
+        "peak_memory_bytes": est.peak,
+        "largest_tensor": {"name": est.largest_tensor, "working_bytes": est.largest_bytes},
+        "budget_bytes": limit.limit if limit is not None else None,
+        "budget": limit.describe() if limit is not None else None,
+        "pinned_bytes": threads * staging_bytes(plan.recipes, plan.compute_dtype, PINNED_BYTES_PER_THREAD),
+        "pcie_bytes_per_s": PCIE_BYTES_PER_S,
+        "rates_assumed": True,  # not measured: no GPU was available when they were set (time_estimate.py)
+        "to_device_bytes": int(timing.get("to_device_bytes", 0)),
+        "to_host_bytes": int(timing.get("to_host_bytes", 0)),
+        "transfer_seconds": timing.get("transfer", 0.0),
+    }
+
+
+def _gpu_lines(gpu: dict[str, Any], threads: int) -> list[str]:
+    within = f", within {gpu['budget']}" if gpu.get("budget") else ""
+    largest = gpu["largest_tensor"]
+    return [
+        f"GPU memory (estimate, {threads} threads) on {gpu['device']}: {human_size(gpu['peak_memory_bytes'])} at peak"
+        f"{within}; largest: {largest['name']} ({human_size(largest['working_bytes'])}); pinned staging buffers "
+        f"up to {human_size(gpu['pinned_bytes'])} on the host",
+        f"GPU copies (estimate): {human_size(gpu['to_device_bytes'])} to the device, "
+        f"{human_size(gpu['to_host_bytes'])} back, at an assumed {human_size(gpu['pcie_bytes_per_s'])}/s PCIe: "
+        f"{gpu['transfer_seconds']:.1f} s, overlapped with the reads and writes",
+    ]
+
+
 def _over_budget_text(tensor: str, needed: int, budget: int) -> str:
     return (
         f"tensor {tensor} alone needs {human_size(needed)}, over the --max-memory budget of {human_size(budget)}; "
@@ -271,6 +314,8 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
     if report["over_budget"]:
         o = report["over_budget"]
         lines.append("warning: " + _over_budget_text(o["tensor"], o["bytes"], o["budget"]))
+    if report.get("gpu"):
+        lines += _gpu_lines(report["gpu"], report["threads"])
     memory = report.get("memory")
     if memory:
         lines.append(f"memory this process may use now: {memory['description']}")
@@ -291,8 +336,9 @@ def render_plan_text(report: dict[str, Any], show_tensors: bool = False) -> str:
         probe += f"write speed not measured ({why}; the estimate assumes the read speed)"
     lines.append(probe)
     parts = report.get("estimated_seconds_parts")
+    work = "GPU copies and compute" if parts and "transfer" in parts else "compute"
     detail = (
-        f" (start-up {parts['startup']:.1f} s, then {'compute' if parts['compute'] >= parts['io'] else 'I/O'} "
+        f" (start-up {parts['startup']:.1f} s, then {work if parts['compute'] >= parts['io'] else 'I/O'} "
         f"{max(parts['compute'], parts['io']):.1f} s"
         + (f", first compile of its kernels {parts['first_compile']:.1f} s" if parts.get("first_compile") else "")
         + ")"

@@ -485,6 +485,7 @@ def execute_plan(
     out = Path(out_dir)
     refuse_non_directory(out)
     _refuse_input_directory(out, checkpoints)
+    _check_device_budget(plan, options)
     if controls.on_plan is not None:
         controls.on_plan(plan)
     fingerprint = plan.fingerprint()
@@ -500,6 +501,17 @@ def execute_plan(
         if exc.filename:
             raise OutputError(f"{exc.filename}: {exc.strerror or exc}") from None
         raise OutputError(f"{out}: write failed ({exc.strerror or exc})") from None
+
+
+def _check_device_budget(plan: Plan, options: MergeOptions) -> None:
+    """On CUDA (local executor), refuse before anything is written a tensor whose device working set alone exceeds
+    the device budget (--max-gpu-memory, else the free memory less a margin): planning/device_memory.py."""
+    if not options.device.startswith("cuda") or options.executor == "ray":
+        return
+    from ..runtime.device_memory import device_limit
+    from .planning.device_memory import check_device_budget
+
+    check_device_budget(plan.recipes, plan.compute_dtype, device_limit(options.device, options.max_gpu_memory))
 
 
 def _write_plan(

@@ -24,14 +24,23 @@ TIES merge's time (TIES is CPU-bound, not disk-bound). Now:
 
 The constants come from bench/README.md's runs on the shared 2-core VM; another machine will differ, and
 `python bench/plan_accuracy.py` prints estimate against measured wall time to check them (issue 29 asks for 2x).
+
+On CUDA (`--device cuda`) the compute part is replaced by the device path's (device_seconds): the bytes copied
+host to device and back over PCIe at PCIE_BYTES_PER_S, plus the SVD-based methods' and WUDI's work at the CPU
+rates above (an upper bound); the elementwise arithmetic itself runs at the GPU's memory bandwidth, negligible
+beside the copies. Those copies overlap the reads and writes (device_transfer.py), so the disk I/O stays the bound
+of an elementwise merge. PCIE_BYTES_PER_S and CUDA_INIT_S are assumptions, not measurements: no GPU was available
+when they were written; a GPU run of `bench/plan_accuracy.py` should replace them.
 """
 
 from __future__ import annotations
 
 import os
 
+from ..io.dtypes import dtype_size, to_torch
 from ..kernels.introsort_replay import IDS_MAX_ENTRIES
 from ..methods import get_method
+from .execution.device_transfer import staging_dtype
 from .execution.kernel_warmup import kernel_groups
 from .plan import Plan, TensorRecipe
 
@@ -180,16 +189,61 @@ def first_compile_seconds(plan: Plan, device: str) -> float:
     return sum(FIRST_COMPILE_S.get(g.name, 0.0) for g in kernel_groups(plan.recipes) if not g.cached())
 
 
+PCIE_BYTES_PER_S = 12e9
+"""Assumed rate of a pinned host-to-device (and device-to-host) copy: PCIe 4.0 x16 peaks near 25 GB/s and pinned
+copies commonly reach about half of it in practice. An assumption, not a measurement (no GPU was available)."""
+
+CUDA_INIT_S = 1.5
+"""Assumed extra start-up on CUDA: creating the context and loading the kernels the merge uses. An assumption, not
+a measurement (no GPU was available)."""
+
+
+def device_transfer_bytes(plan: Plan) -> tuple[int, int]:
+    """(host to device, device to host) bytes of a merge on CUDA: each merged tensor's inputs in the dtype they
+    cross the bus in (device_transfer.staging_dtype: bf16 inputs of an fp32 merge cross as bf16; the recipe's
+    output dtype stands for its inputs' stored one), and its output. Copies stay on the CPU."""
+    compute = to_torch(plan.compute_dtype)
+    to_device = to_host = 0
+    for recipe in plan.recipes:
+        if recipe.op != "merge":
+            continue
+        wire = staging_dtype(to_torch(recipe.dtype), compute)
+        to_device += recipe.numel() * len(recipe.inputs) * wire.itemsize
+        to_host += recipe.numel() * dtype_size(recipe.dtype)
+    return to_device, to_host
+
+
+def device_seconds(plan: Plan, threads: int) -> dict[str, float]:
+    """The device path's work (`transfer`: the PCIe copies at PCIE_BYTES_PER_S; `compute`: those plus the SVD and
+    WUDI work at the CPU rates, an upper bound) and the bytes it copies each way."""
+    to_device, to_host = device_transfer_bytes(plan)
+    transfer = (to_device + to_host) / PCIE_BYTES_PER_S
+    merges = [r for r in plan.recipes if r.op == "merge"]
+    heavy = sum(svd_seconds(r) for r in merges) / max(1, min(threads, os.cpu_count() or 1))
+    heavy += sum(wudi_seconds(r) for r in merges)
+    return {
+        "transfer": transfer,
+        "compute": transfer + heavy,
+        "to_device_bytes": float(to_device),
+        "to_host_bytes": float(to_host),
+    }
+
+
 def estimate_seconds(
     plan: Plan, read_rate: float, write_rate: float, threads: int, device: str = "cpu"
 ) -> dict[str, float]:
-    """The estimate and its parts (`startup`, `io`, `compute`, `first_compile`, `total`), rates in bytes/s (0:
-    unknown)."""
+    """The estimate and its parts (`startup`, `io`, `compute`, `first_compile`, `total`; on CUDA also `transfer`
+    and the bytes each way, see device_seconds), rates in bytes/s (0: unknown)."""
     est = plan.estimate
     assert est is not None
     io = (est.bytes_read / read_rate if read_rate > 0 else 0.0) + (
         est.bytes_written / write_rate if write_rate > 0 else 0.0
     )
+    if device.startswith("cuda"):
+        parts = device_seconds(plan, threads)
+        startup = STARTUP_S + CUDA_INIT_S
+        total = startup + max(io, parts["compute"])
+        return {"startup": startup, "io": io, "first_compile": 0.0, "total": total, **parts}
     compute = compute_seconds(plan, threads)
     first = first_compile_seconds(plan, device)
     total = STARTUP_S + max(io, compute) + first

@@ -63,6 +63,7 @@ def to_merge_options(kw: dict[str, Any], command: str = "merge", echo: Callable[
         trust_remote_code=kw.get("trust_remote_code", False),
         threads=kw.get("threads") or (os.cpu_count() or 1),
         max_memory=parse_size(kw["max_memory"], "--max-memory") if kw.get("max_memory") else None,
+        max_gpu_memory=parse_size(kw["max_gpu_memory"], "--max-gpu-memory") if kw.get("max_gpu_memory") else None,
         device=device,
         executor=executor,
         ray_address=kw.get("ray_address"),
@@ -74,6 +75,11 @@ def to_merge_options(kw: dict[str, Any], command: str = "merge", echo: Callable[
         else lora_merge_settings(taken.get("lora_merge_cache"), taken.get("lora_merge_dtype")),
     )
     extra = _passed_on(kw, values)  # adds to `values` the fields it finds by name
+    if values["max_gpu_memory"] and not str(device).startswith("cuda"):
+        taken.notes.append(
+            f"note: `--max-gpu-memory` has no effect here: the arithmetic runs on {device} "
+            "(add --cuda or --device cuda)"
+        )
     options = MergeOptions(**values, extra=extra)
     taken.say_notes(echo)  # the options are checked: a refused command line printed no note
     return options

@@ -150,6 +150,11 @@ class SharedMerge:
         help="Worker threads (default: number of cores).",
     )
     max_memory: str | None = option("--max-memory", default=None, help="Bound on bytes in flight, e.g. 8GB.")
+    max_gpu_memory: str | None = option(
+        "--max-gpu-memory",
+        default=None,
+        help="With --device cuda: bound on GPU bytes in flight, e.g. 20GB (default: 90% of the GPU's free memory).",
+    )
     executor: str = option(
         "--executor",
         type=click.Choice(["local", "ray"]),

@@ -3,7 +3,8 @@
 The local executor admits a recipe only while the estimated bytes in flight stay under the budget (one that
 alone exceeds it runs by itself), so peak memory depends on the largest tensors in flight, never on shard or
 model size; with a memory watch it also admits less when another process takes memory, and stops with a
-one-line MemoryShortage instead of an out-of-memory kill.
+one-line MemoryShortage instead of an out-of-memory kill. On CUDA a second budget counts the device bytes in
+flight (DeviceBudget): a recipe is admitted only when it fits both.
 """
 
 from __future__ import annotations
@@ -19,6 +20,21 @@ ADMISSION_WINDOW = 16
 """How far past a recipe that does not fit the budget the executor looks for one that does (so a thread
 is not idle while, say, lm_head waits for embed_tokens to finish); after this many recipes have gone past
 it, the waiting one is admitted next, as soon as it fits."""
+
+
+class DeviceBudget:
+    """Device (GPU) bytes in flight against a limit (runtime/device_memory.py: --max-gpu-memory, else the
+    device's free memory less a margin). Like the host budget, a lone item is admitted whatever its size: one
+    that alone exceeds the limit was refused at plan time (planning/device_memory.py), unless the device's
+    free memory shrank since."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self.peak = 0  # the most device bytes ever admitted at once
+
+    def fits(self, cost: int) -> bool:
+        return self.in_flight == 0 or self.in_flight + cost <= self.limit
 
 
 class MemoryBudget:
@@ -38,6 +54,7 @@ class MemoryBudget:
         self.held_unmapped: Callable[[], int] | None = None
         self.in_flight = 0
         self.peak = 0  # the most bytes ever admitted at once: a statistic for tests and reports
+        self.device: DeviceBudget | None = None  # set by the executor on CUDA: device bytes admitted beside
         self._cond = threading.Condition()
 
     @property
@@ -55,16 +72,25 @@ class MemoryBudget:
             limit = room if limit is None else min(limit, room)
         return limit is None or self.in_flight == 0 or self.in_flight + cost <= limit
 
-    def acquire_first(self, costs: list[int], stop: threading.Event) -> int | None:
-        """Admit the first of `costs` that fits, waiting until one does; its position, or None when stopped."""
+    def acquire_first(
+        self, costs: list[int], stop: threading.Event, device_costs: list[int] | None = None
+    ) -> int | None:
+        """Admit the first of `costs` that fits, waiting until one does; its position, or None when stopped.
+
+        `device_costs` (with a `device` budget): each item's device bytes, which must fit that budget too."""
+        device = self.device if device_costs is not None else None
         with self._cond:
             while True:
                 for position, cost in enumerate(costs):
-                    if self.fits(cost):
+                    on_device = device_costs[position] if device is not None and device_costs is not None else 0
+                    if self.fits(cost) and (device is None or device.fits(on_device)):
                         if self.in_flight == 0 and self.watch is not None:
                             self._check_alone(cost)
                         self.in_flight += cost
                         self.peak = max(self.peak, self.in_flight)
+                        if device is not None:
+                            device.in_flight += on_device
+                            device.peak = max(device.peak, device.in_flight)
                         return position
                 if stop.is_set():
                     return None
@@ -85,7 +111,9 @@ class MemoryBudget:
             available=room,
         )
 
-    def release(self, cost: int) -> None:
+    def release(self, cost: int, device_cost: int = 0) -> None:
         with self._cond:
             self.in_flight -= cost
+            if self.device is not None:
+                self.device.in_flight -= device_cost
             self._cond.notify_all()

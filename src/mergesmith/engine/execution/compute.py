@@ -9,6 +9,7 @@ one line naming the tensor.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from ...io.dtypes import to_torch
 from ...kernels.keyed_random import MaskStream
 from ...methods import MergeInputs, require_method
 from ..plan import InputRef, TensorRecipe
+from .device_transfer import lane_for
 from .nonfinite import NonFiniteMonitor
 
 
@@ -78,6 +80,7 @@ def compute(
     totals: Any = None,
     gather: Gathered | None = None,
     monitor: NonFiniteMonitor | None = None,
+    lend_output: bool = False,
 ) -> torch.Tensor | None:
     """The output tensor of one recipe (or of its rows [start, end)), in its output dtype, on the CPU.
 
@@ -88,7 +91,11 @@ def compute(
     of every input as it is loaded and of the output before it is returned (engine/execution/nonfinite.py).
 
     Two-pass methods (blocks.two_pass): with `gather` the rows are folded into `gather.state` by the method's
-    totals pass and nothing is returned; `totals` hands the finished totals to the second pass."""
+    totals pass and nothing is returned; `totals` hands the finished totals to the second pass.
+
+    On CUDA a merge goes through this thread's lane (device_transfer.py: its own stream, pinned staging buffers,
+    asynchronous copies; the same bytes). `lend_output`: the caller is done with the returned tensor before this
+    thread computes again (the executor's writer copies it out), so on CUDA it may be the lane's pinned buffer."""
     out_dtype = to_torch(recipe.dtype)
     shape = recipe.shape if rows is None else (rows[1] - rows[0], *recipe.shape[1:])
 
@@ -130,57 +137,66 @@ def compute(
         else:
             advise_inputs(recipe, checkpoints, "dontneed", rows, only=ref)
 
-    tensors: list[torch.Tensor] = []
-    mapped_refs: dict[int, InputRef] = {}  # inputs the method reads straight from a mapping or a feed buffer
-    for index, ref in enumerate(recipe.inputs):
-        mapped = load(ref, index)
-        tensor = mapped.to(device=device, dtype=compute_dtype)
-        if tensor.data_ptr() == mapped.data_ptr():
-            mapped_refs[index] = ref
-        else:  # converted or moved: the mapped pages (or the feed's buffer) are spent already
-            release_input(index, ref)
-        tensors.append(tensor)
+    lane = lane_for(device)  # None off CUDA: the plain path
+    with lane.active() if lane is not None else nullcontext():  # this thread's stream made current
+        tensors: list[torch.Tensor] = []
+        mapped_refs: dict[int, InputRef] = {}  # inputs the method reads straight from a mapping or a feed buffer
+        for index, ref in enumerate(recipe.inputs):
+            mapped = load(ref, index)
+            if lane is None:
+                tensor = mapped.to(device=device, dtype=compute_dtype)
+            else:  # copied through a pinned staging buffer on this thread's stream
+                tensor = lane.to_device(mapped, compute_dtype, index)
+            if tensor.data_ptr() == mapped.data_ptr():
+                mapped_refs[index] = ref
+            else:  # converted or moved: the mapped pages (or the feed's buffer) are spent already
+                release_input(index, ref)
+            tensors.append(tensor)
 
-    def release(index: int) -> None:
-        if index in mapped_refs:
-            release_input(index, mapped_refs[index])
+        def release(index: int) -> None:
+            if index in mapped_refs:
+                release_input(index, mapped_refs[index])
 
-    generator = None
-    if recipe.seed is not None:
-        # Always a CPU generator, whatever the compute device: methods draw their random masks on the
-        # CPU and move them over, so the output bytes of a seed do not depend on the device (which is
-        # not in the plan's fingerprint, so a resume on another device must draw the same masks).
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(recipe.seed)
-    # Methods that draw by entry position get the seed's keyed stream, and where these rows start.
-    stream = MaskStream(recipe.seed) if recipe.seed is not None and spec.keyed_random else None
-    offset = 0 if rows is None else rows[0] * (recipe.numel() // max(recipe.shape[0], 1))
-    inputs = MergeInputs(
-        tensors=tensors,
-        base_index=recipe.base_index,
-        model_params=[dict(p) for p in recipe.model_params],
-        params=dict(recipe.params),
-        generator=generator,
-        tensor_name=recipe.name,
-        release=release,
-        stream=stream,
-        offset=offset,
-        totals=totals,
-        whole_numel=recipe.numel(),
-        depth=recipe.depth,
-    )
-    try:
-        if gather is not None:
-            assert spec.totals is not None
-            gather.state = spec.totals.gather(gather.state, inputs)
-            return None
-        merged = spec.merge(inputs)
-    except ValueError as exc:
-        # A method refuses its inputs or parameters (the plan-time checks catch what they can): the user's
-        # merge, not a bug; one line naming the tensor. Finished shards stay journaled for a rerun.
-        raise MethodError.of(recipe, exc) from exc
-    _check_shape(recipe, merged, shape)
-    return checked(merged.to(dtype=out_dtype).cpu())
+        generator = None
+        if recipe.seed is not None:
+            # Always a CPU generator, whatever the compute device: methods draw their random masks on the
+            # CPU and move them over, so the output bytes of a seed do not depend on the device (which is
+            # not in the plan's fingerprint, so a resume on another device must draw the same masks).
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(recipe.seed)
+        # Methods that draw by entry position get the seed's keyed stream, and where these rows start.
+        stream = MaskStream(recipe.seed) if recipe.seed is not None and spec.keyed_random else None
+        offset = 0 if rows is None else rows[0] * (recipe.numel() // max(recipe.shape[0], 1))
+        inputs = MergeInputs(
+            tensors=tensors,
+            base_index=recipe.base_index,
+            model_params=[dict(p) for p in recipe.model_params],
+            params=dict(recipe.params),
+            generator=generator,
+            tensor_name=recipe.name,
+            release=release,
+            stream=stream,
+            offset=offset,
+            totals=totals,
+            whole_numel=recipe.numel(),
+            depth=recipe.depth,
+        )
+        try:
+            if gather is not None:
+                assert spec.totals is not None
+                gather.state = spec.totals.gather(gather.state, inputs)
+                if lane is not None:
+                    lane.settle()  # the state is finished outside the lane, on the thread's default stream
+                return None
+            merged = spec.merge(inputs)
+        except ValueError as exc:
+            # A method refuses its inputs or parameters (the plan-time checks catch what they can): the user's
+            # merge, not a bug; one line naming the tensor. Finished shards stay journaled for a rerun.
+            raise MethodError.of(recipe, exc) from exc
+        _check_shape(recipe, merged, shape)
+        if lane is not None:
+            return checked(lane.to_host(merged, out_dtype, lend_output))
+        return checked(merged.to(dtype=out_dtype).cpu())
 
 
 @dataclass

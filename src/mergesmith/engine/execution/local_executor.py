@@ -31,14 +31,17 @@ from ...kernels.compiled import KernelGroup, waits
 from ...methods import require_method
 from ...methods.registry import MERGE_WHOLE
 from ...runtime import intra_op_threads
+from ...runtime.device_memory import device_limit
 from ...runtime.devices import resolve_device
 from ...runtime.memory_limits import MemoryWatch, memory_room
 from ...runtime.memory_release import release_free_heap
 from ..plan import InputRef, Plan, ShardPlan, TensorRecipe
+from ..planning.device_memory import device_recipe_memory, staging_bytes
 from ..planning.shared import MergeOptions, automatic_budget, distinct_input_bytes, recipe_memory
-from .admission import ADMISSION_WINDOW, MemoryBudget
+from .admission import ADMISSION_WINDOW, DeviceBudget, MemoryBudget
 from .blocks import row_blocks, two_pass
 from .compute import Gathered, advise_inputs, compute
+from .device_transfer import PINNED_BYTES_PER_THREAD
 from .input_feed import MERGE, TOTALS, InputFeed, open_feed
 from .kernel_warmup import kernel_groups
 from .nonfinite import NonFiniteMonitor
@@ -96,11 +99,19 @@ class ExecutionSettings:
     device: str = "cpu"
     strict: bool = False  # NaN/inf in an input or output is an error, not a warning
     ray_address: str | None = None  # the Ray cluster to join (RayExecutor only; None: RAY_ADDRESS or a local Ray)
+    max_gpu_memory: int | None = None  # device bytes in flight on CUDA; None: the device's free memory less a margin
 
     @classmethod
     def of(cls, options: MergeOptions) -> ExecutionSettings:
         """The settings a merge's options give."""
-        return cls(options.threads, options.max_memory, options.device, options.strict, options.ray_address)
+        return cls(
+            options.threads,
+            options.max_memory,
+            options.device,
+            options.strict,
+            options.ray_address,
+            max_gpu_memory=options.max_gpu_memory,
+        )
 
 
 class Executor:
@@ -147,6 +158,8 @@ class LocalExecutor(Executor):
         self.budget = MemoryBudget(self.settings.max_memory)
         # `auto` from a caller; checked at plan time
         self.device = torch.device(resolve_device(self.settings.device, check=False))
+        # on CUDA, recipes are admitted while their device bytes fit too (read from the device when run starts)
+        self.device_limit = None
         self.compute_dtype = to_torch(self.plan.compute_dtype)
         self.explicit_dtype = bool(self.plan.options.get("explicit_dtype"))
         self._lock = threading.Lock()  # the counters below and the first error
@@ -207,11 +220,15 @@ class LocalExecutor(Executor):
         if self.budget.limit is None:
             self.budget.limit = automatic_budget(list(cost_of.values()), self.threads)
         costs = [cost_of[recipe.name] for _, recipe in work]
+        device_costs = self._device_costs(work)
+        if device_costs is not None:  # the workers' pinned staging buffers are held host memory too
+            staging = staging_bytes([r for _, r in work], self.plan.compute_dtype, PINNED_BYTES_PER_THREAD)
+            feed_bytes += self.threads * staging
         self.budget.watch, self.budget.held_bytes = watch, feed_bytes
         try:
             self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes, self._uncache_inputs)
             self.budget.held_unmapped = self._feed.reader.pool.unmapped if self._feed is not None else (lambda: 0)
-            self._run_work(work, costs)
+            self._run_work(work, costs, device_costs)
         finally:
             if self._feed is not None:
                 self._feed.close()
@@ -240,8 +257,21 @@ class LocalExecutor(Executor):
                 "are saved; run the same command again to resume"
             )
 
-    def _run_work(self, work: list[tuple[ShardPlan, TensorRecipe]], costs: list[int]) -> None:
-        """Admit the work to the thread pool under the memory budget and wait for all of it."""
+    def _device_costs(self, work: list[tuple[ShardPlan, TensorRecipe]]) -> list[int] | None:
+        """On CUDA (with work to do): each recipe's device bytes, and the device budget they are admitted under
+        (runtime/device_memory.py); None elsewhere."""
+        if self.device.type != "cuda" or not work:
+            return None
+        self.device_limit = device_limit(str(self.device), self.settings.max_gpu_memory)
+        assert self.device_limit is not None
+        self.budget.device = DeviceBudget(self.device_limit.limit)
+        return [device_recipe_memory(recipe, self.plan.compute_dtype) for _, recipe in work]
+
+    def _run_work(
+        self, work: list[tuple[ShardPlan, TensorRecipe]], costs: list[int], device_costs: list[int] | None = None
+    ) -> None:
+        """Admit the work to the thread pool under the memory budget (and on CUDA the device budget) and wait for
+        all of it."""
         slots = threading.Semaphore(self.threads)
         prefetched = 0
         waiting = list(range(len(work)))  # indices into work, in plan order, not yet admitted
@@ -255,7 +285,12 @@ class LocalExecutor(Executor):
                             continue
                         window = waiting[: ADMISSION_WINDOW if head_passed < ADMISSION_WINDOW else 1]
                         try:
-                            position = self.budget.acquire_first([costs[i] for i in window], self.stop)
+                            window_costs = [costs[i] for i in window]
+                            if device_costs is None:  # the CPU path: host bytes alone
+                                position = self.budget.acquire_first(window_costs, self.stop)
+                            else:
+                                on_device = [device_costs[i] for i in window]
+                                position = self.budget.acquire_first(window_costs, self.stop, on_device)
                         except MemoryShortage as exc:
                             raise self._shortage(exc, work[window[0]][1]) from None
                         if position is None:
@@ -265,7 +300,8 @@ class LocalExecutor(Executor):
                         index = waiting.pop(position)
                         shard, recipe = work[index]
                         prefetched = self._prefetch(work, index, prefetched)
-                        futures.append(pool.submit(self._run_one, shard, recipe, costs[index], slots))
+                        device_cost = 0 if device_costs is None else device_costs[index]
+                        futures.append(pool.submit(self._run_one, shard, recipe, costs[index], slots, device_cost))
                 except BaseException:
                     # Ctrl-C in a notebook (KeyboardInterrupt lands in this thread) or a memory shortage:
                     # the tensors in flight finish and are journaled, so a rerun resumes after them.
@@ -293,7 +329,9 @@ class LocalExecutor(Executor):
     def _stopping(self) -> bool:
         return self.stop.is_set() or self._error is not None
 
-    def _run_one(self, shard: ShardPlan, recipe: TensorRecipe, cost: int, slots: threading.Semaphore) -> None:
+    def _run_one(
+        self, shard: ShardPlan, recipe: TensorRecipe, cost: int, slots: threading.Semaphore, device_cost: int = 0
+    ) -> None:
         try:
             if self._stopping():
                 return
@@ -312,7 +350,10 @@ class LocalExecutor(Executor):
         finally:
             if cost >= TRIM_AFTER_BYTES:
                 release_free_heap()
-            self.budget.release(cost)
+            if device_cost:
+                self.budget.release(cost, device_cost)
+            else:
+                self.budget.release(cost)
             slots.release()
 
     def _write_recipe(self, writer: ShardWriter, recipe: TensorRecipe) -> bool:
@@ -385,7 +426,7 @@ class LocalExecutor(Executor):
             args = (self.ckpts, self.compute_dtype, self.explicit_dtype, self.device)
             out = compute(
                 recipe, *args, rows=None if whole else rows, loaded=loaded, spent=spent, totals=totals,
-                monitor=self.monitor,
+                monitor=self.monitor, lend_output=True,  # `put` copies the bytes out before this thread goes on
             )
             assert out is not None
             self._check_mapped(recipe, loaded)  # no block computed from a shrunken input's pages is kept

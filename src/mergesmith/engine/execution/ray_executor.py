@@ -123,6 +123,7 @@ def write_shard(
     device: str,
     kill_once: str | None = None,
     strict: bool = False,
+    max_gpu_memory: int | None = None,
 ) -> dict[str, Any]:
     """Body of one Ray task: write shard `index` of `plan` into `out_dir`; returns its journal record."""
     shard = plan.shards[index]
@@ -136,7 +137,8 @@ def write_shard(
         checkpoints,
         out,
         journal,
-        ExecutionSettings(threads, max_memory, device, strict),  # strict: NaN/inf refused in the worker
+        # strict: NaN/inf refused in the worker; the GPU budget: the worker's device (its free memory by default)
+        ExecutionSettings(threads, max_memory, device, strict, max_gpu_memory=max_gpu_memory),
         on_progress=_kill_once(kill_once, shard.filename) if kill_once else None,
     ).run()
     return journal.finished[shard.filename]
@@ -251,6 +253,7 @@ class RayExecutor(Executor):
                 self.settings.device,
                 kill_once,
                 self.settings.strict,
+                self.settings.max_gpu_memory,
             )
             in_flight[ref] = shard
         try:

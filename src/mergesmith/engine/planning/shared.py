@@ -35,6 +35,8 @@ class MergeOptions:
     trust_remote_code: bool = False
     threads: int = 1
     max_memory: int | None = None
+    # --max-gpu-memory: device bytes in flight on CUDA (None: the device's free memory less a margin); no bytes change
+    max_gpu_memory: int | None = None
     device: str = "cpu"
     executor: str = "local"  # "local" (thread pool) or "ray" (one task per shard); never changes output bytes
     ray_address: str | None = None
