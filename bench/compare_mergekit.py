@@ -19,6 +19,7 @@ Usage::
     python bench/compare_mergekit.py --with-mergekit                 # 1b, all cases, 3 runs each
     python bench/compare_mergekit.py --with-mergekit --scaling --methods linear,passthrough
     python bench/compare_mergekit.py --with-mergekit --methods "" --scaling --runs 2
+    python bench/compare_mergekit.py --with-mergekit --cuda --runs 1     # both tools with --cuda, on a GPU
 """
 
 from __future__ import annotations

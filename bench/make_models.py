@@ -1,4 +1,5 @@
-"""Generate the benchmark checkpoints: three related llama-style bf16 models of ~0.25 B, 0.5 B, 1 B or 7 B parameters.
+"""Generate the benchmark checkpoints: three related llama-style bf16 models of ~0.25 B, 0.5 B, 1 B or 7 B parameters
+(or tiny ones, for tests of the bench scripts).
 
 Why generate instead of download: there is no model hub here, and the benchmarks only need checkpoints that *look*
 like real ones to both merge tools (a ``config.json`` written by a real ``LlamaConfig``, sharded safetensors with the
