@@ -108,12 +108,16 @@ make_venv() {
     fi
     echo "venv $dir: installing from $wheels (offline) ..." >&2
     rm -rf "$dir"
-    "$py" -m venv "$dir"
+    # without ensurepip (Debian's python3 lacks python3-venv's), the venv uses PY's pip through the .pth below
+    "$py" -m venv "$dir" >&2 || { rm -rf "$dir" && "$py" -m venv --without-pip "$dir"; }
     local site
     site="$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     printf '%s\n' "$host_site_dirs" >"$site/_gpu_check_host.pth"
+    "$dir/bin/python" -m pip --version >/dev/null 2>&1 || die "no pip for the venv $dir: $py has neither ensurepip nor pip"
     # the venv's own old setuptools (Python < 3.12 puts one in) would hide PY's, which its torch may require
-    pip_in "$dir/bin/python" uninstall --yes --quiet setuptools >&2 || true
+    if [ -d "$site/setuptools" ]; then
+        pip_in "$dir/bin/python" uninstall --yes --quiet setuptools >&2
+    fi
     # the tool's own wheel even where PY has a copy of it installed (pip would call that one "satisfied")
     pip_in "$dir/bin/python" install --quiet --no-index --find-links "$wheels" --no-deps --force-reinstall "$main"
     pip_in "$dir/bin/python" install --quiet --no-index --find-links "$wheels" "$@"

@@ -139,6 +139,22 @@ def test_omp_batch_fits_the_budget_in_whole_warmup_batches() -> None:
     assert omp.targets_within(1.0, 0.0, 100) == 100
 
 
+def test_compare_mergekit_passes_the_device_flag_to_both_tools(tmp_path: Path) -> None:
+    """gpu_check.py runs its cases through compare_mergekit.py with `--cuda` and a mergekit venv made offline."""
+    cm = _load("compare_mergekit")
+    yaml_exe = tmp_path / "venv" / "bin" / "mergekit-yaml"
+    args = cm.build_parser().parse_args(["--cuda", "--mergekit-yaml", str(yaml_exe), "--mergekit-args=--x"])
+    tools = cm.Tools(args)  # a given mergekit-yaml: scripts/mergekit_venv.sh is not run
+    assert tools.names == ["mergesmith", "mergekit"]
+    ms = tools.command("mergesmith", "linear", tmp_path / "c.yml", tmp_path / "out")
+    mk = tools.command("mergekit", "linear", tmp_path / "c.yml", tmp_path / "out")
+    assert ms[-1] == "--cuda" and ms.count("--cuda") == 1
+    assert mk[0] == str(yaml_exe) and mk[-2:] == ["--x", "--cuda"]
+    plain = cm.Tools(cm.build_parser().parse_args([]))
+    assert "--cuda" not in plain.command("mergesmith", "linear", tmp_path / "c.yml", tmp_path / "out")
+    assert plain.names == ["mergesmith"]
+
+
 def _run(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(ROOT / script), *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": ""})
