@@ -125,6 +125,24 @@ def test_test_results_are_counted_by_outcome_and_phase() -> None:
                                   "u.py (collection): No module named 'x'"]
 
 
+def test_device_tests_are_selected_and_stopped_at_their_limit_with_what_finished_counted(tmp_path: Path) -> None:
+    """bench/cuda_select.py keeps the device tests only; a pytest still running at the limit is killed, and the
+    tests it finished are reported, not lost."""
+    check = _load("gpu_check")
+    (tmp_path / "test_fake.py").write_text(
+        "import time\n\nimport pytest\n\n\n"
+        "def test_on_cuda_quick():\n    pass\n\n\n"
+        "def test_not_a_device_test():\n    raise AssertionError('must not run')\n\n\n"
+        "@pytest.mark.skipif(False, reason='needs a CUDA device')\n"
+        "def test_hangs():\n    time.sleep(120)\n"
+    )
+    run = check.CudaTests([tmp_path / "test_fake.py"], 8.0, tmp_path)
+    counts = run.finish()
+    assert counts["cut"] and counts["seconds"] < 30
+    assert (counts["passed"], counts["failed"], counts["errors"]) == (1, 0, 0)
+    assert run.proc.returncode != 0  # killed
+
+
 def test_the_device_test_files_are_found_by_what_they_say() -> None:
     files = {p.name for p in _load("gpu_check").cuda_test_files(ROOT / "tests")}
     assert {"test_methods_math.py", "test_keyed_masks.py", "test_python_api.py"} <= files
