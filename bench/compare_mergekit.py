@@ -19,6 +19,7 @@ Usage::
     python bench/compare_mergekit.py --with-mergekit                 # 1b, all cases, 3 runs each
     python bench/compare_mergekit.py --with-mergekit --scaling --methods linear,passthrough
     python bench/compare_mergekit.py --with-mergekit --methods "" --scaling --runs 2
+    python bench/compare_mergekit.py --with-mergekit --cuda --runs 1     # both tools with --cuda, on a GPU
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class Tools:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.mergekit_yaml: Path | None = None
-        if args.with_mergekit:
+        if args.mergekit_yaml is not None:  # a venv made elsewhere (bench/gpu_check.sh makes one offline)
+            self.mergekit_yaml = args.mergekit_yaml
+        elif args.with_mergekit:
             self.mergekit_yaml = install_mergekit()
 
     @property
@@ -69,13 +72,18 @@ class Tools:
     def command(self, tool: str, case: str, config: Path, out: Path) -> list[str]:
         a = self.args
         if tool == "mergesmith":
-            return bl.mergesmith_cmd(config, out, a.out_shard_size, a.mergesmith_args.split())
+            return bl.mergesmith_cmd(config, out, a.out_shard_size, [*a.mergesmith_args.split(), *cuda(a)])
         assert self.mergekit_yaml is not None
         cmd = [str(self.mergekit_yaml), str(config), str(out), "--lazy-unpickle", "--out-shard-size",
                a.out_shard_size, "--no-copy-tokenizer", "--quiet", "--random-seed", "0"]
         if case == "passthrough":
             cmd.append("--clone-tensors")
-        return cmd + a.mergekit_args.split()
+        return cmd + a.mergekit_args.split() + cuda(a)
+
+
+def cuda(args: argparse.Namespace) -> list[str]:
+    """`--cuda` for both tools when asked: the same flag means the same to both (mergesmith reads mergekit's)."""
+    return ["--cuda"] if args.cuda else []
 
 
 def install_mergekit() -> Path:
@@ -200,9 +208,13 @@ def print_results(title: str, results: list[CaseResult], label_size: bool) -> No
     print()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, also parsed by bench/gpu_check.py so its cases run with these defaults."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--with-mergekit", action="store_true", help="install (scripts/mergekit_venv.sh) and run mergekit")
+    ap.add_argument("--mergekit-yaml", type=Path, default=None,
+                    help="run this mergekit-yaml (of a venv made elsewhere) instead of scripts/mergekit_venv.sh's")
+    ap.add_argument("--cuda", action="store_true", help="pass --cuda to both tools")
     ap.add_argument("--size", choices=sorted(SIZES), default="1b")
     ap.add_argument("--runs", type=int, default=3, help="runs per tool and case; medians reported (default 3)")
     ap.add_argument("--mergekit-runs", type=int, default=None,
@@ -224,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-check", action="store_true", help="skip the output comparison")
     ap.add_argument("--keep-outputs", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write raw results here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     cases = [c for c in args.methods.split(",") if c]
     for c in cases:
@@ -233,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     tools = Tools(args)
     available = set(bl.mergesmith_methods())
     notes: list[str] = []
-    if not args.with_mergekit:
+    if tools.mergekit_yaml is None:
         notes.append("mergekit not run (pass --with-mergekit): mergesmith figures only")
     runnable = []
     for c in cases:

@@ -1,4 +1,5 @@
-"""Generate the benchmark checkpoints: three related llama-style bf16 models of ~0.25 B, 0.5 B, 1 B or 7 B parameters.
+"""Generate the benchmark checkpoints: three related llama-style bf16 models of ~0.25 B, 0.5 B, 1 B or 7 B parameters
+(or tiny ones, for tests of the bench scripts).
 
 Why generate instead of download: there is no model hub here, and the benchmarks only need checkpoints that *look*
 like real ones to both merge tools (a ``config.json`` written by a real ``LlamaConfig``, sharded safetensors with the
@@ -50,6 +51,14 @@ DEFAULT_SHARD_BYTES = 2 * 10**9  # transformers' "2GB": decimal gigabytes
 # Llama shapes with GQA, untied embeddings (so lm_head is its own tensor, as in most llama-family models).
 # 1b is TinyLlama-1.1B's shape; the smaller ones keep the same vocabulary so embeddings stay a realistic share.
 SIZES: dict[str, dict[str, Any]] = {
+    # ~35 MB a model: for tests of the bench scripts' plumbing (bench/gpu_check.sh --cpu-dry-run), not for timings
+    "tiny": {
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
     "0.25b": {
         "hidden_size": 1024,
         "intermediate_size": 2816,

@@ -1,0 +1,138 @@
+"""The GPU check's one table and its JSON (bench/gpu_check.py measures; this only formats, so it is unit-tested).
+
+The result is a plain dict (what the JSON file holds), built by gpu_check.py:
+
+    {"mode": "cuda" | "cpu-dry-run", "device": str, "torch": str, "size": "1b", "minutes": 5.0, "elapsed_s": float,
+     "tests": {"passed": int, "failed": int, "skipped": int, "errors": int, "failures": [nodeid: message, ...],
+               "seconds": float, "cut": bool} | None,
+     "cases": [{"case": "linear", "floor_s": float | None, "verdict": str | None, "cut": str | None,
+                "mergesmith": {"total_s", "cpu_s", "maxrss"} | None, "mergekit": {...} | None}],
+     "omp": {"mergesmith": {omp_device.py's JSON}, "mergekit": {...} | None, "same_selections": float | None,
+             "cut": str | None} | None,
+     "cut": [what was left out to keep to the minutes], "notes": [str]}
+
+Why one table with the OMP row in it: the check's output is pasted into an issue or a README as it is; a reader
+compares each row's two tools, and every row that was cut says so in its own "outputs equal" cell.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from benchlib import fmt_bytes, fmt_ratio, fmt_s, table
+
+Result = dict[str, Any]
+
+
+def headers(mode: str) -> list[str]:
+    flag = " --cuda" if mode == "cuda" else " (cpu)"
+    return ["case", f"mergesmith{flag} s", f"mergekit{flag} s", "ratio", "floor s", "x floor", "CPU s ms/mk",
+            "peak RSS ms/mk", "outputs equal"]
+
+
+def _num(x: Any) -> float:
+    return float("nan") if x is None else float(x)
+
+
+def _pair(ms: Any, mk: Any, fmt) -> str:
+    return f"{fmt(_num(ms))} / {fmt(_num(mk))}" if mk is not None else fmt(_num(ms))
+
+
+def _ratio(a: float, b: float) -> str:
+    return fmt_ratio(a / b) if b and not math.isnan(a) and not math.isnan(b) else "-"
+
+
+def case_row(case: Result) -> list[str]:
+    """One merge case: both tools' wall+sync seconds, their ratio, the I/O floor, CPU seconds, peak RSS, verdict."""
+    ms, mk = case.get("mergesmith"), case.get("mergekit")
+    if ms is None:
+        return [case["case"], "-", "-", "-", "-", "-", "-", "-", f"not run: {case.get('cut') or 'no result'}"]
+    ms_t = _num(ms["total_s"])
+    mk_t = _num(mk["total_s"]) if mk else float("nan")
+    floor = _num(case.get("floor_s"))
+    verdict = case.get("verdict") or ("mergekit not run" if mk is None else "not compared")
+    return [
+        case["case"],
+        fmt_s(ms_t),
+        fmt_s(mk_t),
+        _ratio(ms_t, mk_t),
+        fmt_s(floor),
+        _ratio(ms_t, floor),
+        _pair(ms.get("cpu_s"), mk.get("cpu_s") if mk else None, fmt_s),
+        _pair(ms.get("maxrss"), mk.get("maxrss") if mk else None, fmt_bytes),
+        verdict,
+    ]
+
+
+def omp_label(run: Result) -> str:
+    return f"omp N={run['shared']} D={run['hidden']} k={run['k']} B={run['targets']}"
+
+
+def omp_row(omp: Result) -> list[str]:
+    """Tokensurgeon's batched OMP: the timed batch's seconds for each tool; the check compares their selections."""
+    ms, mk = omp.get("mergesmith"), omp.get("mergekit")
+    if ms is None:
+        return ["omp", "-", "-", "-", "-", "-", "-", "-", f"not run: {omp.get('cut') or 'no result'}"]
+    mk_s = _num(mk["seconds"]) if mk else float("nan")
+    if mk is None:
+        verdict = f"mergekit not run{': ' + omp['cut'] if omp.get('cut') else ''}"
+    else:
+        same = omp.get("same_selections")
+        share = "-" if same is None else f"{100 * same:.0f}%"
+        verdict = f"same selections {share}, residual {ms['residual']:.4g} / {mk['residual']:.4g}"
+    return [omp_label(ms), f"{ms['seconds']:.2f}", "-" if mk is None else f"{mk_s:.2f}",
+            _ratio(ms["seconds"], mk_s), "-", "-", "-", "-", verdict]
+
+
+def tests_line(tests: Result | None) -> str:
+    if tests is None:
+        return "CUDA tests: not run"
+    parts = [f"{tests.get(k, 0)} {k}" for k in ("passed", "failed", "errors", "skipped")]
+    line = f"CUDA tests: {', '.join(parts)} in {tests.get('seconds', 0):.0f} s"
+    if tests.get("cut"):
+        line += " (stopped at the time limit: the rest did not run)"
+    for failure in tests.get("failures", []):
+        line += f"\n  FAILED {failure}"
+    return line
+
+
+def render(result: Result) -> str:
+    """The text the check prints: a header, the test summary, then the one table, then what was cut."""
+    mode = result["mode"]
+    head = (f"bench/gpu_check: {mode} on {result.get('device', '?')}, torch {result.get('torch', '?')}, "
+            f"{result.get('size', '?')} bench models, {result.get('elapsed_s', 0):.0f} s of "
+            f"{60 * result.get('minutes', 0):.0f} s; times are one run each, wall+sync, cache "
+            f"{'dropped' if result.get('cold') else 'warm'}")
+    lines = [head, tests_line(result.get("tests"))]
+    rows = [case_row(c) for c in result.get("cases", [])]
+    if result.get("omp") is not None:
+        rows.append(omp_row(result["omp"]))
+    lines += ["", table(headers(mode), rows), ""]
+    omp = result.get("omp") or {}
+    if omp.get("mergesmith"):
+        full = " / ".join(f"{t} {omp[t]['full_s']:.0f} s" for t in ("mergesmith", "mergekit") if omp.get(t))
+        lines.append(f"omp extrapolated to the whole transplant ({omp['mergesmith']['full']} new tokens): {full}")
+    lines += [f"cut: {c}" for c in result.get("cut", [])]
+    lines += [f"note: {n}" for n in result.get("notes", [])]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def to_json(result: Result) -> str:
+    """The result as JSON, with the printed table's rows beside the raw figures (NaN written as null)."""
+    rows = [case_row(c) for c in result.get("cases", [])]
+    if result.get("omp") is not None:
+        rows.append(omp_row(result["omp"]))
+    out = {**result, "table": {"headers": headers(result["mode"]), "rows": rows}}
+    return json.dumps(_clean(out), indent=1, allow_nan=False) + "\n"
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x

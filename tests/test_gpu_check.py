@@ -1,0 +1,249 @@
+"""bench/gpu_check.sh (issue 33, item 6) on a machine without a GPU: its table and JSON, its refusals, its plumbing.
+
+The check itself is a measurement for a CUDA machine with no network. What can rot without one is tested here:
+the table and JSON formatting (bench/gpu_table.py) on a made-up result, the counting of the CUDA tests' results,
+OMP's batch sizing, the one-line refusals of both scripts (a bad argument, no CUDA), and, marked slow, the whole
+pipeline in `--cpu-dry-run` mode: a mergesmith wheel built from this checkout, a venv made offline from it on this
+interpreter's torch, tiny bench models, one CUDA test file (skipped here), a linear merge with its floor, and the
+OMP timing, down to the printed table and the JSON file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+
+def _load(name: str):
+    if str(BENCH) not in sys.path:  # the bench modules import each other by name, as scripts do
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _result() -> dict:
+    """A made-up CUDA result: one merge case with both tools, one cut, one where mergekit failed, and OMP."""
+    ms = {"total_s": 15.0, "wall_s": 14.9, "cpu_s": 20.0, "maxrss": 1.08e9, "peak_anon": 5e8}
+    mk = {"total_s": 30.0, "wall_s": 29.9, "cpu_s": 25.0, "maxrss": 6.69e9, "peak_anon": 6e9}
+    omp_ms = {"shared": 50000, "hidden": 4096, "k": 64, "targets": 2048, "full": 50000, "seconds": 1.5,
+              "full_s": 36.6, "residual": 12.3456, "peak_device_bytes": 0}
+    return {
+        "mode": "cuda", "device": "NVIDIA H100", "torch": "2.13.0+cu128", "size": "1b", "minutes": 5.0,
+        "elapsed_s": 290.0, "cold": True,
+        "tests": {"passed": 27, "failed": 1, "skipped": 0, "errors": 0, "seconds": 40.0, "cut": False,
+                  "failures": ["tests/test_methods_math.py::test_methods_run_on_cuda[arcee_fusion]: assert"]},
+        "cases": [
+            {"case": "linear", "floor_s": 10.0, "verdict": "bit-equal", "mergesmith": ms, "mergekit": mk, "cut": None},
+            {"case": "della", "mergesmith": None, "mergekit": None, "cut": "out of time (20 s left)"},
+            {"case": "slerp", "floor_s": float("nan"), "verdict": None, "mergesmith": ms, "mergekit": None,
+             "cut": None},
+        ],
+        "omp": {"mergesmith": omp_ms, "mergekit": {**omp_ms, "seconds": 3.0, "full_s": 73.2, "residual": 12.3},
+                "same_selections": 0.995, "cut": None},
+        "cut": ["della: out of time (20 s left)"], "notes": ["venvs ready after 30 s"],
+    }
+
+
+def test_the_table_has_one_row_per_case_and_omp_with_ratios_floor_and_cuts() -> None:
+    table = _load("gpu_table")
+    text = table.render(_result())
+    lines = text.splitlines()
+    assert lines[0].startswith("bench/gpu_check: cuda on NVIDIA H100, torch 2.13.0+cu128, 1b bench models, "
+                               "290 s of 300 s")
+    assert lines[1] == "CUDA tests: 27 passed, 1 failed, 0 errors, 0 skipped in 40 s"
+    assert "FAILED tests/test_methods_math.py::test_methods_run_on_cuda[arcee_fusion]" in lines[2]
+    header = next(line for line in lines if line.startswith("case"))
+    for column in ("mergesmith --cuda s", "mergekit --cuda s", "ratio", "floor s", "x floor", "CPU s ms/mk",
+                   "peak RSS ms/mk", "outputs equal"):
+        assert column in header
+    table_lines = lines[lines.index(header) + 2:]
+    table_lines = table_lines[:table_lines.index("")]
+    rows = {line.split()[0]: line for line in table_lines}
+    assert list(rows) == ["linear", "della", "slerp", "omp"]
+    assert rows["linear"].split()[1:6] == ["15.0", "30.0", "0.50x", "10.0", "1.50x"]
+    assert "20.0 / 25.0" in rows["linear"] and "1.08 GB / 6.69 GB" in rows["linear"]
+    assert rows["linear"].rstrip().endswith("bit-equal")
+    assert rows["della"].rstrip().endswith("not run: out of time (20 s left)")
+    assert rows["slerp"].split()[1:6] == ["15.0", "-", "-", "-", "-"]  # no mergekit, no floor: no ratios
+    assert rows["slerp"].rstrip().endswith("mergekit not run")
+    assert rows["omp"].startswith("omp N=50000 D=4096 k=64 B=2048")
+    assert "1.50" in rows["omp"] and "3.00" in rows["omp"] and "0.50x" in rows["omp"]
+    assert "same selections 100%, residual 12.35 / 12.3" in rows["omp"]  # 99.5% rounds to 100
+    assert "omp extrapolated to the whole transplant (50000 new tokens): mergesmith 37 s / mergekit 73 s" in text
+    assert "cut: della: out of time (20 s left)" in lines and "note: venvs ready after 30 s" in lines
+
+
+def test_the_json_holds_the_figures_and_the_printed_rows_with_nan_as_null() -> None:
+    table = _load("gpu_table")
+    result = _result()
+    data = json.loads(table.to_json(result))  # allow_nan=False inside: a NaN left in would raise
+    assert data["cases"][2]["floor_s"] is None
+    assert data["cases"][0]["mergesmith"]["total_s"] == 15.0
+    assert data["table"]["headers"] == table.headers("cuda")
+    assert [r[0] for r in data["table"]["rows"]] == ["linear", "della", "slerp", "omp N=50000 D=4096 k=64 B=2048"]
+    assert data["table"]["rows"][0] == table.case_row(result["cases"][0])
+    assert table.headers("cpu-dry-run")[1] == "mergesmith (cpu) s"
+
+
+def test_omp_and_tests_rows_say_what_did_not_run() -> None:
+    table = _load("gpu_table")
+    assert table.omp_row({"mergesmith": None, "cut": "out of time (3 s left)"})[-1] == "not run: out of time (3 s left)"
+    assert table.tests_line(None) == "CUDA tests: not run"
+    cut = table.tests_line({"passed": 3, "seconds": 20.0, "cut": True})
+    assert cut.endswith("(stopped at the time limit: the rest did not run)")
+
+
+def test_test_results_are_counted_by_outcome_and_phase() -> None:
+    check = _load("gpu_check")
+    lines = [
+        json.dumps({"nodeid": "t.py::a", "when": "call", "outcome": "passed"}),
+        json.dumps({"nodeid": "t.py::b", "when": "setup", "outcome": "skipped"}),
+        json.dumps({"nodeid": "t.py::c", "when": "call", "outcome": "failed", "message": "AssertionError: 0.107"}),
+        json.dumps({"nodeid": "t.py::d", "when": "setup", "outcome": "failed", "message": "fixture"}),
+        json.dumps({"nodeid": "u.py", "when": "collect", "outcome": "failed", "message": "No module named 'x'"}),
+        "",
+    ]
+    counts = check.tally(lines)
+    assert {k: counts[k] for k in ("passed", "failed", "skipped", "errors")} == {
+        "passed": 1, "failed": 1, "skipped": 1, "errors": 2}
+    assert counts["failures"] == ["t.py::c: AssertionError: 0.107", "t.py::d: fixture",
+                                  "u.py (collection): No module named 'x'"]
+
+
+def test_device_tests_are_selected_and_stopped_at_their_limit_with_what_finished_counted(tmp_path: Path) -> None:
+    """bench/cuda_select.py keeps the device tests only; a pytest still running at the limit is killed, and the
+    tests it finished are reported, not lost."""
+    check = _load("gpu_check")
+    (tmp_path / "test_fake.py").write_text(
+        "import time\n\nimport pytest\n\n\n"
+        "def test_on_cuda_quick():\n    pass\n\n\n"
+        "def test_not_a_device_test():\n    raise AssertionError('must not run')\n\n\n"
+        "@pytest.mark.skipif(False, reason='needs a CUDA device')\n"
+        "def test_hangs():\n    time.sleep(120)\n"
+    )
+    run = check.CudaTests([tmp_path / "test_fake.py"], 8.0, tmp_path)
+    counts = run.finish()
+    assert counts["cut"] and counts["seconds"] < 30
+    assert (counts["passed"], counts["failed"], counts["errors"]) == (1, 0, 0)
+    assert run.proc.returncode != 0  # killed
+
+
+def test_the_device_test_files_are_found_by_what_they_say() -> None:
+    files = {p.name for p in _load("gpu_check").cuda_test_files(ROOT / "tests")}
+    assert {"test_methods_math.py", "test_keyed_masks.py", "test_python_api.py"} <= files
+    assert "test_layers.py" not in files
+
+
+def test_omp_batch_fits_the_budget_in_whole_warmup_batches() -> None:
+    omp = _load("omp_device")
+    assert omp.targets_within(10.0, 0.1, 2048) == 2048  # 64 targets in 0.1 s: 6,400 fit, capped at 2,048
+    assert omp.targets_within(1.0, 0.1, 2048) == 640
+    assert omp.targets_within(0.01, 5.0, 2048) == 64  # never below the warm-up batch
+    assert omp.targets_within(1.0, 0.0, 100) == 100
+
+
+def test_compare_mergekit_passes_the_device_flag_to_both_tools(tmp_path: Path) -> None:
+    """gpu_check.py runs its cases through compare_mergekit.py with `--cuda` and a mergekit venv made offline."""
+    cm = _load("compare_mergekit")
+    yaml_exe = tmp_path / "venv" / "bin" / "mergekit-yaml"
+    args = cm.build_parser().parse_args(["--cuda", "--mergekit-yaml", str(yaml_exe), "--mergekit-args=--x"])
+    tools = cm.Tools(args)  # a given mergekit-yaml: scripts/mergekit_venv.sh is not run
+    assert tools.names == ["mergesmith", "mergekit"]
+    ms = tools.command("mergesmith", "linear", tmp_path / "c.yml", tmp_path / "out")
+    mk = tools.command("mergekit", "linear", tmp_path / "c.yml", tmp_path / "out")
+    assert ms[-1] == "--cuda" and ms.count("--cuda") == 1
+    assert mk[0] == str(yaml_exe) and mk[-2:] == ["--x", "--cuda"]
+    plain = cm.Tools(cm.build_parser().parse_args([]))
+    assert "--cuda" not in plain.command("mergesmith", "linear", tmp_path / "c.yml", tmp_path / "out")
+    assert plain.names == ["mergesmith"]
+
+
+def _run(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / script), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": ""})
+
+
+def test_both_scripts_refuse_bad_arguments_in_one_line(tmp_path: Path) -> None:
+    for script, args, words in [
+        ("bench/gpu_check.sh", [], "usage: bench/gpu_check.sh WHEELS_DIR"),
+        ("bench/gpu_check.sh", [str(tmp_path / "missing")], "is not a directory"),
+        ("bench/gpu_check.sh", [str(tmp_path), "--minutes", "five"], "--minutes must be a number"),
+        ("bench/gpu_check.sh", [str(tmp_path), "--frobnicate"], "unknown option --frobnicate"),
+        ("bench/gpu_check.sh", [str(tmp_path)], "no mergesmith-*.whl in"),
+        ("scripts/gpu_wheels.sh", [], "usage: scripts/gpu_wheels.sh DIR"),
+        ("scripts/gpu_wheels.sh", [str(tmp_path), "--python-version", "3"], "--python-version must look like"),
+    ]:
+        proc = _run(script, *args)
+        assert proc.returncode == 2, (script, args, proc.stderr)
+        assert proc.stderr.count("error:") == 1 and words in proc.stderr, (script, args, proc.stderr)
+
+
+def test_the_check_refuses_in_one_line_without_a_device(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal cannot happen")
+    (tmp_path / "mergesmith-0.1.0-py3-none-any.whl").write_bytes(b"")  # the refusal comes before any install
+    proc = _run("bench/gpu_check.sh", str(tmp_path), "--python", sys.executable, "--work", str(tmp_path / "w"))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert "torch.cuda.is_available() is False" in proc.stderr and "--cpu-dry-run" in proc.stderr
+    assert not (tmp_path / "w" / "venv-mergesmith").exists()
+
+
+def _mergesmith_wheel(folder: Path, tmp: Path) -> Path:
+    """This checkout's wheel, built from a copy (no build/ or egg-info left in the repository)."""
+    src = tmp / "pkg"
+    shutil.copytree(ROOT / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "-w", str(folder), str(src)], check=True, timeout=300)
+    return next(folder.glob("mergesmith-*.whl"))
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_goes_from_a_wheel_folder_to_the_table_and_json(tmp_path: Path) -> None:
+    """The whole pipeline without a GPU or a network (about 40 s on two cores): offline venv, models, tests,
+    one merge with its floor, OMP, table, JSON."""
+    wheels = tmp_path / "wheels"
+    _mergesmith_wheel(wheels, tmp_path)
+    out = tmp_path / "check.json"
+    proc = _run("bench/gpu_check.sh", str(wheels), "--cpu-dry-run", "--python", sys.executable, "--work",
+                str(tmp_path / "work"), "--minutes", "4", "--json", str(out), "--",
+                "--models-root", str(tmp_path / "models"), "--cases", "linear",
+                "--test-files", "tests/test_magnitude_blocks.py", timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    venv_python = tmp_path / "work" / "venv-mergesmith" / "bin" / "python"
+    where = subprocess.run([str(venv_python), "-c", "import mergesmith; print(mergesmith.__file__)"],
+                           capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": ""})
+    assert where.stdout.startswith(str(tmp_path / "work" / "venv-mergesmith"))  # the wheel, not a source tree
+    text = proc.stdout
+    assert text.startswith("bench/gpu_check: cpu-dry-run on ")
+    assert "CUDA tests: " in text and ("3 skipped" in text or "3 passed" in text)
+    assert any(line.startswith("linear ") for line in text.splitlines())
+    assert "omp N=4000 D=256 k=16 B=" in text
+    assert "note: mergekit not run (no mergekit wheels): mergesmith figures only" in text
+    data = json.loads(out.read_text())
+    assert data["mode"] == "cpu-dry-run" and data["size"] == "tiny"
+    assert data["tests"]["passed"] + data["tests"]["skipped"] == 3 and not data["tests"]["failures"]
+    linear = data["cases"][0]
+    assert linear["case"] == "linear" and linear["mergekit"] is None
+    assert linear["mergesmith"]["total_s"] > 0 and linear["mergesmith"]["maxrss"] > 0 and linear["floor_s"] > 0
+    assert data["omp"]["mergesmith"]["residual"] > 0 and not math.isnan(data["omp"]["mergesmith"]["seconds"])
+    assert data["elapsed_s"] < 240 or any("overran" in n for n in data["notes"])
