@@ -52,11 +52,13 @@ SIZE_STEP = 1 << 20
 sizes of a model's tensors each find their buffers again instead of mapping fresh memory."""
 
 
-def pool_bytes(max_memory: int | None) -> int:
-    """The feed's buffer pool under a user's memory budget (None: none given)."""
+def pool_bytes(max_memory: int | None, wanted: int = POOL_BYTES) -> int:
+    """The feed's buffer pool under a user's memory budget (None: none given): POOL_BYTES, or `wanted` where more
+    (a pool that keeps two-pass blocks between passes, engine/execution/input_feed.py)."""
+    wanted = max(POOL_BYTES, wanted)
     if max_memory is None:
-        return POOL_BYTES
-    return max(MIN_POOL_BYTES, min(POOL_BYTES, max_memory // 4))
+        return wanted
+    return max(MIN_POOL_BYTES, min(wanted, max_memory // 4))
 
 
 def capacity_for(nbytes: int) -> int:
@@ -99,6 +101,19 @@ class BufferPool:
                     self.in_use += total
                     return [self._reuse_or_map(c) for c in capacities]
                 self._cond.wait(0.2)
+
+    def adopt(self, nbytes: int) -> bool:
+        """Count `nbytes` of buffers mapped elsewhere as the pool's, if they fit beside those in use now (never
+        waits): given back, they join its spares like its own. The input feed keeps a block a worker read
+        itself this way, within the pool's bound."""
+        with self._cond:
+            if self._closed or self.in_use + nbytes > self.limit:
+                return False
+            self.in_use += nbytes
+            excess = self.in_use + self._free_bytes - self.limit
+            if excess > 0:
+                self._drop_free(excess)
+            return True
 
     def _reuse_or_map(self, capacity: int) -> mmap.mmap:
         """A free buffer of this size, or a new one once spares of other sizes make room (holding the lock)."""

@@ -77,6 +77,15 @@ def second_read(probe: Callable[[], float | None] | None = None) -> str:
     return "disk" if rate is not None and rate >= REREAD_MIN_RATE else "cache"
 
 
+KEEP_SHARE = 0.5
+"""The share of the feed's pool one two-pass recipe's totals-pass buffers may take to be kept for its merge pass
+(read once): the rest stays for reading ahead the blocks of the recipes other workers merge meanwhile."""
+
+KEEP_POOL_BYTES = 256 << 20
+"""How large the feed's pool may grow (from io.direct_read.POOL_BYTES) so that two-pass recipes are kept: the 1 B
+bench's MLP matrices (3 inputs x 11 blocks of 3 MB buffers) fit half of it; a 7 B model's (3 inputs x 90 MB)
+do not, and are read twice."""
+
 TOTALS = "totals"
 MERGE = "merge"
 """The passes a block is fed for: a two-pass method's totals pass, and the merge (every block)."""
@@ -129,14 +138,17 @@ def _other_rows(ckpt: Checkpoint, ref: InputRef, recipe: TensorRecipe) -> bool:
 
 
 class _Block:
-    """One block's parts (None: that input is not streamed) and, once claimed, their reads."""
+    """One block's parts (None: that input is not streamed) and, once claimed, their reads; `keep`: a totals-pass
+    block whose buffers go on to the same rows' merge pass (`tensors`: what `take` handed out, handed on)."""
 
-    __slots__ = ("parts", "reads", "claimed")
+    __slots__ = ("parts", "reads", "claimed", "keep", "tensors")
 
-    def __init__(self, parts: list[Part | None]) -> None:
+    def __init__(self, parts: list[Part | None], keep: bool = False) -> None:
         self.parts = parts
         self.reads: list[Future[ReadBuffer] | None] | None = None
         self.claimed = False
+        self.keep = keep
+        self.tensors: list[torch.Tensor | None] | None = None
 
 
 class InputFeed:
@@ -147,12 +159,18 @@ class InputFeed:
         blocks: Sequence[tuple[TensorRecipe, Rows, str]],
         checkpoints: dict[str, Checkpoint],
         reader: DirectReader,
+        reread: Callable[[TensorRecipe], bool] | None = None,
     ) -> None:
+        """`blocks`: a two-pass recipe's blocks for both passes (TOTALS, then MERGE). Those whose totals-pass
+        buffers fit in `keep_limit(pool)` are read once and kept for the merge pass; for the others `reread`
+        (asked once, about the first of them) says whether the feed reads them again for the merge pass
+        (True, or without it) or not at all (False: both passes through the memory maps)."""
         self.reader = reader
         self._order: list[Key] = []
         self._blocks: dict[Key, _Block] = {}
         self._streamed: dict[str, frozenset[int]] = {}
         direct = functools.cache(direct_io_supported)  # once per file, not per block (it reads the mount table)
+        recipes: dict[str, TensorRecipe] = {}
         for recipe, rows, pass_ in blocks:
             parts = [
                 None if _other_rows(ckpt, ref, recipe) else part_of(ckpt, ref, rows, direct)
@@ -164,10 +182,35 @@ class InputFeed:
                 self._order.append(key)
                 self._blocks[key] = _Block(parts)
                 self._streamed[recipe.name] = frozenset(i for i, p in enumerate(parts) if p is not None)
+                recipes[recipe.name] = recipe
+        self._plan_second_reads(recipes, reread)
         self._mark_repeated()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._feed, name="merge-feed", daemon=True)
+
+    def _plan_second_reads(
+        self, recipes: dict[str, TensorRecipe], reread: Callable[[TensorRecipe], bool] | None
+    ) -> None:
+        """Decide, per two-pass recipe, how its merge pass gets its inputs: from the totals pass's buffers (kept:
+        its MERGE blocks leave the feed's order, `done(TOTALS)` hands them their buffers), read again by the
+        feed, or (`reread` says no) through the memory maps for both passes."""
+        held: Counter[str] = Counter()
+        for key, block in self._blocks.items():
+            if key[2] == TOTALS:
+                held[key[0]] += sum(_capacities(block))
+        limit = keep_limit(self.reader.pool.limit)
+        kept = {name for name, nbytes in held.items() if nbytes <= limit}
+        again = [name for name in held if name not in kept]
+        dropped = set(again) if again and reread is not None and not reread(recipes[again[0]]) else set()
+        for key, block in self._blocks.items():
+            block.keep = key[2] == TOTALS and key[0] in kept
+        self._order = [
+            key for key in self._order if key[0] not in dropped and not (key[2] == MERGE and key[0] in kept)
+        ]
+        for name in dropped:
+            self._streamed.pop(name, None)
+        self._blocks = {key: b for key, b in self._blocks.items() if key[0] not in dropped}
 
     def __len__(self) -> int:
         return len(self._order)
@@ -236,15 +279,23 @@ class InputFeed:
 
     def take(self, recipe: TensorRecipe, rows: Rows, pass_: str = MERGE) -> list[torch.Tensor | None] | None:
         """The block's inputs in recipe order (None for those read from the memory map), or None when
-        nothing of this block is streamed. Hand them back with `done` once the block is written."""
+        nothing of this block is streamed. Hand them back with `done` once the block is written.
+
+        A kept block's merge pass gets the very tensors its totals pass got (no read)."""
         block = self._blocks.get((recipe.name, rows[0], pass_))
         if block is None:
             return None
         with self._lock:
             own = not block.claimed
             block.claimed = True
+            handed = block.tensors
+        if handed is not None:
+            return handed
         if own:  # the feed has not reached it: read it now, into buffers of its own
-            block.reads = self._submit(block, [mmap.mmap(-1, c) for c in _capacities(block)], pooled=False)
+            capacities = _capacities(block)
+            # kept for the merge pass only where the pool has room for it, so the kept bytes stay in its bound
+            pooled = block.keep = block.keep and self.reader.pool.adopt(sum(capacities))
+            block.reads = self._submit(block, [mmap.mmap(-1, c) for c in capacities], pooled=pooled)
         if not self._reads_submitted(block):
             raise RuntimeError("the input feed stopped before reading this block")
         tensors: list[torch.Tensor | None] = []
@@ -264,21 +315,31 @@ class InputFeed:
                 if read is not None:
                     read.result().release()  # copied out: its buffer is spent
             tensors.append(data)
+        if block.keep:
+            block.tensors = tensors
         return tensors
 
     def release(self, recipe: TensorRecipe, rows: Rows, index: int, pass_: str = MERGE) -> None:
         """Hand back the buffer of one input of a taken block early: the method is done reading it (a task-
         vector method has taken its difference), or it was converted to the compute dtype. On an embedding-
-        sized TIES block that is hundreds of MB less at the peak."""
+        sized TIES block that is hundreds of MB less at the peak. Not a kept block's: its merge pass reads it."""
         block = self._blocks.get((recipe.name, rows[0], pass_))
-        if block is not None and block.reads is not None and block.reads[index] is not None:
+        if block is not None and not block.keep and block.reads is not None and block.reads[index] is not None:
             block.reads[index].result().release()  # type: ignore[union-attr]
 
     def done(self, recipe: TensorRecipe, rows: Rows, pass_: str = MERGE) -> None:
-        """Hand a taken block's buffers back (its tensors must no longer be used)."""
+        """Hand a taken block's buffers back (its tensors must no longer be used); a kept totals-pass block's go
+        to the same rows' merge pass instead, unless the feed is stopping."""
         block = self._blocks.pop((recipe.name, rows[0], pass_), None)
-        if block is not None and block.reads is not None:
-            _release(block.reads)
+        if block is None or block.reads is None:
+            return
+        if block.keep and block.tensors is not None:
+            with self._lock:
+                merge = self._blocks.get((recipe.name, rows[0], MERGE))
+                if merge is not None and not merge.claimed and not self._stop.is_set():
+                    merge.reads, merge.tensors, merge.claimed = block.reads, block.tensors, True
+                    return
+        _release(block.reads)
 
     def forget(self, recipe: TensorRecipe) -> None:
         """Drop every block of `recipe` not yet taken, giving back what was read for them: the method merges the
@@ -314,27 +375,54 @@ class InputFeed:
 
 def open_feed(recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint], pool_bytes: int) -> InputFeed | None:
     """A started feed for the blocks of these recipes' copies and merges (rows as blocks.row_blocks cuts them;
-    those of a two-pass merge twice, all for its totals pass, then all for its merge, or not at all where
-    second_read says "cache"), in this order; None when no input of them can be streamed."""
-    twice: tuple[str, ...] = (TOTALS, MERGE)
-    twofold = [recipe for recipe in recipes if recipe.op in STREAMED_OPS and two_pass(recipe)]
-    if twofold and second_read(lambda: _probe(twofold[0], checkpoints)) == "cache":
-        twice = ()  # two-pass recipes read through the maps, the second pass from the page cache
+    those of a two-pass merge once per pass: all for its totals pass, then all for its merge, where the merge pass
+    takes the totals pass's buffers or second_read says "disk"), in this order; None when no input of them can be
+    streamed."""
     blocks = [
         (recipe, rows, pass_)
         for recipe in recipes
         if recipe.op in STREAMED_OPS
-        for pass_ in (twice if two_pass(recipe) else (MERGE,))
+        for pass_ in ((TOTALS, MERGE) if two_pass(recipe) else (MERGE,))
         for rows in row_blocks(recipe)
     ]
     if not blocks:
         return None
-    feed = InputFeed(blocks, checkpoints, DirectReader(BufferPool(pool_bytes)))
+
+    def reread(recipe: TensorRecipe) -> bool:  # two-pass recipes too large to keep: read again, or through the maps
+        return second_read(lambda: _probe(recipe, checkpoints)) == "disk"
+
+    feed = InputFeed(blocks, checkpoints, DirectReader(BufferPool(pool_bytes)), reread)
     if not len(feed):
         feed.close()
         return None
     feed.start()
     return feed
+
+
+def keep_limit(pool_limit: int) -> int:
+    """The most pool bytes one two-pass recipe's blocks may hold between its passes (KEEP_SHARE of the pool)."""
+    return int(pool_limit * KEEP_SHARE)
+
+
+def keeping_pool(recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint]) -> int:
+    """The pool that keeps the largest two-pass recipe whose blocks fit KEEP_SHARE of KEEP_POOL_BYTES (0: none
+    does). A merge's feed gets at least this where its memory budget allows (see local_executor)."""
+    direct = functools.cache(direct_io_supported)
+    need = 0
+    for recipe in recipes:
+        if recipe.op not in STREAMED_OPS or not two_pass(recipe):
+            continue
+        held = 0
+        for rows in row_blocks(recipe):
+            parts = [
+                None if _other_rows(ckpt, ref, recipe) else part_of(ckpt, ref, rows, direct)
+                for ref in recipe.inputs
+                for ckpt in (checkpoints[ref.model],)
+            ]
+            held += sum(_capacities_of(parts))
+        if held <= keep_limit(KEEP_POOL_BYTES):
+            need = max(need, -(-held // KEEP_SHARE) if KEEP_SHARE > 0 else 0)
+    return int(need)
 
 
 def _probe(recipe: TensorRecipe, checkpoints: dict[str, Checkpoint]) -> float | None:
@@ -347,7 +435,12 @@ def _probe(recipe: TensorRecipe, checkpoints: dict[str, Checkpoint]) -> float | 
 
 
 def _capacities(block: _Block) -> list[int]:
-    return [capacity_for(p.length) for p in block.parts if p is not None and p.length]
+    return _capacities_of(block.parts)
+
+
+def _capacities_of(parts: Sequence[Part | None]) -> list[int]:
+    """The buffer sizes of a block's reads (its parts with bytes)."""
+    return [capacity_for(p.length) for p in parts if p is not None and p.length]
 
 
 def _release(reads: list[Future[ReadBuffer] | None]) -> None:
