@@ -75,7 +75,8 @@ def test_capacity_covers_the_aligned_span_at_any_offset() -> None:
             lo = offset // ALIGN * ALIGN
             hi = -(-(offset + length) // ALIGN) * ALIGN
             assert hi - lo <= capacity, (length, offset)
-    assert capacity_for(2 << 20) == 3 << 20  # whole MB from 1 MB up: 2 MB plus the alignment slack
+    assert capacity_for(2 << 20) == (2 << 20) + (1 << 18)  # 256 KB steps from 1 MB up: 2 MB plus the alignment slack
+    assert capacity_for(1 << 19) == 1 << 20  # powers of two below
     assert capacity_for(100) == 2 * ALIGN
 
 
@@ -400,7 +401,7 @@ def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
     tensors = len(recipes)
     # every tensor fed; those of elementwise methods and copies in many row blocks, the others whole; TIES' large
     # tensors take a totals pass over their blocks first, and the merge pass takes the blocks that pass read (tiny
-    # tensors: all fit the pool's share, input_feed.KEEP_SHARE), so each block is fed once (tests/test_read_once.py)
+    # tensors: all fit the pool's share, input_feed.KEEP_PARTS), so each block is fed once (tests/test_read_once.py)
     if method in ("ties", "dare_ties", "della"):  # the rescale of DARE and DELLA needs L1 norms first
         two_pass = [r for r in recipes if blocks.two_pass(r)]
         assert two_pass and fed_blocks
@@ -408,7 +409,7 @@ def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
     else:
         assert fed_blocks and fed_blocks[0] > tensors
     if method in ("ties", "dare_ties", "della"):  # the second read through the page cache instead: the same bytes
-        monkeypatch.setattr(input_stream, "KEEP_SHARE", 0.0)  # none kept: the second pass reads again
+        monkeypatch.setattr(input_stream, "keep_limit", lambda pool: 0)  # none kept: the second pass reads again
         monkeypatch.setenv(input_stream.SECOND_READ_ENV, "cache")
         run_merge(path, tmp_path / "cached", MergeOptions(random_seed=7))
         assert fed_blocks[-1] == sum(len(blocks.row_blocks(r)) for r in recipes if not blocks.two_pass(r))

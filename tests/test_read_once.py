@@ -140,7 +140,7 @@ def test_two_pass_merges_read_each_block_once_and_write_the_same_bytes(
     assert not kept.changed  # no totals pass wrote into its inputs
     assert set(kept.reads.values()) == {1} and sum(kept.reads.values()) == once
 
-    monkeypatch.setattr(input_feed, "KEEP_SHARE", 0.0)  # nothing kept: the merge pass reads again
+    monkeypatch.setattr(input_feed, "keep_limit", lambda pool: 0)  # nothing kept: the merge pass reads again
     twice = Watch(monkeypatch)
     run_merge(config, tmp_path / "twice", MergeOptions(random_seed=7))
     assert twice.in_use() == 0
@@ -346,7 +346,7 @@ def test_a_block_a_worker_reads_itself_is_kept_only_where_the_pool_has_room(tmp_
     if not _direct_supported(checkpoints["a"].byte_range("w")[0]):  # type: ignore[index]
         pytest.skip("this filesystem refuses O_DIRECT")
     submits: list = []
-    feed, cut = _feed(checkpoints, 4 << 20, submits)
+    feed, cut = _feed(checkpoints, 8 << 20, submits)
     recipe, pool = _ties(), feed.reader.pool
     each = [3 * capacity_for(2 * 700 * (e - s)) for s, e in cut]
     assert sum(each) <= input_feed.keep_limit(pool.limit)
@@ -376,8 +376,9 @@ def test_the_pool_grows_to_keep_the_largest_recipe_that_fits_its_bound(tmp_path:
     if not _direct_supported(checkpoints["a"].byte_range("w")[0]):  # type: ignore[index]
         pytest.skip("this filesystem refuses O_DIRECT")
     held = sum(3 * capacity_for(2 * 700 * (e - s)) for s, e in blocks.row_blocks(_ties()))
-    assert input_feed.keeping_pool([_ties()], checkpoints) == int(held / input_feed.KEEP_SHARE)
-    monkeypatch.setattr(input_feed, "KEEP_POOL_BYTES", held)  # too large to keep now: no larger pool for it
-    assert input_feed.keeping_pool([_ties()], checkpoints) == 0
+    assert input_feed.keeping_pool([_ties()], input_feed.streamed_bytes(checkpoints)) == held * input_feed.KEEP_PARTS
+    # a pool that may not grow to 3 times the recipe's blocks: nothing to keep, no larger pool for it
+    monkeypatch.setattr(input_feed, "KEEP_POOL_BYTES", held * input_feed.KEEP_PARTS - 1)
+    assert input_feed.keeping_pool([_ties()], input_feed.streamed_bytes(checkpoints)) == 0
     assert pool_bytes(None, 512 << 20) == 512 << 20 and pool_bytes(None, 0) == POOL_BYTES
     assert pool_bytes(1 << 30, 512 << 20) == 256 << 20  # never over a quarter of a memory budget

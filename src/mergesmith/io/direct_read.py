@@ -47,9 +47,11 @@ POOL_BYTES = 128 << 20
 (--max-memory) at most a quarter of it, never under MIN_POOL_BYTES (see pool_bytes)."""
 MIN_POOL_BYTES = 16 << 20
 
-SIZE_STEP = 1 << 20
-"""Buffers of 1 MB or more are made in whole MB (smaller ones in powers of two), so that the few block
-sizes of a model's tensors each find their buffers again instead of mapping fresh memory."""
+SIZE_STEP = 1 << 18
+"""Buffers of 1 MB or more are made in steps of 256 KB (smaller ones in powers of two), so that the few block sizes
+of a model's tensors each find their buffers again instead of mapping fresh memory. Not whole MB: a row block of
+blocks.BLOCK_ELEMENTS bf16 entries (2 MB, plus the alignment slack) took a 3 MB buffer, a third of the pool idle,
+and of the room two-pass blocks are kept in between their passes (engine/execution/input_feed.py)."""
 
 
 def pool_bytes(max_memory: int | None, wanted: int = POOL_BYTES) -> int:
@@ -64,7 +66,7 @@ def pool_bytes(max_memory: int | None, wanted: int = POOL_BYTES) -> int:
 def capacity_for(nbytes: int) -> int:
     """The buffer size a read of `nbytes` at any offset needs (its aligned span), rounded to its size class."""
     span = -(-nbytes // ALIGN) * ALIGN + ALIGN  # the aligned range around nbytes at any offset
-    if span >= SIZE_STEP:
+    if span >= 1 << 20:
         return -(-span // SIZE_STEP) * SIZE_STEP
     return 1 << (span - 1).bit_length()
 

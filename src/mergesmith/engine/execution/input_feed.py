@@ -77,14 +77,17 @@ def second_read(probe: Callable[[], float | None] | None = None) -> str:
     return "disk" if rate is not None and rate >= REREAD_MIN_RATE else "cache"
 
 
-KEEP_SHARE = 0.5
-"""The share of the feed's pool one two-pass recipe's totals-pass buffers may take to be kept for its merge pass
-(read once): the rest stays for reading ahead the blocks of the recipes other workers merge meanwhile."""
+KEEP_PARTS = 3
+"""One two-pass recipe's totals-pass buffers are kept for its merge pass where they take at most this fraction
+(1 / KEEP_PARTS) of the feed's pool: on two cores, two workers each between the passes of a kept recipe, and the
+feed reading ahead the next one. With half the pool (two recipes' blocks filling it), the 1 B ties bench merge read
+8.8 GB for 6.6 GB of inputs: the workers, ahead of a feed waiting for room, read blocks themselves that the
+full pool could not keep."""
 
 KEEP_POOL_BYTES = 256 << 20
 """How large the feed's pool may grow (from io.direct_read.POOL_BYTES) so that two-pass recipes are kept: the 1 B
-bench's MLP matrices (3 inputs x 11 blocks of 3 MB buffers) fit half of it; a 7 B model's (3 inputs x 90 MB)
-do not, and are read twice."""
+bench's MLP matrices (3 inputs x 11-12 blocks of 2.25 MB buffers, 74 MB) fit a third of it; a 7 B model's (3 inputs
+x 90 MB) do not, and are read twice."""
 
 TOTALS = "totals"
 MERGE = "merge"
@@ -400,29 +403,40 @@ def open_feed(recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint
 
 
 def keep_limit(pool_limit: int) -> int:
-    """The most pool bytes one two-pass recipe's blocks may hold between its passes (KEEP_SHARE of the pool)."""
-    return int(pool_limit * KEEP_SHARE)
+    """The most pool bytes one two-pass recipe's blocks may hold between its passes (1 / KEEP_PARTS of the pool)."""
+    return pool_limit // KEEP_PARTS
 
 
-def keeping_pool(recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint]) -> int:
-    """The pool that keeps the largest two-pass recipe whose blocks fit KEEP_SHARE of KEEP_POOL_BYTES (0: none
-    does). A merge's feed gets at least this where its memory budget allows (see local_executor)."""
-    direct = functools.cache(direct_io_supported)
+BlockBytes = Callable[[TensorRecipe, InputRef, Rows], int]
+"""The bytes of one input that one row block of a recipe reads (0: none streamed)."""
+
+
+def keeping_pool(recipes: Sequence[TensorRecipe], block_bytes: BlockBytes) -> int:
+    """The pool that keeps the largest two-pass recipe whose blocks fit keep_limit(KEEP_POOL_BYTES) (0: none does).
+    A merge's feed gets at least this where its memory budget allows (io.direct_read.pool_bytes): local_executor
+    with the bytes the feed would read (streamed_bytes), the plan's estimate with the inputs' sizes."""
     need = 0
     for recipe in recipes:
         if recipe.op not in STREAMED_OPS or not two_pass(recipe):
             continue
         held = 0
         for rows in row_blocks(recipe):
-            parts = [
-                None if _other_rows(ckpt, ref, recipe) else part_of(ckpt, ref, rows, direct)
-                for ref in recipe.inputs
-                for ckpt in (checkpoints[ref.model],)
-            ]
-            held += sum(_capacities_of(parts))
+            held += sum(capacity_for(n) for ref in recipe.inputs if (n := block_bytes(recipe, ref, rows)))
         if held <= keep_limit(KEEP_POOL_BYTES):
-            need = max(need, -(-held // KEEP_SHARE) if KEEP_SHARE > 0 else 0)
-    return int(need)
+            need = max(need, held * KEEP_PARTS)
+    return need
+
+
+def streamed_bytes(checkpoints: dict[str, Checkpoint]) -> BlockBytes:
+    """BlockBytes for these checkpoints: what the feed reads of each input (part_of)."""
+    direct = functools.cache(direct_io_supported)
+
+    def block_bytes(recipe: TensorRecipe, ref: InputRef, rows: Rows) -> int:
+        ckpt = checkpoints[ref.model]
+        part = None if _other_rows(ckpt, ref, recipe) else part_of(ckpt, ref, rows, direct)
+        return 0 if part is None else part.length
+
+    return block_bytes
 
 
 def _probe(recipe: TensorRecipe, checkpoints: dict[str, Checkpoint]) -> float | None:

@@ -39,7 +39,7 @@ from ..planning.shared import MergeOptions, automatic_budget, distinct_input_byt
 from .admission import ADMISSION_WINDOW, MemoryBudget
 from .blocks import row_blocks, two_pass
 from .compute import Gathered, advise_inputs, compute
-from .input_feed import MERGE, TOTALS, InputFeed, keeping_pool, open_feed
+from .input_feed import MERGE, TOTALS, InputFeed, keeping_pool, open_feed, streamed_bytes
 from .kernel_warmup import kernel_groups
 from .nonfinite import NonFiniteMonitor
 from .writing import ShardOutputs
@@ -204,7 +204,7 @@ class LocalExecutor(Executor):
         # the feed's read-ahead buffers: a quarter of the budget, or of the room there is when none was given, at
         # most POOL_BYTES or what keeps two-pass recipes' blocks between their passes (input_feed.keeping_pool)
         sizing = self.budget.limit if self.budget.limit is not None or watch is None else watch.capacity()
-        feed_bytes = pool_bytes(sizing, keeping_pool([recipe for _, recipe in work], self.ckpts))
+        feed_bytes = pool_bytes(sizing, keeping_pool([recipe for _, recipe in work], streamed_bytes(self.ckpts)))
         if self.budget.limit is None:
             self.budget.limit = automatic_budget(list(cost_of.values()), self.threads)
         costs = [cost_of[recipe.name] for _, recipe in work]
