@@ -43,7 +43,8 @@ IO_THREADS = 4
 more (about 2.2 GB/s, against 0.65 GB/s one at a time)."""
 
 POOL_BYTES = 128 << 20
-"""Read-ahead buffers of a merge's input feed: a fixed size, whatever the model. Under a memory budget
+"""Read-ahead buffers of a merge's input feed: a fixed size, whatever the model (more, up to 256 MB, where the feed
+keeps two-pass recipes' blocks between their passes: engine/execution/input_feed.py). Under a memory budget
 (--max-memory) at most a quarter of it, never under MIN_POOL_BYTES (see pool_bytes)."""
 MIN_POOL_BYTES = 16 << 20
 

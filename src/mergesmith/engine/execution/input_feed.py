@@ -4,7 +4,7 @@ Why: a merge reads each input byte once, in an order the plan fixes before anyth
 elementwise methods by row blocks, other methods whole tensors). Reading in that order ahead of the workers, with
 a few I/O threads (`io.direct_read`), keeps the disk busy while earlier blocks are merged; with O_DIRECT
 into reused buffers the reads cost neither page-cache pages nor page faults. Memory is the reader's pool,
-a fixed size: the feed waits while it is full and goes on as workers hand blocks back.
+a fixed size for the whole merge: the feed waits while it is full and goes on as workers hand blocks back.
 
 Workers usually take blocks in the order they were fed. A worker that takes a block the feed has not
 reached (the executor admitted a later recipe first, under its memory budget) reads that block itself
@@ -14,14 +14,27 @@ A block larger than the whole pool (a large tensor of a method that needs it who
 the blocks before it are handed back: the feed never holds two of those.
 
 A method that needs a totals pass over a tensor's row blocks before it merges them (blocks.two_pass: the
-L1 norms of DARE's rescale, TIES' magnitude ranking) gets each block twice, once per pass, read from the
-disk each time. Read through the page cache instead (once from the disk, then again from the cache) every
-4 KB of input is a fresh page-cache page faulted into the process; on this project's 2-core VM that first
-touch cost ~2.3-4.9 ns per bf16 entry against ~0.3 for a buffer the feed read (measured on the 1 B dare_ties
-bench merge, bench/README.md, issue 21), 15 of its 44 CPU-seconds, where a second disk read of the same bytes
-costs no CPU and overlaps the merging. Where the disk is the bottleneck instead (a network volume capped at a
-few hundred MB/s, a hard disk), those recipes are read through the memory maps, so the disk reads each byte once:
-a short probe of the disk decides (see second_read; `MERGESMITH_SECOND_READ=disk|cache` chooses instead).
+L1 norms of DARE's rescale, TIES' magnitude ranking) takes each block twice, once per pass. Where all of a
+recipe's blocks fit in half the pool (KEEP_PARTS; the pool grows up to KEEP_POOL_BYTES for the largest such
+recipe, keeping_pool), the feed reads each block once, for the totals pass, and keeps its buffers for the merge
+pass: `done(TOTALS)` hands them to the same rows' MERGE block, which the feed never reads, and the totals pass's
+early `release`s leave them be (no totals pass writes into its inputs, which with the compute dtype of the
+inputs are the buffers themselves: tests/test_read_once.py checks every method with one). A block a worker read
+itself, ahead of the feed, is kept only where the pool has room for it (BufferPool.adopt), so what is kept stays
+within the pool. A stop, an error or `forget` between the passes hands the kept buffers back at once
+(local_executor._write_recipe). On the 1 B bench (3 x 2.2 GB bf16) every layer matrix is kept: the feed read
+7.39 GB for the 6.60 GB of inputs of ties and dare_ties, 13.2 GB before (0.79 GB of it the embeddings' second
+read); dare_ties, cold, one run each on the shared 2-core VM: 14.1 -> 7.8-8.2 GB read by the process (startup
+included), 16.9 -> 12.3-14.3 s (bench/README.md, issue 33).
+
+Larger recipes (embeddings, a 7 B model's MLP matrices) are read twice, from the disk each time. Read through the
+page cache instead (once from the disk, then again from the cache) every 4 KB of input is a fresh page-cache page
+faulted into the process; on this project's 2-core VM that first touch cost ~2.3-4.9 ns per bf16 entry against
+~0.3 for a buffer the feed read (measured on the 1 B dare_ties bench merge, bench/README.md, issue 21), 15 of its
+44 CPU-seconds, where a second disk read of the same bytes costs no CPU and overlaps the merging. Where the disk
+is the bottleneck instead (a network volume capped at a few hundred MB/s, a hard disk), those recipes are read
+through the memory maps, so the disk reads each byte once: a short probe of the disk decides (see second_read;
+`MERGESMITH_SECOND_READ=disk|cache` chooses instead).
 
 Inputs that cannot be streamed (`.bin` checkpoints, LoRA-adapted tensors, files on filesystems without
 O_DIRECT) come back as None and are read through the checkpoint's memory map, as are the inputs of
@@ -55,9 +68,10 @@ STREAMED_OPS = frozenset({"copy", "merge"})
 
 Rows = tuple[int, int]
 SECOND_READ_ENV = "MERGESMITH_SECOND_READ"
-"""How a two-pass recipe's inputs are read again: "disk" (the feed reads them once per pass), "cache" (through the
-memory maps, so the second pass finds them in the page cache), or "auto" (the default: "disk" when a short probe
-of the disk reads at REREAD_MIN_RATE or more, io/read_rate.py)."""
+"""How a two-pass recipe's inputs are read again where its blocks are too large to keep between the passes: "disk"
+(the feed reads them once per pass), "cache" (through the memory maps, so the second pass finds them in the page
+cache), or "auto" (the default: "disk" when a short probe of the disk reads at REREAD_MIN_RATE or more,
+io/read_rate.py)."""
 
 REREAD_MIN_RATE = 800e6
 """Bytes per second from which reading twice from the disk beats a second read through the page cache.
@@ -77,17 +91,18 @@ def second_read(probe: Callable[[], float | None] | None = None) -> str:
     return "disk" if rate is not None and rate >= REREAD_MIN_RATE else "cache"
 
 
-KEEP_PARTS = 3
-"""One two-pass recipe's totals-pass buffers are kept for its merge pass where they take at most this fraction
-(1 / KEEP_PARTS) of the feed's pool: on two cores, two workers each between the passes of a kept recipe, and the
-feed reading ahead the next one. With half the pool (two recipes' blocks filling it), the 1 B ties bench merge read
-8.8 GB for 6.6 GB of inputs: the workers, ahead of a feed waiting for room, read blocks themselves that the
-full pool could not keep."""
+KEEP_PARTS = 2
+"""One two-pass recipe's totals-pass buffers are kept for its merge pass where they take at most 1 / KEEP_PARTS of
+the feed's pool, so that one recipe never fills it: the feed goes on reading ahead for the other workers beside
+it. (Nothing deadlocks however full the pool gets: a worker never waits for the feed's buffers, it reads a block
+the feed has not reached itself, see `take`.) On the 1 B bench merges, cold, no block was read by a worker ahead
+of the feed with half the pool or with a third; half costs the less memory."""
 
 KEEP_POOL_BYTES = 256 << 20
 """How large the feed's pool may grow (from io.direct_read.POOL_BYTES) so that two-pass recipes are kept: the 1 B
-bench's MLP matrices (3 inputs x 11-12 blocks of 2.25 MB buffers, 74 MB) fit a third of it; a 7 B model's (3 inputs
-x 90 MB) do not, and are read twice."""
+bench's MLP matrices (3 inputs x 11-12 row blocks in 2.25 MB buffers: 74 MB) take a pool of 148 MB; a 7 B model's
+(3 inputs x 90 MB) would take 600 MB and are read twice, as are embeddings (the 1 B's: 3 x 131 MB)."""
+
 
 TOTALS = "totals"
 MERGE = "merge"
