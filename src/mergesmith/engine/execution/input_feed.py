@@ -25,7 +25,7 @@ within the pool. A stop, an error or `forget` between the passes hands the kept 
 (local_executor._write_recipe). On the 1 B bench (3 x 2.2 GB bf16) every layer matrix is kept: the feed read
 7.39 GB for the 6.60 GB of inputs of ties and dare_ties, 13.2 GB before (0.79 GB of it the embeddings' second
 read); dare_ties, cold, one run each on the shared 2-core VM: 14.1 -> 7.8-8.2 GB read by the process (startup
-included), 16.9 -> 12.3-14.3 s (bench/README.md, issue 33).
+included), 16.9 -> 12.3-15.0 s (bench/README.md, issue 33).
 
 Larger recipes (embeddings, a 7 B model's MLP matrices) are read twice, from the disk each time. Read through the
 page cache instead (once from the disk, then again from the cache) every 4 KB of input is a fresh page-cache page
@@ -95,8 +95,9 @@ KEEP_PARTS = 2
 """One two-pass recipe's totals-pass buffers are kept for its merge pass where they take at most 1 / KEEP_PARTS of
 the feed's pool, so that one recipe never fills it: the feed goes on reading ahead for the other workers beside
 it. (Nothing deadlocks however full the pool gets: a worker never waits for the feed's buffers, it reads a block
-the feed has not reached itself, see `take`.) On the 1 B bench merges, cold, no block was read by a worker ahead
-of the feed with half the pool or with a third; half costs the less memory."""
+the feed has not reached itself, see `take`.) On the 1 B bench merges, cold, every kept block reached its merge
+pass with half the pool as with a third (only the embeddings read twice; in ties no block read by a worker ahead
+of the feed); half costs the less memory."""
 
 KEEP_POOL_BYTES = 256 << 20
 """How large the feed's pool may grow (from io.direct_read.POOL_BYTES) so that two-pass recipes are kept: the 1 B
