@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -382,3 +383,21 @@ def test_the_pool_grows_to_keep_the_largest_recipe_that_fits_its_bound(tmp_path:
     assert input_feed.keeping_pool([_ties()], input_feed.streamed_bytes(checkpoints)) == 0
     assert pool_bytes(None, 512 << 20) == 512 << 20 and pool_bytes(None, 0) == POOL_BYTES
     assert pool_bytes(1 << 30, 512 << 20) == 256 << 20  # never over a quarter of a memory budget
+
+
+def test_plan_estimate_counts_the_pool_grown_to_keep_blocks(monkeypatch) -> None:
+    """`plan`'s peak memory counts the feed's pool as the executor sizes it: grown for a 1 B MLP matrix's TIES."""
+    from mergesmith.engine.planning.shared import estimate_plan
+    from mergesmith.io.direct_read import POOL_BYTES
+
+    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 1 << 20)
+    recipes = [
+        replace(_ties(), name=f"mlp{i}", shape=(5632, 2048), inputs=tuple(InputRef(m, f"mlp{i}") for m in "abc"))
+        for i in range(4)
+    ]
+    size = 5632 * 2048 * 2
+    held = sum(3 * capacity_for(size * (e - s) // 5632) for s, e in blocks.row_blocks(recipes[0]))
+    assert held * input_feed.KEEP_PARTS > POOL_BYTES
+    estimate = estimate_plan(recipes, lambda ref: size, "BF16", 2, None)
+    assert estimate.read_ahead == held * input_feed.KEEP_PARTS
+    assert estimate_plan(recipes, lambda ref: size, "BF16", 2, 512 << 20).read_ahead == 128 << 20  # a quarter
