@@ -43,26 +43,31 @@ IO_THREADS = 4
 more (about 2.2 GB/s, against 0.65 GB/s one at a time)."""
 
 POOL_BYTES = 128 << 20
-"""Read-ahead buffers of a merge's input feed: a fixed size, whatever the model. Under a memory budget
+"""Read-ahead buffers of a merge's input feed: a fixed size, whatever the model (more, up to 256 MB, where the feed
+keeps two-pass recipes' blocks between their passes: engine/execution/input_feed.py). Under a memory budget
 (--max-memory) at most a quarter of it, never under MIN_POOL_BYTES (see pool_bytes)."""
 MIN_POOL_BYTES = 16 << 20
 
-SIZE_STEP = 1 << 20
-"""Buffers of 1 MB or more are made in whole MB (smaller ones in powers of two), so that the few block
-sizes of a model's tensors each find their buffers again instead of mapping fresh memory."""
+SIZE_STEP = 1 << 18
+"""Buffers of 1 MB or more are made in steps of 256 KB (smaller ones in powers of two), so that the few block sizes
+of a model's tensors each find their buffers again instead of mapping fresh memory. Not whole MB: a row block of
+blocks.BLOCK_ELEMENTS bf16 entries (2 MB, plus the alignment slack) took a 3 MB buffer, a third of the pool idle,
+and of the room two-pass blocks are kept in between their passes (engine/execution/input_feed.py)."""
 
 
-def pool_bytes(max_memory: int | None) -> int:
-    """The feed's buffer pool under a user's memory budget (None: none given)."""
+def pool_bytes(max_memory: int | None, wanted: int = POOL_BYTES) -> int:
+    """The feed's buffer pool under a user's memory budget (None: none given): POOL_BYTES, or `wanted` where more
+    (a pool that keeps two-pass blocks between passes, engine/execution/input_feed.py)."""
+    wanted = max(POOL_BYTES, wanted)
     if max_memory is None:
-        return POOL_BYTES
-    return max(MIN_POOL_BYTES, min(POOL_BYTES, max_memory // 4))
+        return wanted
+    return max(MIN_POOL_BYTES, min(wanted, max_memory // 4))
 
 
 def capacity_for(nbytes: int) -> int:
     """The buffer size a read of `nbytes` at any offset needs (its aligned span), rounded to its size class."""
     span = -(-nbytes // ALIGN) * ALIGN + ALIGN  # the aligned range around nbytes at any offset
-    if span >= SIZE_STEP:
+    if span >= 1 << 20:
         return -(-span // SIZE_STEP) * SIZE_STEP
     return 1 << (span - 1).bit_length()
 
@@ -99,6 +104,19 @@ class BufferPool:
                     self.in_use += total
                     return [self._reuse_or_map(c) for c in capacities]
                 self._cond.wait(0.2)
+
+    def adopt(self, nbytes: int) -> bool:
+        """Count `nbytes` of buffers mapped elsewhere as the pool's, if they fit beside those in use now (never
+        waits): given back, they join its spares like its own. The input feed keeps a block a worker read
+        itself this way, within the pool's bound."""
+        with self._cond:
+            if self._closed or self.in_use + nbytes > self.limit:
+                return False
+            self.in_use += nbytes
+            excess = self.in_use + self._free_bytes - self.limit
+            if excess > 0:
+                self._drop_free(excess)
+            return True
 
     def _reuse_or_map(self, capacity: int) -> mmap.mmap:
         """A free buffer of this size, or a new one once spares of other sizes make room (holding the lock)."""

@@ -4,7 +4,7 @@ Why: a merge reads each input byte once, in an order the plan fixes before anyth
 elementwise methods by row blocks, other methods whole tensors). Reading in that order ahead of the workers, with
 a few I/O threads (`io.direct_read`), keeps the disk busy while earlier blocks are merged; with O_DIRECT
 into reused buffers the reads cost neither page-cache pages nor page faults. Memory is the reader's pool,
-a fixed size: the feed waits while it is full and goes on as workers hand blocks back.
+a fixed size for the whole merge: the feed waits while it is full and goes on as workers hand blocks back.
 
 Workers usually take blocks in the order they were fed. A worker that takes a block the feed has not
 reached (the executor admitted a later recipe first, under its memory budget) reads that block itself
@@ -14,14 +14,28 @@ A block larger than the whole pool (a large tensor of a method that needs it who
 the blocks before it are handed back: the feed never holds two of those.
 
 A method that needs a totals pass over a tensor's row blocks before it merges them (blocks.two_pass: the
-L1 norms of DARE's rescale, TIES' magnitude ranking) gets each block twice, once per pass, read from the
-disk each time. Read through the page cache instead (once from the disk, then again from the cache) every
-4 KB of input is a fresh page-cache page faulted into the process; on this project's 2-core VM that first
-touch cost ~2.3-4.9 ns per bf16 entry against ~0.3 for a buffer the feed read (measured on the 1 B dare_ties
-bench merge, bench/README.md, issue 21), 15 of its 44 CPU-seconds, where a second disk read of the same bytes
-costs no CPU and overlaps the merging. Where the disk is the bottleneck instead (a network volume capped at a
-few hundred MB/s, a hard disk), those recipes are read through the memory maps, so the disk reads each byte once:
-a short probe of the disk decides (see second_read; `MERGESMITH_SECOND_READ=disk|cache` chooses instead).
+L1 norms of DARE's rescale, TIES' magnitude ranking) takes each block twice, once per pass. Where all of a
+recipe's blocks fit in half the pool (KEEP_PARTS; the pool grows up to KEEP_POOL_BYTES for the largest such
+recipe, keeping_pool), the feed reads each block once, for the totals pass, and keeps its buffers for the merge
+pass: `done(TOTALS)` hands them to the same rows' MERGE block, which the feed never reads, and the totals pass's
+early `release`s leave them be (no totals pass writes into its inputs, which with the compute dtype of the
+inputs are the buffers themselves: tests/test_read_once.py checks every method with one). A block a worker read
+itself, ahead of the feed, is kept only where the pool has room for it (BufferPool.adopt), so what is kept stays
+within the pool. A stop, an error or `forget` between the passes hands the kept buffers back at once
+(local_executor._write_recipe). On the 1 B bench (3 x 2.2 GB bf16) every layer matrix is kept: the feed read
+7.39 GB for the 6.60 GB of inputs of ties and dare_ties, 13.2 GB before (0.79 GB of it the embeddings' second
+read); dare_ties, cold, one run each on the shared 2-core VM: 14.1 -> 7.8-8.2 GB read by the process (startup
+included), 16.9 -> 12.3-15.0 s (bench/README.md, issue 33).
+
+Larger recipes (embeddings, a 7 B model's MLP matrices) are read twice, from the disk each time. Read through the
+page cache instead (once from the disk, then again from the cache) every 4 KB of input is a fresh page-cache page
+faulted into the process; on this project's 2-core VM that first touch cost ~2.3-4.9 ns per bf16 entry against
+~0.3 for a buffer the feed read (measured on the 1 B dare_ties bench merge, bench/README.md, issue 21), 15 of its
+44 CPU-seconds, where a second disk read of the same bytes costs no CPU and overlaps the merging. Where the disk
+is the bottleneck instead (a network volume capped at a few hundred MB/s, a hard disk), the feed reads both of
+their passes through the page cache (buffered reads into its buffers, not page faults), so the disk reads each
+byte once and the second pass copies it from the cache: a short probe of the disk decides (see second_read;
+`MERGESMITH_SECOND_READ=disk|cache` chooses instead).
 
 Files on a filesystem that does not do O_DIRECT well (overlayfs in a container, tmpfs, NFS, FUSE mounts; or
 `MERGESMITH_DIRECT_IO=0`) are fed too, by buffered reads through the page cache into the same reused buffers:
@@ -64,9 +78,10 @@ STREAMED_OPS = frozenset({"copy", "merge"})
 
 Rows = tuple[int, int]
 SECOND_READ_ENV = "MERGESMITH_SECOND_READ"
-"""How a two-pass recipe's inputs are read again: "disk" (the feed reads them once per pass), "cache" (through the
-memory maps, so the second pass finds them in the page cache), or "auto" (the default: "disk" when a short probe
-of the disk reads at REREAD_MIN_RATE or more, io/read_rate.py)."""
+"""How a two-pass recipe's inputs are read again where its blocks are too large to keep between the passes: "disk"
+(the feed reads them once per pass), "cache" (through the memory maps, so the second pass finds them in the page
+cache), or "auto" (the default: "disk" when a short probe of the disk reads at REREAD_MIN_RATE or more,
+io/read_rate.py)."""
 
 FEED_ENV = "MERGESMITH_FEED"
 """Set to 0 to read every input through the checkpoints' memory maps instead (the workers fault the pages in): the
@@ -89,6 +104,20 @@ def second_read(probe: Callable[[], float | None] | None = None) -> str:
         return asked
     rate = probe() if probe is not None else None
     return "disk" if rate is not None and rate >= REREAD_MIN_RATE else "cache"
+
+
+KEEP_PARTS = 2
+"""One two-pass recipe's totals-pass buffers are kept for its merge pass where they take at most 1 / KEEP_PARTS of
+the feed's pool, so that one recipe never fills it: the feed goes on reading ahead for the other workers beside
+it. (Nothing deadlocks however full the pool gets: a worker never waits for the feed's buffers, it reads a block
+the feed has not reached itself, see `take`.) On the 1 B bench merges, cold, every kept block reached its merge
+pass with half the pool as with a third (only the embeddings read twice; in ties no block read by a worker ahead
+of the feed); half costs the less memory."""
+
+KEEP_POOL_BYTES = 256 << 20
+"""How large the feed's pool may grow (from io.direct_read.POOL_BYTES) so that two-pass recipes are kept: the 1 B
+bench's MLP matrices (3 inputs x 11-12 row blocks in 2.25 MB buffers: 74 MB) take a pool of 148 MB; a 7 B model's
+(3 inputs x 90 MB) would take 600 MB and are read twice, as are embeddings (the 1 B's: 3 x 131 MB)."""
 
 
 TOTALS = "totals"
@@ -153,15 +182,18 @@ def _other_rows(ckpt: Checkpoint, ref: InputRef, recipe: TensorRecipe) -> bool:
 
 
 class _Block:
-    """One block's parts (None: that input is not streamed) and, once claimed, their reads."""
+    """One block's parts (None: that input is not streamed) and, once claimed, their reads; `keep`: a totals-pass
+    block whose buffers go on to the same rows' merge pass (`tensors`: what `take` handed out, handed on)."""
 
-    __slots__ = ("parts", "reads", "claimed", "last_read")
+    __slots__ = ("parts", "reads", "claimed", "keep", "tensors", "last_read")
 
-    def __init__(self, parts: list[Part | None], last_read: bool = True) -> None:
+    def __init__(self, parts: list[Part | None], keep: bool = False) -> None:
         self.parts = parts
         self.reads: list[Future[ReadBuffer] | None] | None = None
         self.claimed = False
-        self.last_read = last_read  # False for a totals pass's block: its bytes are read again for the merge
+        self.keep = keep
+        self.tensors: list[torch.Tensor | None] | None = None
+        self.last_read = True  # False for a totals-pass block read again for the merge (see _plan_second_reads)
 
 
 class InputFeed:
@@ -172,19 +204,23 @@ class InputFeed:
         blocks: Sequence[tuple[TensorRecipe, Rows, str]],
         checkpoints: dict[str, Checkpoint],
         reader: DirectReader,
+        reread: Callable[[TensorRecipe], bool] | None = None,
         *,
         uncache: bool = False,
-        cached_twice: bool = False,
     ) -> None:
-        """`uncache`: drop the bytes read through the page cache from it once read for the last time (the inputs
-        are more than the memory there is). `cached_twice`: the blocks of two-pass recipes are read through the
-        page cache, so that the merge pass finds what the totals pass read there (see second_read)."""
+        """`blocks`: a two-pass recipe's blocks for both passes (TOTALS, then MERGE). Those whose totals-pass
+        buffers fit in `keep_limit(pool)` are read once and kept for the merge pass; for the others `reread`
+        (asked once, about the first of them) says whether the feed reads them again from the disk for the merge
+        pass (True, or without it) or reads both passes through the page cache, the second finding the bytes
+        there (False). `uncache`: drop the bytes read through the page cache from it once read for the last time
+        (the inputs are more than the memory there is)."""
         self.reader = reader
         self.uncache = uncache
         self._order: list[Key] = []
         self._blocks: dict[Key, _Block] = {}
         self._streamed: dict[str, frozenset[int]] = {}
         direct = functools.cache(direct_io_supported)  # once per file, not per block (it reads the mount table)
+        recipes: dict[str, TensorRecipe] = {}
         for recipe, rows, pass_ in blocks:
             parts = [
                 None if _other_rows(ckpt, ref, recipe) else part_of(ckpt, ref, rows, direct)
@@ -193,15 +229,36 @@ class InputFeed:
             ]
             if any(p is not None for p in parts):
                 key = (recipe.name, rows[0], pass_)
-                if cached_twice and two_pass(recipe):
-                    parts = [None if p is None else replace(p, buffered=True) for p in parts]
                 self._order.append(key)
-                self._blocks[key] = _Block(parts, last_read=pass_ != TOTALS)
+                self._blocks[key] = _Block(parts)
                 self._streamed[recipe.name] = frozenset(i for i, p in enumerate(parts) if p is not None)
+                recipes[recipe.name] = recipe
+        self._plan_second_reads(recipes, reread)
         self._mark_repeated()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._feed, name="merge-feed", daemon=True)
+
+    def _plan_second_reads(
+        self, recipes: dict[str, TensorRecipe], reread: Callable[[TensorRecipe], bool] | None
+    ) -> None:
+        """Decide, per two-pass recipe, how its merge pass gets its inputs: from the totals pass's buffers (kept:
+        its MERGE blocks leave the feed's order, `done(TOTALS)` hands them their buffers), read again from the
+        disk by the feed, or (`reread` says no) read by the feed through the page cache for both passes."""
+        held: Counter[str] = Counter()
+        for key, block in self._blocks.items():
+            if key[2] == TOTALS:
+                held[key[0]] += sum(_capacities(block))
+        limit = keep_limit(self.reader.pool.limit)
+        kept = {name for name, nbytes in held.items() if nbytes <= limit}
+        again = [name for name in held if name not in kept]
+        cached = set(again) if again and reread is not None and not reread(recipes[again[0]]) else set()
+        for key, block in self._blocks.items():
+            block.keep = key[2] == TOTALS and key[0] in kept
+            block.last_read = key[2] != TOTALS or block.keep
+            if key[0] in cached:
+                block.parts = [None if p is None else replace(p, buffered=True) for p in block.parts]
+        self._order = [key for key in self._order if not (key[2] == MERGE and key[0] in kept)]
 
     def __len__(self) -> int:
         return len(self._order)
@@ -274,15 +331,23 @@ class InputFeed:
 
     def take(self, recipe: TensorRecipe, rows: Rows, pass_: str = MERGE) -> list[torch.Tensor | None] | None:
         """The block's inputs in recipe order (None for those read from the memory map), or None when
-        nothing of this block is streamed. Hand them back with `done` once the block is written."""
+        nothing of this block is streamed. Hand them back with `done` once the block is written.
+
+        A kept block's merge pass gets the very tensors its totals pass got (no read)."""
         block = self._blocks.get((recipe.name, rows[0], pass_))
         if block is None:
             return None
         with self._lock:
             own = not block.claimed
             block.claimed = True
+            handed = block.tensors
+        if handed is not None:
+            return handed
         if own:  # the feed has not reached it: read it now, into buffers of its own
-            block.reads = self._submit(block, [mmap.mmap(-1, c) for c in _capacities(block)], pooled=False)
+            capacities = _capacities(block)
+            # kept for the merge pass only where the pool has room for it, so the kept bytes stay in its bound
+            pooled = block.keep = block.keep and self.reader.pool.adopt(sum(capacities))
+            block.reads = self._submit(block, [mmap.mmap(-1, c) for c in capacities], pooled=pooled)
         if not self._reads_submitted(block):
             raise RuntimeError("the input feed stopped before reading this block")
         tensors: list[torch.Tensor | None] = []
@@ -302,21 +367,31 @@ class InputFeed:
                 if read is not None:
                     read.result().release()  # copied out: its buffer is spent
             tensors.append(data)
+        if block.keep:
+            block.tensors = tensors
         return tensors
 
     def release(self, recipe: TensorRecipe, rows: Rows, index: int, pass_: str = MERGE) -> None:
         """Hand back the buffer of one input of a taken block early: the method is done reading it (a task-
         vector method has taken its difference), or it was converted to the compute dtype. On an embedding-
-        sized TIES block that is hundreds of MB less at the peak."""
+        sized TIES block that is hundreds of MB less at the peak. Not a kept block's: its merge pass reads it."""
         block = self._blocks.get((recipe.name, rows[0], pass_))
-        if block is not None and block.reads is not None and block.reads[index] is not None:
+        if block is not None and not block.keep and block.reads is not None and block.reads[index] is not None:
             block.reads[index].result().release()  # type: ignore[union-attr]
 
     def done(self, recipe: TensorRecipe, rows: Rows, pass_: str = MERGE) -> None:
-        """Hand a taken block's buffers back (its tensors must no longer be used)."""
+        """Hand a taken block's buffers back (its tensors must no longer be used); a kept totals-pass block's go
+        to the same rows' merge pass instead, unless the feed is stopping."""
         block = self._blocks.pop((recipe.name, rows[0], pass_), None)
-        if block is not None and block.reads is not None:
-            _release(block.reads)
+        if block is None or block.reads is None:
+            return
+        if block.keep and block.tensors is not None:
+            with self._lock:
+                merge = self._blocks.get((recipe.name, rows[0], MERGE))
+                if merge is not None and not merge.claimed and not self._stop.is_set():
+                    merge.reads, merge.tensors, merge.claimed = block.reads, block.tensors, True
+                    return
+        _release(block.reads)
 
     def forget(self, recipe: TensorRecipe) -> None:
         """Drop every block of `recipe` not yet taken, giving back what was read for them: the method merges the
@@ -354,13 +429,12 @@ def open_feed(
     recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint], pool_bytes: int, uncache: bool = False
 ) -> InputFeed | None:
     """A started feed for the blocks of these recipes' copies and merges (rows as blocks.row_blocks cuts them;
-    those of a two-pass merge twice, all for its totals pass, then all for its merge: from the disk each time, or
-    through the page cache where second_read says "cache"), in this order; None when no input of them can be
-    streamed (or the feed is turned off: FEED_ENV). `uncache`: see InputFeed."""
+    those of a two-pass merge once per pass: all for its totals pass, then all for its merge, where the merge pass
+    takes the totals pass's buffers, or reads again from the disk or through the page cache as second_read says),
+    in this order; None when no input of them can be streamed (or the feed is turned off: FEED_ENV). `uncache`:
+    see InputFeed."""
     if os.environ.get(FEED_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
-    twofold = [recipe for recipe in recipes if recipe.op in STREAMED_OPS and two_pass(recipe)]
-    cached_twice = bool(twofold) and second_read(lambda: _probe(twofold[0], checkpoints)) == "cache"
     blocks = [
         (recipe, rows, pass_)
         for recipe in recipes
@@ -370,13 +444,53 @@ def open_feed(
     ]
     if not blocks:
         return None
-    reader = DirectReader(BufferPool(pool_bytes))
-    feed = InputFeed(blocks, checkpoints, reader, uncache=uncache, cached_twice=cached_twice)
+
+    def reread(recipe: TensorRecipe) -> bool:  # two-pass recipes too large to keep: from the disk, or the cache
+        return second_read(lambda: _probe(recipe, checkpoints)) == "disk"
+
+    feed = InputFeed(blocks, checkpoints, DirectReader(BufferPool(pool_bytes)), reread, uncache=uncache)
     if not len(feed):
         feed.close()
         return None
     feed.start()
     return feed
+
+
+def keep_limit(pool_limit: int) -> int:
+    """The most pool bytes one two-pass recipe's blocks may hold between its passes (1 / KEEP_PARTS of the pool)."""
+    return pool_limit // KEEP_PARTS
+
+
+BlockBytes = Callable[[TensorRecipe, InputRef, Rows], int]
+"""The bytes of one input that one row block of a recipe reads (0: none streamed)."""
+
+
+def keeping_pool(recipes: Sequence[TensorRecipe], block_bytes: BlockBytes) -> int:
+    """The pool that keeps the largest two-pass recipe whose blocks fit keep_limit(KEEP_POOL_BYTES) (0: none does).
+    A merge's feed gets at least this where its memory budget allows (io.direct_read.pool_bytes): local_executor
+    with the bytes the feed would read (streamed_bytes), the plan's estimate with the inputs' sizes."""
+    need = 0
+    for recipe in recipes:
+        if recipe.op not in STREAMED_OPS or not two_pass(recipe):
+            continue
+        held = 0
+        for rows in row_blocks(recipe):
+            held += sum(capacity_for(n) for ref in recipe.inputs if (n := block_bytes(recipe, ref, rows)))
+        if held <= keep_limit(KEEP_POOL_BYTES):
+            need = max(need, held * KEEP_PARTS)
+    return need
+
+
+def streamed_bytes(checkpoints: dict[str, Checkpoint]) -> BlockBytes:
+    """BlockBytes for these checkpoints: what the feed reads of each input (part_of)."""
+    direct = functools.cache(direct_io_supported)
+
+    def block_bytes(recipe: TensorRecipe, ref: InputRef, rows: Rows) -> int:
+        ckpt = checkpoints[ref.model]
+        part = None if _other_rows(ckpt, ref, recipe) else part_of(ckpt, ref, rows, direct)
+        return 0 if part is None else part.length
+
+    return block_bytes
 
 
 def _probe(recipe: TensorRecipe, checkpoints: dict[str, Checkpoint]) -> float | None:
@@ -389,7 +503,12 @@ def _probe(recipe: TensorRecipe, checkpoints: dict[str, Checkpoint]) -> float | 
 
 
 def _capacities(block: _Block) -> list[int]:
-    return [capacity_for(p.length) for p in block.parts if p is not None and p.length]
+    return _capacities_of(block.parts)
+
+
+def _capacities_of(parts: Sequence[Part | None]) -> list[int]:
+    """The buffer sizes of a block's reads (its parts with bytes)."""
+    return [capacity_for(p.length) for p in parts if p is not None and p.length]
 
 
 def _release(reads: list[Future[ReadBuffer] | None]) -> None:

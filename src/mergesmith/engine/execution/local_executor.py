@@ -42,7 +42,7 @@ from .admission import ADMISSION_WINDOW, DeviceBudget, MemoryBudget
 from .blocks import row_blocks, two_pass
 from .compute import Gathered, advise_inputs, compute
 from .device_transfer import PINNED_BYTES_PER_THREAD
-from .input_feed import MERGE, TOTALS, InputFeed, open_feed
+from .input_feed import MERGE, TOTALS, InputFeed, keeping_pool, open_feed, streamed_bytes
 from .kernel_warmup import kernel_groups
 from .nonfinite import NonFiniteMonitor
 from .writing import ShardOutputs
@@ -214,9 +214,10 @@ class LocalExecutor(Executor):
         self._uncache_inputs = inputs_exceed_room([recipe for _, recipe in work], self.ckpts, memory_room().available)
         # what this process may really use (cgroup limit, available memory), sampled while it runs
         watch = MemoryWatch().start() if self.watch_memory and work else None
-        # the feed's read-ahead buffers: a quarter of the budget, or of the room there is when none was given
+        # the feed's read-ahead buffers: a quarter of the budget, or of the room there is when none was given, at
+        # most POOL_BYTES or what keeps two-pass recipes' blocks between their passes (input_feed.keeping_pool)
         sizing = self.budget.limit if self.budget.limit is not None or watch is None else watch.capacity()
-        feed_bytes = pool_bytes(sizing)
+        feed_bytes = pool_bytes(sizing, keeping_pool([recipe for _, recipe in work], streamed_bytes(self.ckpts)))
         if self.budget.limit is None:
             self.budget.limit = automatic_budget(list(cost_of.values()), self.threads)
         costs = [cost_of[recipe.name] for _, recipe in work]
@@ -359,7 +360,20 @@ class LocalExecutor(Executor):
     def _write_recipe(self, writer: ShardWriter, recipe: TensorRecipe) -> bool:
         """Compute one recipe and write it, in row blocks when it is large and elementwise.
 
-        Returns False when a stop request left the tensor unwritten."""
+        Returns False when a stop request left the tensor unwritten. Then, or on an error, what the feed holds for
+        the recipe goes back at once (a two-pass recipe's blocks kept between its passes among it)."""
+        try:
+            written = self._write_blocks(writer, recipe)
+        except BaseException:
+            if self._feed is not None:
+                self._feed.forget(recipe)
+            raise
+        if not written and self._feed is not None:
+            self._feed.forget(recipe)
+        return written
+
+    def _write_blocks(self, writer: ShardWriter, recipe: TensorRecipe) -> bool:
+        """_write_recipe's work."""
         blocks = row_blocks(recipe)
         totals = None
         if len(blocks) > 1 and two_pass(recipe):

@@ -139,15 +139,22 @@ def estimate_plan(
 ) -> Estimate:
     """Bytes read (each input tensor once) and written, and peak working memory for `threads` recipes
     in flight: the largest working sets, capped by the budget but never below the single largest, plus the
-    input feed's read-ahead buffers (io.direct_read.pool_bytes, or all the bytes the recipes read if that is
-    less: the feed may read a small merge's inputs all ahead)."""
+    input feed's read-ahead buffers (io.direct_read.pool_bytes, grown where two-pass recipes' blocks are kept
+    between their passes, see execution/input_feed.py; or all the bytes the recipes read if that is less: the feed
+    may read a small merge's inputs all ahead)."""
     bytes_read = distinct_input_bytes(recipes, input_bytes)
     costs = [(recipe_memory(r, compute_dtype), r) for r in recipes] or [(0, None)]
     costs.sort(key=lambda c: c[0], reverse=True)
     threads = max(1, threads)
     peak = sum(c for c, _ in costs[:threads])
     budget = max_memory or automatic_budget([c for c, _ in costs], threads)
-    read_ahead = min(pool_bytes(max_memory), sum(input_bytes(ref) for r in recipes for ref in r.inputs))
+    from ..execution.input_feed import keeping_pool
+
+    def block_bytes(recipe: TensorRecipe, ref: InputRef, rows: tuple[int, int]) -> int:
+        return input_bytes(ref) * (rows[1] - rows[0]) // max(recipe.shape[0], 1)
+
+    pool = pool_bytes(max_memory, keeping_pool(recipes, block_bytes))  # grown to keep two-pass blocks
+    read_ahead = min(pool, sum(input_bytes(ref) for r in recipes for ref in r.inputs))
     peak = max(min(peak, budget), costs[0][0]) + read_ahead
     largest = costs[0][1]
     return Estimate(
