@@ -208,7 +208,6 @@ class LocalExecutor(Executor):
             work.extend((shard, r) for r in todo)
         self.resumed_tensors = self._done
         self._emit(None)
-        self._warm_kernels([recipe for _, recipe in work])
 
         cost_of = {r.name: recipe_memory(r, self.plan.compute_dtype) for r in self.plan.recipes}
         self._uncache_inputs = inputs_exceed_room([recipe for _, recipe in work], self.ckpts, memory_room().available)
@@ -228,6 +227,8 @@ class LocalExecutor(Executor):
         self.budget.watch, self.budget.held_bytes = watch, feed_bytes
         try:
             self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes, self._uncache_inputs)
+            # after the feed's first reads are queued: loading compiled loops holds the GIL for ~0.3-0.4 s
+            self._warm_kernels([recipe for _, recipe in work])
             self.budget.held_unmapped = self._feed.reader.pool.unmapped if self._feed is not None else (lambda: 0)
             self._run_work(work, costs, device_costs)
         finally:
