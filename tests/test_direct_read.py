@@ -321,48 +321,10 @@ def test_closing_a_feed_mid_way_gives_every_buffer_back(tmp_path: Path) -> None:
     assert pool.in_use == 0
 
 
-@pytest.mark.parametrize("uncache", [False, True])
-def test_where_direct_reads_are_off_the_feed_reads_through_the_page_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uncache: bool
-) -> None:
-    """A filesystem without O_DIRECT (overlayfs, tmpfs, NFS) or MERGESMITH_DIRECT_IO=0: the blocks are still fed,
-    by buffered reads into the pool's buffers (not left to the workers' page faults through the maps), with the
-    file's bytes; with `uncache` (inputs larger than the memory there is) what was read leaves the page cache."""
-    checkpoints, values = _checkpoints(tmp_path)
+def test_nothing_is_fed_where_direct_reads_are_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoints, _ = _checkpoints(tmp_path)
     monkeypatch.setenv(direct_write.ENV, "0")
-    calls: list[tuple[bool, bool]] = []
-    real_submit = DirectReader.submit
-
-    def spy(self, path, offset, length, memory, pooled, through_cache=False, uncache=False):  # type: ignore[no-untyped-def]
-        calls.append((through_cache, uncache))
-        return real_submit(self, path, offset, length, memory, pooled, through_cache, uncache)
-
-    monkeypatch.setattr(DirectReader, "submit", spy)
-    recipe = _recipe("w", (300, 700), "BF16")
-    path = checkpoints["a"].files[0]
-    _drop_cache(path)
-    feed = open_feed([recipe], checkpoints, 4 << 20, uncache=uncache)
-    assert feed is not None and len(feed) == 1
-    try:
-        loaded = feed.take(recipe, (0, 300))
-        assert loaded is not None
-        for model, tensor in zip("abc", loaded):
-            assert tensor is not None and torch.equal(tensor, values[model]["w"]), model
-        feed.done(recipe, (0, 300))
-    finally:
-        feed.close()
-    assert calls == [(True, uncache)] * 3
-    assert feed.reader.pool.in_use == 0
-    _, offset, info = checkpoints["a"].byte_range("w")  # type: ignore[misc]
-    inner = (offset + 4095) // 4096 * 4096, (offset + info.nbytes) // 4096 * 4096
-    file = direct_read._File(path)
-    try:
-        if uncache:
-            assert not file.resident(inner[0], inner[1] - inner[0])
-        elif file.view is not None and direct_read._MINCORE is not None:
-            assert file.resident(inner[0], inner[1] - inner[0])  # left in the cache for a rerun
-    finally:
-        file.close()
+    assert open_feed([_recipe("w", (300, 700), "BF16")], checkpoints, 4 << 20) is None
 
 
 def test_compute_from_fed_blocks_equals_compute_from_the_map(tmp_path: Path) -> None:
@@ -450,20 +412,15 @@ def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
         monkeypatch.setattr(input_stream, "keep_limit", lambda pool: 0)  # none kept: the second pass reads again
         monkeypatch.setenv(input_stream.SECOND_READ_ENV, "cache")
         run_merge(path, tmp_path / "cached", MergeOptions(random_seed=7))
-        both_passes = sum(len(blocks.row_blocks(r)) * (1 + blocks.two_pass(r)) for r in recipes)
-        assert fed_blocks[-1] == both_passes  # both passes fed, the second finding the bytes in the page cache
+        assert fed_blocks[-1] == sum(len(blocks.row_blocks(r)) for r in recipes if not blocks.two_pass(r))
         for fed, cached in zip(weight_files(tmp_path / "fed"), weight_files(tmp_path / "cached"), strict=True):
             assert fed.read_bytes() == cached.read_bytes(), fed.name
     monkeypatch.delenv(input_stream.SECOND_READ_ENV)
-    monkeypatch.setenv(direct_write.ENV, "0")  # read through the page cache into the same buffers
-    run_merge(path, tmp_path / "buffered", MergeOptions(random_seed=7))
-    # (none kept for the two-pass methods, as above: the probe cannot time a buffered file, so the cache rereads)
-    assert fed_blocks[-1] == (both_passes if method in ("ties", "dare_ties", "della") else fed_blocks[0])
-    monkeypatch.setattr("mergesmith.engine.execution.local_executor.open_feed", lambda *a, **k: None)
+    monkeypatch.setenv(direct_write.ENV, "0")
     run_merge(path, tmp_path / "mapped", MergeOptions(random_seed=7))
-    for other in ("buffered", "mapped"):
-        for fed, read in zip(weight_files(tmp_path / "fed"), weight_files(tmp_path / other), strict=True):
-            assert fed.read_bytes() == read.read_bytes(), (other, fed.name)
+    assert fed_blocks[-1] == 0
+    for fed, mapped in zip(weight_files(tmp_path / "fed"), weight_files(tmp_path / "mapped"), strict=True):
+        assert fed.read_bytes() == mapped.read_bytes(), fed.name
 
 
 def test_a_view_of_a_pooled_buffer_does_not_block_dropping_it() -> None:
@@ -485,9 +442,9 @@ def test_bytes_read_by_several_blocks_go_through_the_page_cache(
     calls: list[tuple[int, bool]] = []
     real_submit = DirectReader.submit
 
-    def spy(self, path, offset, length, memory, pooled, through_cache=False, uncache=False):  # type: ignore[no-untyped-def]
+    def spy(self, path, offset, length, memory, pooled, through_cache=False):  # type: ignore[no-untyped-def]
         calls.append((offset, through_cache))
-        return real_submit(self, path, offset, length, memory, pooled, through_cache, uncache)
+        return real_submit(self, path, offset, length, memory, pooled, through_cache)
 
     monkeypatch.setattr(DirectReader, "submit", spy)
 

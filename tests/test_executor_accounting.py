@@ -6,7 +6,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from mergesmith.engine.execution.local_executor import ProgressEvent
@@ -183,15 +182,12 @@ def test_the_largest_recipes_take_turns_while_smaller_ones_fill_the_other_thread
     assert any(len(running) == 2 and running & giants for running in seen)
 
 
-@pytest.mark.parametrize("reader", ["mapped", "buffered"])
 def test_inputs_leave_the_page_cache_only_when_they_exceed_the_memory_room(
-    tmp_path: Path, tiny_models: Any, monkeypatch: Any, reader: str
+    tmp_path: Path, tiny_models: Any, monkeypatch: Any
 ) -> None:
     """Under a memory limit smaller than the inputs, every merged tensor's mapped input bytes are dropped from the
     page cache (so the kernel does not evict the next tensors' read-ahead in their place); with room to spare
-    nothing is dropped (a rerun on the same models reads them from memory). The output bytes are the same. Both
-    for inputs read through the maps (MERGESMITH_FEED=0) and for those the feed reads through the page cache (a
-    filesystem without O_DIRECT: MERGESMITH_DIRECT_IO=0)."""
+    nothing is dropped (a rerun on the same models reads them from memory). The output bytes are the same."""
     import dataclasses
     import mmap
     import os
@@ -199,10 +195,7 @@ def test_inputs_leave_the_page_cache_only_when_they_exceed_the_memory_room(
     from mergesmith.engine.execution import local_executor as executor
     from mergesmith.io.checkpoint import Checkpoint
 
-    if reader == "mapped":
-        monkeypatch.setenv("MERGESMITH_FEED", "0")  # every input read through the maps
-    else:
-        monkeypatch.setenv("MERGESMITH_DIRECT_IO", "0")  # every input read by the feed, through the page cache
+    monkeypatch.setenv("MERGESMITH_DIRECT_IO", "0")  # every input read through the maps
     dropped: list[tuple[str, int]] = []
     real_fadvise = os.posix_fadvise
 
@@ -227,13 +220,12 @@ def test_inputs_leave_the_page_cache_only_when_they_exceed_the_memory_room(
             models = {str(ref.model) for r in plan.recipes for ref in r.inputs}
             files = {str(p.resolve()) for m in models for p in Path(m).glob("*.safetensors")}
             assert inputs == files  # both models' files, nothing else (not the output)
-            # every input tensor's whole pages, once (a tensor inside one page has none: the kernel keeps those);
-            # the feed's reads drop each read range, the kernel rounding it to whole pages
+            # every input tensor's whole pages, once (a tensor inside one page has none: the kernel keeps those)
             page = mmap.PAGESIZE
             expected = 0
             for m in models:
                 for info in Checkpoint.open(m).tensors.values():
                     start, end = -(-info.data_offset // page) * page, (info.data_offset + info.nbytes) // page * page
-                    expected += max(0, end - start) if reader == "mapped" else info.nbytes
+                    expected += max(0, end - start)
             assert expected > 0 and sum(n for _, n in dropped) == expected
     assert outputs["roomy"] == outputs["tight"]

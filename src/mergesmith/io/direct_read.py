@@ -249,22 +249,14 @@ class DirectReader:
         self._threads = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="merge-read")
 
     def submit(
-        self,
-        path: Path,
-        offset: int,
-        length: int,
-        memory: mmap.mmap,
-        pooled: bool,
-        through_cache: bool = False,
-        uncache: bool = False,
+        self, path: Path, offset: int, length: int, memory: mmap.mmap, pooled: bool, through_cache: bool = False
     ) -> Future[ReadBuffer]:
         """Start reading [offset, offset + length) of `path` into `memory` (at least `capacity_for(length)`
         bytes; `pooled`: it came from this reader's pool and goes back there on release, else it is a
         buffer of the caller's own, unmapped once unused). `through_cache`: read through the page cache
-        (bytes that will be read again, or a file that is not read around it); `uncache`: then drop them from
-        the page cache once copied out (they will not be read again)."""
+        (bytes that will be read again)."""
         pool = self.pool if pooled else None
-        return self._threads.submit(self._read, path, offset, length, memory, pool, through_cache, uncache)
+        return self._threads.submit(self._read, path, offset, length, memory, pool, through_cache)
 
     def _file(self, path: Path) -> _File:
         with self._lock:
@@ -277,14 +269,7 @@ class DirectReader:
             return file
 
     def _read(
-        self,
-        path: Path,
-        offset: int,
-        length: int,
-        memory: mmap.mmap,
-        pool: BufferPool | None,
-        through_cache: bool,
-        uncache: bool = False,
+        self, path: Path, offset: int, length: int, memory: mmap.mmap, pool: BufferPool | None, through_cache: bool
     ) -> ReadBuffer:
         try:
             file = self._file(path)
@@ -296,8 +281,6 @@ class DirectReader:
             lo = offset // ALIGN * ALIGN
             if through_cache or file.direct is None or file.refused or file.resident(offset, length):
                 _read_into(file.buffered, memoryview(memory)[offset - lo : offset - lo + length], offset, path)
-                if uncache and hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(file.buffered, offset, length, os.POSIX_FADV_DONTNEED)
             else:
                 hi = -(-(offset + length) // ALIGN) * ALIGN
                 if not self._read_direct(file, memory, lo, hi, offset + length):

@@ -1,8 +1,8 @@
 """Surviving an input file that shrinks while the merge reads it through a memory map.
 
 Why: a read of a mapped page past the end of its file raises SIGBUS, which kills the process with no message
-and no journal update (a download rewritten in place; a `.bin` input, the inputs of operations that index them
-freely, or any input with MERGESMITH_FEED=0, all read through maps). Python cannot
+and no journal update (a download rewritten in place, a file truncated on tmpfs, NFS or overlay, where the merge
+reads through maps because O_DIRECT is unavailable, `.bin` inputs, MERGESMITH_DIRECT_IO=0). Python cannot
 catch it: its `signal` handlers run later, between bytecodes, while the faulting instruction is retried at once,
 and faulthandler only prints a traceback before dying.
 

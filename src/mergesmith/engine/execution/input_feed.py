@@ -32,23 +32,13 @@ page cache instead (once from the disk, then again from the cache) every 4 KB of
 faulted into the process; on this project's 2-core VM that first touch cost ~2.3-4.9 ns per bf16 entry against
 ~0.3 for a buffer the feed read (measured on the 1 B dare_ties bench merge, bench/README.md, issue 21), 15 of its
 44 CPU-seconds, where a second disk read of the same bytes costs no CPU and overlaps the merging. Where the disk
-is the bottleneck instead (a network volume capped at a few hundred MB/s, a hard disk), the feed reads both of
-their passes through the page cache (buffered reads into its buffers, not page faults), so the disk reads each
-byte once and the second pass copies it from the cache: a short probe of the disk decides (see second_read;
+is the bottleneck instead (a network volume capped at a few hundred MB/s, a hard disk), those recipes are read
+through the memory maps, so the disk reads each byte once: a short probe of the disk decides (see second_read;
 `MERGESMITH_SECOND_READ=disk|cache` chooses instead).
 
-Files on a filesystem that does not do O_DIRECT well (overlayfs in a container, tmpfs, NFS, FUSE mounts; or
-`MERGESMITH_DIRECT_IO=0`) are fed too, by buffered reads through the page cache into the same reused buffers:
-the kernel copies each byte out once, where reading through a memory map faults every 4 KB page into the
-process and unmaps it again. Measured on the 1 B bench merges with direct reads off (`MERGESMITH_DIRECT_IO=0
-python bench/compare_mergekit.py --methods linear,dare_ties`, this project's 2-core VM, one run each): linear
-18.5 s and 22.9 CPU-s through the maps; see bench/README.md for the fed figures. Bytes read this way that no other
-block needs are dropped from the page cache once read when the inputs exceed the memory there is (as
-Checkpoint.advise "uncache" does for mapped ones), so they do not evict the inputs read next.
-
-Inputs that cannot be streamed (`.bin` checkpoints, LoRA-adapted tensors) come back as None and are read through
-the checkpoint's memory map, as are the inputs of operations other than copies and merges (tokenizer surgery,
-MoE gates), which index them freely.
+Inputs that cannot be streamed (`.bin` checkpoints, LoRA-adapted tensors, files on filesystems without
+O_DIRECT) come back as None and are read through the checkpoint's memory map, as are the inputs of
+operations other than copies and merges (tokenizer surgery, MoE gates), which index them freely.
 """
 
 from __future__ import annotations
@@ -82,11 +72,6 @@ SECOND_READ_ENV = "MERGESMITH_SECOND_READ"
 (the feed reads them once per pass), "cache" (through the memory maps, so the second pass finds them in the page
 cache), or "auto" (the default: "disk" when a short probe of the disk reads at REREAD_MIN_RATE or more,
 io/read_rate.py)."""
-
-FEED_ENV = "MERGESMITH_FEED"
-"""Set to 0 to read every input through the checkpoints' memory maps instead (the workers fault the pages in): the
-path `.bin` inputs always take, kept reachable for comparisons and as a way around a filesystem the feed reads
-badly."""
 
 REREAD_MIN_RATE = 800e6
 """Bytes per second from which reading twice from the disk beats a second read through the page cache.
@@ -138,38 +123,28 @@ class Part:
     shape: tuple[int, ...]  # of the bytes read: (rows read, *row shape)
     pad_rows: int  # zero rows below them (the input has fewer rows than the output)
     repeated: bool = False  # other blocks read the same bytes: read through the page cache
-    buffered: bool = False  # its filesystem does not do O_DIRECT (well): read through the page cache
-
-    @property
-    def through_cache(self) -> bool:
-        """Whether the bytes are read through the page cache rather than around it."""
-        return self.repeated or self.buffered
 
 
 def part_of(
     ckpt: Checkpoint, ref: InputRef, rows: Rows, direct: Callable[[Path], bool] = direct_io_supported
 ) -> Part | None:
     """What input `ref` contributes to output rows [start, end), or None when it is not streamed (`direct`:
-    whether a file is read around the page cache; the others are read buffered, through it).
+    whether a file is read around the page cache).
 
     As `compute.load_input` does for a whole tensor: the input's rows are cut or zero-padded to
     `ref.rows` (vocabularies of different sizes), then the block's rows are taken."""
     located = ckpt.byte_range(ref.tensor)
-    if located is None:
+    if located is None or not direct(located[0]):
         return None
     path, offset, info = located
-    buffered = not direct(path)
     dtype = SAFETENSORS_TO_TORCH[info.dtype]
     if not info.shape:  # 0-dim: the whole value
-        return Part(path, offset, info.nbytes, dtype, (), 0, buffered=buffered)
+        return Part(path, offset, info.nbytes, dtype, (), 0)
     start, end = rows
     have = info.shape[0] if ref.rows is None else min(info.shape[0], ref.rows)
     row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
     take = max(0, min(end, have) - start)
-    return Part(
-        path, offset + start * row_bytes, take * row_bytes, dtype, (take, *info.shape[1:]), end - start - take,
-        buffered=buffered,
-    )
+    return Part(path, offset + start * row_bytes, take * row_bytes, dtype, (take, *info.shape[1:]), end - start - take)
 
 
 def _other_rows(ckpt: Checkpoint, ref: InputRef, recipe: TensorRecipe) -> bool:
@@ -185,7 +160,7 @@ class _Block:
     """One block's parts (None: that input is not streamed) and, once claimed, their reads; `keep`: a totals-pass
     block whose buffers go on to the same rows' merge pass (`tensors`: what `take` handed out, handed on)."""
 
-    __slots__ = ("parts", "reads", "claimed", "keep", "tensors", "last_read")
+    __slots__ = ("parts", "reads", "claimed", "keep", "tensors")
 
     def __init__(self, parts: list[Part | None], keep: bool = False) -> None:
         self.parts = parts
@@ -193,7 +168,6 @@ class _Block:
         self.claimed = False
         self.keep = keep
         self.tensors: list[torch.Tensor | None] | None = None
-        self.last_read = True  # False for a totals-pass block read again for the merge (see _plan_second_reads)
 
 
 class InputFeed:
@@ -205,17 +179,12 @@ class InputFeed:
         checkpoints: dict[str, Checkpoint],
         reader: DirectReader,
         reread: Callable[[TensorRecipe], bool] | None = None,
-        *,
-        uncache: bool = False,
     ) -> None:
         """`blocks`: a two-pass recipe's blocks for both passes (TOTALS, then MERGE). Those whose totals-pass
         buffers fit in `keep_limit(pool)` are read once and kept for the merge pass; for the others `reread`
-        (asked once, about the first of them) says whether the feed reads them again from the disk for the merge
-        pass (True, or without it) or reads both passes through the page cache, the second finding the bytes
-        there (False). `uncache`: drop the bytes read through the page cache from it once read for the last time
-        (the inputs are more than the memory there is)."""
+        (asked once, about the first of them) says whether the feed reads them again for the merge pass
+        (True, or without it) or not at all (False: both passes through the memory maps)."""
         self.reader = reader
-        self.uncache = uncache
         self._order: list[Key] = []
         self._blocks: dict[Key, _Block] = {}
         self._streamed: dict[str, frozenset[int]] = {}
@@ -243,8 +212,8 @@ class InputFeed:
         self, recipes: dict[str, TensorRecipe], reread: Callable[[TensorRecipe], bool] | None
     ) -> None:
         """Decide, per two-pass recipe, how its merge pass gets its inputs: from the totals pass's buffers (kept:
-        its MERGE blocks leave the feed's order, `done(TOTALS)` hands them their buffers), read again from the
-        disk by the feed, or (`reread` says no) read by the feed through the page cache for both passes."""
+        its MERGE blocks leave the feed's order, `done(TOTALS)` hands them their buffers), read again by the
+        feed, or (`reread` says no) through the memory maps for both passes."""
         held: Counter[str] = Counter()
         for key, block in self._blocks.items():
             if key[2] == TOTALS:
@@ -252,13 +221,15 @@ class InputFeed:
         limit = keep_limit(self.reader.pool.limit)
         kept = {name for name, nbytes in held.items() if nbytes <= limit}
         again = [name for name in held if name not in kept]
-        cached = set(again) if again and reread is not None and not reread(recipes[again[0]]) else set()
+        dropped = set(again) if again and reread is not None and not reread(recipes[again[0]]) else set()
         for key, block in self._blocks.items():
             block.keep = key[2] == TOTALS and key[0] in kept
-            block.last_read = key[2] != TOTALS or block.keep
-            if key[0] in cached:
-                block.parts = [None if p is None else replace(p, buffered=True) for p in block.parts]
-        self._order = [key for key in self._order if not (key[2] == MERGE and key[0] in kept)]
+        self._order = [
+            key for key in self._order if key[0] not in dropped and not (key[2] == MERGE and key[0] in kept)
+        ]
+        for name in dropped:
+            self._streamed.pop(name, None)
+        self._blocks = {key: b for key, b in self._blocks.items() if key[0] not in dropped}
 
     def __len__(self) -> int:
         return len(self._order)
@@ -320,12 +291,8 @@ class InputFeed:
                 reads.append(None)
                 continue
             memory = next(spare)
-            drop = self.uncache and block.last_read and part.buffered and not part.repeated
             reads.append(
-                self.reader.submit(
-                    part.path, part.offset, part.length, memory, pooled, through_cache=part.through_cache,
-                    uncache=drop,
-                )
+                self.reader.submit(part.path, part.offset, part.length, memory, pooled, through_cache=part.repeated)
             )
         return reads
 
@@ -425,16 +392,11 @@ class InputFeed:
         self.reader.close()
 
 
-def open_feed(
-    recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint], pool_bytes: int, uncache: bool = False
-) -> InputFeed | None:
+def open_feed(recipes: Sequence[TensorRecipe], checkpoints: dict[str, Checkpoint], pool_bytes: int) -> InputFeed | None:
     """A started feed for the blocks of these recipes' copies and merges (rows as blocks.row_blocks cuts them;
     those of a two-pass merge once per pass: all for its totals pass, then all for its merge, where the merge pass
-    takes the totals pass's buffers, or reads again from the disk or through the page cache as second_read says),
-    in this order; None when no input of them can be streamed (or the feed is turned off: FEED_ENV). `uncache`:
-    see InputFeed."""
-    if os.environ.get(FEED_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
+    takes the totals pass's buffers or second_read says "disk"), in this order; None when no input of them can be
+    streamed."""
     blocks = [
         (recipe, rows, pass_)
         for recipe in recipes
@@ -445,10 +407,10 @@ def open_feed(
     if not blocks:
         return None
 
-    def reread(recipe: TensorRecipe) -> bool:  # two-pass recipes too large to keep: from the disk, or the cache
+    def reread(recipe: TensorRecipe) -> bool:  # two-pass recipes too large to keep: read again, or through the maps
         return second_read(lambda: _probe(recipe, checkpoints)) == "disk"
 
-    feed = InputFeed(blocks, checkpoints, DirectReader(BufferPool(pool_bytes)), reread, uncache=uncache)
+    feed = InputFeed(blocks, checkpoints, DirectReader(BufferPool(pool_bytes)), reread)
     if not len(feed):
         feed.close()
         return None
@@ -497,7 +459,7 @@ def _probe(recipe: TensorRecipe, checkpoints: dict[str, Checkpoint]) -> float | 
     """The read rate of the disk under the recipe's first input that the feed could read (None: none can)."""
     for ref in recipe.inputs:
         part = part_of(checkpoints[ref.model], ref, (0, recipe.shape[0] if recipe.shape else 1))
-        if part is not None and not part.buffered:
+        if part is not None:
             return direct_read_rate(part.path, part.offset)
     return None
 

@@ -226,7 +226,7 @@ class LocalExecutor(Executor):
             feed_bytes += self.threads * staging
         self.budget.watch, self.budget.held_bytes = watch, feed_bytes
         try:
-            self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes, self._uncache_inputs)
+            self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes)
             # after the feed's first reads are queued: loading compiled loops holds the GIL for ~0.3-0.4 s
             self._warm_kernels([recipe for _, recipe in work])
             self.budget.held_unmapped = self._feed.reader.pool.unmapped if self._feed is not None else (lambda: 0)
