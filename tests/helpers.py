@@ -52,6 +52,21 @@ def finite_logits(model: PreTrainedModel, token_ids: Sequence[int] = DEFAULT_TOK
     return logits
 
 
+def direct_io_works(path: Path) -> bool:
+    """Whether `path` opens with O_DIRECT and its filesystem is one mergesmith reads and writes around the page
+    cache (tests of those paths skip elsewhere: tmpfs, overlayfs)."""
+    import os
+
+    from mergesmith.io import direct_write
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except (OSError, AttributeError):
+        return False
+    os.close(fd)
+    return direct_write.direct_io_supported(path)
+
+
 def weight_files(path: Path | str) -> list[Path]:
     """The weight files of the checkpoint in ``path`` (safetensors preferred, as transformers does), sorted."""
     path = Path(path)

@@ -24,7 +24,7 @@ from mergesmith.io import direct_read, direct_write
 from mergesmith.io.checkpoint import Checkpoint
 from mergesmith.io.direct_read import ALIGN, BufferPool, DirectReader, capacity_for
 
-from .helpers import weight_files
+from .helpers import direct_io_works, weight_files
 
 
 @pytest.fixture(autouse=True)
@@ -32,13 +32,6 @@ def direct_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(direct_write.ENV, raising=False)
 
 
-def _direct_supported(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except (OSError, AttributeError):
-        return False
-    os.close(fd)
-    return direct_write.direct_io_supported(path)
 
 
 def _drop_cache(path: Path) -> None:
@@ -84,7 +77,7 @@ def test_capacity_covers_the_aligned_span_at_any_offset() -> None:
 def test_any_range_reads_the_files_bytes(tmp_path: Path, cached: bool) -> None:
     path = tmp_path / "data.bin"
     data = _random_file(path, 300_000)
-    if not _direct_supported(path):
+    if not direct_io_works(path):
         pytest.skip("this filesystem refuses O_DIRECT")
     reader = DirectReader(BufferPool(4 << 20))
     try:
@@ -122,7 +115,7 @@ def test_a_filesystem_that_refuses_direct_reads_is_read_through_the_cache(
 ) -> None:
     path = tmp_path / "data.bin"
     data = _random_file(path, 300_000)
-    if not _direct_supported(path):
+    if not direct_io_works(path):
         pytest.skip("this filesystem refuses O_DIRECT at open already")
     reader = DirectReader(BufferPool(4 << 20))
     real_preadv = os.preadv
@@ -249,7 +242,7 @@ def _recipe(name: str, shape: tuple[int, ...], dtype: str, rows: int | None = No
 
 def test_block_parts_cut_and_pad_rows_like_the_memory_map(tmp_path: Path) -> None:
     checkpoints, values = _checkpoints(tmp_path)
-    if not _direct_supported(checkpoints["a"].files[0]):
+    if not direct_io_works(checkpoints["a"].files[0]):
         pytest.skip("this filesystem refuses O_DIRECT")
     reader = DirectReader(BufferPool(16 << 20))
     blocks = [((0, 400), 1001), ((400, 1001), 1001), ((990, 1001), 1001), ((0, 1001), 1001)]
@@ -276,7 +269,7 @@ def test_a_block_taken_before_the_feed_reaches_it_is_read_at_once(tmp_path: Path
     """The pool holds one block; the feed waits for it with blocks queued. A worker that takes the last block
     first (admitted out of order) must get it without waiting, and the feed must skip it later."""
     checkpoints, values = _checkpoints(tmp_path)
-    if not _direct_supported(checkpoints["a"].files[0]):
+    if not direct_io_works(checkpoints["a"].files[0]):
         pytest.skip("this filesystem refuses O_DIRECT")
     recipe = _recipe("w", (300, 700), "BF16")
     blocks = [(recipe, (r, min(r + 50, 300)), MERGE) for r in range(0, 300, 50)]
@@ -365,7 +358,7 @@ def test_a_merge_through_the_feed_writes_the_same_bytes_as_through_maps(
     monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 64)  # tiny tensors in many row blocks
     base = tiny_models("llama", seed=0)
     others = [tiny_models.derive(base, seed=s) for s in (1, 2)]
-    if not _direct_supported(weight_files(base)[0]):
+    if not direct_io_works(weight_files(base)[0]):
         pytest.skip("this filesystem refuses O_DIRECT")
     if method == "passthrough":
         config = {
@@ -437,7 +430,7 @@ def test_bytes_read_by_several_blocks_go_through_the_page_cache(
     """A layer a frankenmerge uses twice: both reads go through the cache (the second finds it there);
     bytes read once go around it."""
     checkpoints, values = _checkpoints(tmp_path)
-    if not _direct_supported(checkpoints["a"].files[0]):
+    if not direct_io_works(checkpoints["a"].files[0]):
         pytest.skip("this filesystem refuses O_DIRECT")
     calls: list[tuple[int, bool]] = []
     real_submit = DirectReader.submit
@@ -534,7 +527,7 @@ def test_the_read_rate_probe_measures_a_large_file_and_declines_a_small_one(tmp_
     large.write_bytes(os.urandom(10 << 20))
     small = tmp_path / "small.bin"
     small.write_bytes(b"x" * 100_000)
-    if not _direct_supported(large):
+    if not direct_io_works(large):
         pytest.skip("this filesystem refuses O_DIRECT")
     rate = direct_read_rate(large, 1 << 20)
     assert rate is not None and rate > 0

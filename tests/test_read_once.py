@@ -8,7 +8,6 @@ compute dtype of the inputs, they are the feed's buffers themselves)."""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import Counter
 from dataclasses import replace
@@ -28,7 +27,7 @@ from mergesmith.io import direct_write
 from mergesmith.io.checkpoint import Checkpoint
 from mergesmith.io.direct_read import BufferPool, DirectReader, capacity_for
 
-from .helpers import weight_files
+from .helpers import direct_io_works, weight_files
 
 METHODS = {
     "ties": {"density": 0.6},
@@ -45,19 +44,20 @@ def direct_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 256)  # the tiny tensors in several row blocks each
 
 
-def _direct_supported(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except (OSError, AttributeError):
-        return False
-    os.close(fd)
-    return direct_write.direct_io_supported(path)
+def _direct_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Checkpoint]:
+    """_files' checkpoints, their tensor cut in several 50,000-entry row blocks; the test skipped where the feed
+    cannot read them around the page cache."""
+    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 50_000)
+    checkpoints = _files(tmp_path)
+    if not direct_io_works(checkpoints["a"].byte_range("w")[0]):  # type: ignore[index]
+        pytest.skip("this filesystem refuses O_DIRECT")
+    return checkpoints
 
 
 def _config(tmp_path: Path, tiny_models, method: str, dtype: torch.dtype) -> Path:
     base = tiny_models("llama", seed=0, dtype=dtype)
     others = [tiny_models.derive(base, seed=s) for s in (1, 2)]
-    if not _direct_supported(weight_files(base)[0]):
+    if not direct_io_works(weight_files(base)[0]):
         pytest.skip("this filesystem refuses O_DIRECT")
     models = [{"model": str(m), "parameters": {"weight": w, **METHODS[method]}} for m, w in zip(others, (0.6, 0.4))]
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"  # compute dtype = input dtype: no copy
@@ -290,10 +290,7 @@ def _feed(checkpoints: dict[str, Checkpoint], pool: int, submits: list) -> tuple
 
 
 def test_the_merge_pass_takes_the_totals_pass_tensors_without_a_read(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 50_000)
-    checkpoints = _files(tmp_path)
-    if not _direct_supported(checkpoints["a"].byte_range("w")[0]):  # type: ignore[index]
-        pytest.skip("this filesystem refuses O_DIRECT")
+    checkpoints = _direct_files(tmp_path, monkeypatch)
     submits: list = []
     feed, cut = _feed(checkpoints, 16 << 20, submits)
     recipe, pool = _ties(), feed.reader.pool
@@ -321,10 +318,7 @@ def test_the_merge_pass_takes_the_totals_pass_tensors_without_a_read(tmp_path: P
 
 
 def test_forgetting_a_recipe_between_its_passes_gives_its_kept_blocks_back(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 50_000)
-    checkpoints = _files(tmp_path)
-    if not _direct_supported(checkpoints["a"].byte_range("w")[0]):  # type: ignore[index]
-        pytest.skip("this filesystem refuses O_DIRECT")
+    checkpoints = _direct_files(tmp_path, monkeypatch)
     feed, cut = _feed(checkpoints, 16 << 20, [])
     recipe, pool = _ties(), feed.reader.pool
     feed.start()
@@ -342,10 +336,7 @@ def test_forgetting_a_recipe_between_its_passes_gives_its_kept_blocks_back(tmp_p
 def test_a_block_a_worker_reads_itself_is_kept_only_where_the_pool_has_room(tmp_path: Path, monkeypatch) -> None:
     """The feed not started: the worker reads each block itself. Kept (counted in the pool) while there is room;
     once the pool is full, a block's merge pass reads it again."""
-    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 50_000)
-    checkpoints = _files(tmp_path)
-    if not _direct_supported(checkpoints["a"].byte_range("w")[0]):  # type: ignore[index]
-        pytest.skip("this filesystem refuses O_DIRECT")
+    checkpoints = _direct_files(tmp_path, monkeypatch)
     submits: list = []
     feed, cut = _feed(checkpoints, 8 << 20, submits)
     recipe, pool = _ties(), feed.reader.pool
@@ -372,10 +363,7 @@ def test_a_block_a_worker_reads_itself_is_kept_only_where_the_pool_has_room(tmp_
 def test_the_pool_grows_to_keep_the_largest_recipe_that_fits_its_bound(tmp_path: Path, monkeypatch) -> None:
     from mergesmith.io.direct_read import POOL_BYTES, pool_bytes
 
-    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 50_000)
-    checkpoints = _files(tmp_path)
-    if not _direct_supported(checkpoints["a"].byte_range("w")[0]):  # type: ignore[index]
-        pytest.skip("this filesystem refuses O_DIRECT")
+    checkpoints = _direct_files(tmp_path, monkeypatch)
     held = sum(3 * capacity_for(2 * 700 * (e - s)) for s, e in blocks.row_blocks(_ties()))
     assert input_feed.keeping_pool([_ties()], input_feed.streamed_bytes(checkpoints)) == held * input_feed.KEEP_PARTS
     # a pool that may not grow to 3 times the recipe's blocks: nothing to keep, no larger pool for it

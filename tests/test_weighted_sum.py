@@ -57,8 +57,8 @@ def test_the_compiled_sum_gives_the_torch_paths_bytes(dtype, count, n, monkeypat
     tensors = _inputs(count, n, dtype, seed=count * 1000 + n)
     weights = [0.5, 0.3, 0.2, -0.7, 1e-3, 2.5, 0.125, 1 / 3][:count]
     used = []
-    real = ws.sum_bf16 if dtype == torch.bfloat16 else ws.sum_f32
-    monkeypatch.setattr(ws, real.__name__, lambda *a: (used.append(1), real(*a))[1])
+    real = ws.weighted_total
+    monkeypatch.setattr(ws, "weighted_total", lambda *a: (used.append(1), real(*a))[1])
     for normalize in (True, False):
         fast = linear_average(tensors, weights, normalize)
         slow = _torch_path(tensors, weights, normalize, monkeypatch)
@@ -84,7 +84,7 @@ def test_torch_is_asked_how_it_rounds_and_both_answers_are_exact(monkeypatch) ->
     assert np.array_equal(total.numpy(), fma if ws.torch_fuses() else separate)
     for fused, expected in ((True, fma), (False, separate)):
         out = np.empty(4099, dtype=np.float32)
-        ws.sum_f32((a, b), np.array([w0, w1]), np.float32(0), fused, out)
+        ws.weighted_total((a, b), np.array([w0, w1]), np.float32(0), fused, out)
         assert np.array_equal(out, expected), fused
 
 

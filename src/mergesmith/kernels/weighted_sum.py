@@ -43,11 +43,6 @@ compiler from vectorising them, 4x slower."""
 
 
 @compiled
-def _widen_bf16(bits):
-    return float32_from_bits(np.uint32(bits) << np.uint32(16))
-
-
-@compiled
 def _to_bf16(value):
     """The bf16 bits of a float32, rounded to nearest-even as torch converts; a nan stays a (quiet) nan."""
     bits = bits_from_float32(value)
@@ -56,10 +51,38 @@ def _to_bf16(value):
     return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
+def _as_float32(value):  # noqa: ARG001 - typed by its overload below; only the compiled loops call it
+    """An input entry as float32: bf16 bits (uint16) widened, a float32 as it is."""
+    raise NotImplementedError
+
+
+def _stored(value, out):  # noqa: ARG001 - typed by its overload below
+    """A float32 sum as `out` stores it: rounded to bf16 bits for a uint16 array, as it is for a float32 one."""
+    raise NotImplementedError
+
+
+if AVAILABLE:
+    from numba import types
+    from numba.extending import overload
+
+    @overload(_as_float32)
+    def _as_float32_for(value):
+        if isinstance(value, types.Integer):
+            return lambda value: float32_from_bits(np.uint32(value) << np.uint32(16))
+        return lambda value: value
+
+    @overload(_stored)
+    def _stored_for(value, out):
+        if out.dtype == types.uint16:
+            return lambda value, out: _to_bf16(value)
+        return lambda value, out: value
+
+
 @compiled
-def sum_bf16(inputs, weights, divisor, fused, out):
-    """out (bf16 bits) = (sum_k inputs[k] * weights[k]) / divisor, inputs bf16 bits (1-D, contiguous, a tuple);
-    no division where divisor is 0; `fused`: each product added with one rounding (see torch_fuses)."""
+def weighted_total(inputs, weights, divisor, fused, out):
+    """out = (sum_k inputs[k] * weights[k]) / divisor, no division where divisor is 0; inputs a tuple of 1-D
+    contiguous arrays, all bf16 bits (uint16, and out too) or all float32; `fused`: each product added with one
+    rounding (see torch_fuses). One variant is compiled per input type and count."""
     n = out.shape[0]
     count = len(inputs)
     total = np.empty(STEP, dtype=np.float32)
@@ -73,46 +96,17 @@ def sum_bf16(inputs, weights, divisor, fused, out):
             w = weights[k]
             if fused:
                 for j in range(m):
-                    total[j] = fused_multiply_add(_widen_bf16(source[j]), w, total[j])
+                    total[j] = fused_multiply_add(_as_float32(source[j]), w, total[j])
             else:
                 for j in range(m):
-                    total[j] = total[j] + _widen_bf16(source[j]) * w
+                    total[j] = total[j] + _as_float32(source[j]) * w
         result = out[start : start + m]
         if divisor != zero:
             for j in range(m):
-                result[j] = _to_bf16(total[j] / divisor)
+                result[j] = _stored(total[j] / divisor, result)
         else:
             for j in range(m):
-                result[j] = _to_bf16(total[j])
-
-
-@compiled
-def sum_f32(inputs, weights, divisor, fused, out):
-    """sum_bf16 for float32 inputs and output."""
-    n = out.shape[0]
-    count = len(inputs)
-    total = np.empty(STEP, dtype=np.float32)
-    zero = np.float32(0.0)
-    for start in range(0, n, STEP):
-        m = min(STEP, n - start)
-        for j in range(m):
-            total[j] = zero
-        for k in range(count):
-            source = inputs[k][start : start + m]
-            w = weights[k]
-            if fused:
-                for j in range(m):
-                    total[j] = fused_multiply_add(source[j], w, total[j])
-            else:
-                for j in range(m):
-                    total[j] = total[j] + source[j] * w
-        result = out[start : start + m]
-        if divisor != zero:
-            for j in range(m):
-                result[j] = total[j] / divisor
-        else:
-            for j in range(m):
-                result[j] = total[j]
+                result[j] = _stored(total[j], result)
 
 
 _FUSES: list[bool] = []
@@ -155,10 +149,10 @@ def weighted_sum(tensors: Sequence[torch.Tensor], weights: Sequence[float], divi
     fused = torch_fuses()
     if kind == torch.bfloat16:
         flat = tuple(t.view(-1).view(torch.int16).numpy().view(np.uint16) for t in tensors)
-        sum_bf16(flat, w, np.float32(divisor), fused, out.view(-1).view(torch.int16).numpy().view(np.uint16))
+        weighted_total(flat, w, np.float32(divisor), fused, out.view(-1).view(torch.int16).numpy().view(np.uint16))
     else:
         flat = tuple(t.view(-1).numpy() for t in tensors)
-        sum_f32(flat, w, np.float32(divisor), fused, out.view(-1).numpy())
+        weighted_total(flat, w, np.float32(divisor), fused, out.view(-1).numpy())
     return out
 
 
@@ -168,8 +162,8 @@ def _compile_all() -> None:
     values = np.zeros(1, dtype=np.float32)
     for count in range(1, MAX_INPUTS + 1):
         w = np.ones(count, dtype=np.float32)
-        sum_bf16((bits,) * count, w, np.float32(1), True, bits)
-        sum_f32((values,) * count, w, np.float32(1), True, values)
+        weighted_total((bits,) * count, w, np.float32(1), True, bits)
+        weighted_total((values,) * count, w, np.float32(1), True, values)
 
 
 KERNELS = KernelGroup("weighted_sum", _compile_all)
