@@ -67,6 +67,24 @@ def direct_io_works(path: Path) -> bool:
     return direct_write.direct_io_supported(path)
 
 
+def ties_recipe(rows: int = 300) -> Any:
+    """A TIES recipe of tensor "w" ([rows, 700] bf16) over models "a" (the base), "b" and "c": the feed tests' two-pass
+    recipe (large enough for several row blocks once a test shrinks blocks.BLOCK_ELEMENTS)."""
+    from mergesmith.engine.plan import InputRef, TensorRecipe
+
+    return TensorRecipe(
+        name="w",
+        shape=(rows, 700),
+        dtype="BF16",
+        op="merge",
+        inputs=tuple(InputRef(m, "w") for m in "abc"),
+        method="ties",
+        base_index=0,
+        model_params=((), (("weight", 0.5), ("density", 0.5)), (("weight", 0.5), ("density", 0.5))),
+        params=(("normalize", True), ("rescale", False), ("lambda", 1.0), ("int8_mask", False)),
+    )
+
+
 def weight_files(path: Path | str) -> list[Path]:
     """The weight files of the checkpoint in ``path`` (safetensors preferred, as transformers does), sorted."""
     path = Path(path)

@@ -24,7 +24,7 @@ from mergesmith.io import direct_read, direct_write
 from mergesmith.io.checkpoint import Checkpoint
 from mergesmith.io.direct_read import ALIGN, BufferPool, DirectReader, capacity_for
 
-from .helpers import direct_io_works, weight_files
+from .helpers import direct_io_works, ties_recipe, weight_files
 
 
 @pytest.fixture(autouse=True)
@@ -469,17 +469,7 @@ def test_fed_inputs_go_back_as_soon_as_they_are_spent(tmp_path: Path, compute_dt
     with each model once its difference is taken; their buffers go back before the block is written (hundreds
     of MB at the peak of an embedding-sized TIES recipe). The base stays until the end."""
     checkpoints, _ = _checkpoints(tmp_path)
-    recipe = TensorRecipe(
-        name="w",
-        shape=(300, 700),
-        dtype="BF16",
-        op="merge",
-        inputs=tuple(InputRef(m, "w") for m in "abc"),
-        method="ties",
-        base_index=0,
-        model_params=((), (("weight", 0.5), ("density", 0.5)), (("weight", 0.5), ("density", 0.5))),
-        params=(("normalize", True), ("rescale", False), ("lambda", 1.0), ("int8_mask", False)),
-    )
+    recipe = ties_recipe()
     feed = open_feed([recipe], checkpoints, 16 << 20)
     if feed is None:
         pytest.skip("this filesystem refuses O_DIRECT")

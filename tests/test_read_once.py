@@ -20,14 +20,14 @@ from safetensors.torch import save_file
 
 from mergesmith.engine.execution import blocks, input_feed, local_executor
 from mergesmith.engine.execution.input_feed import MERGE, TOTALS, InputFeed
-from mergesmith.engine.plan import InputRef, TensorRecipe
+from mergesmith.engine.plan import InputRef
 from mergesmith.engine.run import MergeOptions, build_plan, run_merge
 from mergesmith.errors import MergeInterrupted
 from mergesmith.io import direct_write
 from mergesmith.io.checkpoint import Checkpoint
 from mergesmith.io.direct_read import BufferPool, DirectReader, capacity_for
 
-from .helpers import direct_io_works, weight_files
+from .helpers import direct_io_works, ties_recipe, weight_files
 
 METHODS = {
     "ties": {"density": 0.6},
@@ -259,22 +259,9 @@ def _files(tmp_path: Path) -> dict[str, Checkpoint]:
     return checkpoints
 
 
-def _ties(rows: int = 300) -> TensorRecipe:
-    return TensorRecipe(
-        name="w",
-        shape=(rows, 700),
-        dtype="BF16",
-        op="merge",
-        inputs=tuple(InputRef(m, "w") for m in "abc"),
-        method="ties",
-        base_index=0,
-        model_params=((), (("weight", 0.5), ("density", 0.5)), (("weight", 0.5), ("density", 0.5))),
-        params=(("normalize", True), ("rescale", False), ("lambda", 1.0), ("int8_mask", False)),
-    )
-
 
 def _feed(checkpoints: dict[str, Checkpoint], pool: int, submits: list) -> tuple[InputFeed, list]:
-    recipe = _ties()
+    recipe = ties_recipe()
     cut = blocks.row_blocks(recipe)
     assert len(cut) > 1 and blocks.two_pass(recipe)
     reader = DirectReader(BufferPool(pool))
@@ -293,7 +280,7 @@ def test_the_merge_pass_takes_the_totals_pass_tensors_without_a_read(tmp_path: P
     checkpoints = _direct_files(tmp_path, monkeypatch)
     submits: list = []
     feed, cut = _feed(checkpoints, 16 << 20, submits)
-    recipe, pool = _ties(), feed.reader.pool
+    recipe, pool = ties_recipe(), feed.reader.pool
     assert len(feed) == len(cut)  # the feed reads the totals pass's blocks only
     feed.start()
     try:
@@ -320,7 +307,7 @@ def test_the_merge_pass_takes_the_totals_pass_tensors_without_a_read(tmp_path: P
 def test_forgetting_a_recipe_between_its_passes_gives_its_kept_blocks_back(tmp_path: Path, monkeypatch) -> None:
     checkpoints = _direct_files(tmp_path, monkeypatch)
     feed, cut = _feed(checkpoints, 16 << 20, [])
-    recipe, pool = _ties(), feed.reader.pool
+    recipe, pool = ties_recipe(), feed.reader.pool
     feed.start()
     try:
         for rows in cut:
@@ -339,7 +326,7 @@ def test_a_block_a_worker_reads_itself_is_kept_only_where_the_pool_has_room(tmp_
     checkpoints = _direct_files(tmp_path, monkeypatch)
     submits: list = []
     feed, cut = _feed(checkpoints, 8 << 20, submits)
-    recipe, pool = _ties(), feed.reader.pool
+    recipe, pool = ties_recipe(), feed.reader.pool
     each = [3 * capacity_for(2 * 700 * (e - s)) for s, e in cut]
     assert sum(each) <= input_feed.keep_limit(pool.limit)
     hog = pool.take_all([pool.limit - sum(each[:-1])])  # room for all blocks but the last
@@ -364,11 +351,12 @@ def test_the_pool_grows_to_keep_the_largest_recipe_that_fits_its_bound(tmp_path:
     from mergesmith.io.direct_read import POOL_BYTES, pool_bytes
 
     checkpoints = _direct_files(tmp_path, monkeypatch)
-    held = sum(3 * capacity_for(2 * 700 * (e - s)) for s, e in blocks.row_blocks(_ties()))
-    assert input_feed.keeping_pool([_ties()], input_feed.streamed_bytes(checkpoints)) == held * input_feed.KEEP_PARTS
+    held = sum(3 * capacity_for(2 * 700 * (e - s)) for s, e in blocks.row_blocks(ties_recipe()))
+    pool = input_feed.keeping_pool([ties_recipe()], input_feed.streamed_bytes(checkpoints))
+    assert pool == held * input_feed.KEEP_PARTS
     # a pool that may not grow to 3 times the recipe's blocks: nothing to keep, no larger pool for it
     monkeypatch.setattr(input_feed, "KEEP_POOL_BYTES", held * input_feed.KEEP_PARTS - 1)
-    assert input_feed.keeping_pool([_ties()], input_feed.streamed_bytes(checkpoints)) == 0
+    assert input_feed.keeping_pool([ties_recipe()], input_feed.streamed_bytes(checkpoints)) == 0
     assert pool_bytes(None, 512 << 20) == 512 << 20 and pool_bytes(None, 0) == POOL_BYTES
     assert pool_bytes(1 << 30, 512 << 20) == 256 << 20  # never over a quarter of a memory budget
 
@@ -380,7 +368,7 @@ def test_plan_estimate_counts_the_pool_grown_to_keep_blocks(monkeypatch) -> None
 
     monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 1 << 20)
     recipes = [
-        replace(_ties(), name=f"mlp{i}", shape=(5632, 2048), inputs=tuple(InputRef(m, f"mlp{i}") for m in "abc"))
+        replace(ties_recipe(), name=f"mlp{i}", shape=(5632, 2048), inputs=tuple(InputRef(m, f"mlp{i}") for m in "abc"))
         for i in range(4)
     ]
     size = 5632 * 2048 * 2
