@@ -88,17 +88,17 @@ def _record_budgets(monkeypatch: Any) -> list[Any]:
             self.items = self.most_items = 0
             budgets.append(self)
 
-        def acquire_first(self, costs: list[int], stop: Any) -> int | None:
-            admitted = super().acquire_first(costs, stop)
+        def acquire_first(self, costs: list[int], stop: Any, device_costs: Any = None) -> int | None:
+            admitted = super().acquire_first(costs, stop, device_costs)
             with self._cond:
                 self.items += admitted is not None
                 self.most_items = max(self.most_items, self.items)
             return admitted
 
-        def release(self, cost: int) -> None:
+        def release(self, cost: int, device_cost: int = 0) -> None:
             with self._cond:
                 self.items -= 1
-            super().release(cost)
+            super().release(cost, device_cost)
 
     real_compute = executor.compute
 

@@ -17,32 +17,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .compiled import AVAILABLE, KernelGroup, compiled
+from .compiled import AVAILABLE, KernelGroup, compiled, narrow_bf16, round_bf16, widen_bf16
 from .compiled import sign as _sign
-
-if AVAILABLE:
-    from .compiled import bits_from_float32, float32_from_bits
-
-
-@compiled
-def _widen(bits):
-    return float32_from_bits(np.uint32(bits) << np.uint32(16))
-
 
 BLOCK = 1024
 """Entries mixed per step: each step is a few loops over float32 blocks of this size (L1-resident), one per
 operation, which the compiler turns into SIMD instructions; one loop per entry with an inner loop over the task
 vectors did not vectorise and cost 3x as much (14.7 against 4.7 ns an entry on 2 bf16 task vectors, timed ad hoc
 while writing it; `python bench/profile_compiled.py` gives the mix against torch's)."""
-
-
-@compiled
-def _round(value):
-    """value rounded to the nearest bfloat16, ties to even (torch's conversion), back as float32; nan stays nan.
-    Written without a branch so the loops that call it vectorise."""
-    bits = bits_from_float32(value)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    return value if value != value else float32_from_bits(rounded)
 
 
 @compiled
@@ -57,7 +39,7 @@ def mix(base, deltas, weights, consensus, normalize, lam, scale, out):
     plain_divisor = zero
     for k in range(count):
         plain_divisor = plain_divisor + weights[k]
-    plain_divisor = _round(plain_divisor)
+    plain_divisor = round_bf16(plain_divisor)
     if abs(plain_divisor) < 1e-8:
         plain_divisor = one
     weighted = np.empty((count, BLOCK), dtype=np.float32)
@@ -70,7 +52,7 @@ def mix(base, deltas, weights, consensus, normalize, lam, scale, out):
             wk = weights[k]
             row = weighted[k]
             for j in range(m):
-                row[j] = _round(_widen(deltas[k, start + j]) * wk)
+                row[j] = round_bf16(widen_bf16(deltas[k, start + j]) * wk)
         for j in range(m):
             total[j] = zero
         if consensus == 0:
@@ -79,7 +61,7 @@ def mix(base, deltas, weights, consensus, normalize, lam, scale, out):
                 for j in range(m):
                     total[j] = total[j] + row[j]
             for j in range(m):
-                total[j] = _round(total[j])
+                total[j] = round_bf16(total[j])
                 share[j] = plain_divisor
         else:
             for j in range(m):
@@ -94,7 +76,7 @@ def mix(base, deltas, weights, consensus, normalize, lam, scale, out):
                     for j in range(m):
                         votes[j] = votes[j] + _sign(row[j])
             for j in range(m):  # votes becomes the elected sign
-                votes[j] = one if _round(votes[j]) >= 0 else -one
+                votes[j] = one if round_bf16(votes[j]) >= 0 else -one
             for k in range(count):
                 row = weighted[k]
                 wk = weights[k]
@@ -103,30 +85,24 @@ def mix(base, deltas, weights, consensus, normalize, lam, scale, out):
                     total[j] = total[j] + row[j] * keep
                     share[j] = share[j] + wk * keep
             for j in range(m):
-                total[j] = _round(total[j])
-                d = _round(share[j])
+                total[j] = round_bf16(total[j])
+                d = round_bf16(share[j])
                 share[j] = one if d == 0 else d
         for j in range(m):
             mixed = total[j]
             if normalize:
-                mixed = _round(mixed / share[j])
+                mixed = round_bf16(mixed / share[j])
             if scale:
-                mixed = _round(mixed * lam)
-            result = _round(_widen(base[start + j]) + mixed)
-            out[start + j] = np.uint16(bits_from_float32(result) >> np.uint32(16))
-
-
-@compiled
-def _narrow(value):
-    """The bf16 bits of a float32 that is already a bfloat16 value (as _round leaves it)."""
-    return np.uint16(bits_from_float32(value) >> np.uint32(16))
+                mixed = round_bf16(mixed * lam)
+            result = round_bf16(widen_bf16(base[start + j]) + mixed)
+            out[start + j] = narrow_bf16(result)
 
 
 @compiled
 def difference(a, b, out):
     """out = a - b on bf16 bits (1-D, contiguous), rounded as torch's bfloat16 subtraction rounds."""
     for i in range(out.shape[0]):
-        out[i] = _narrow(_round(_widen(a[i]) - _widen(b[i])))
+        out[i] = narrow_bf16(round_bf16(widen_bf16(a[i]) - widen_bf16(b[i])))
 
 
 @compiled
@@ -136,7 +112,7 @@ def keep_where(delta, mask):
     zero = np.float32(0.0)
     one = np.float32(1.0)
     for i in range(delta.shape[0]):
-        delta[i] = _narrow(_round(_widen(delta[i]) * (one if mask[i] else zero)))
+        delta[i] = narrow_bf16(round_bf16(widen_bf16(delta[i]) * (one if mask[i] else zero)))
 
 
 ELEMENTWISE = AVAILABLE

@@ -1,10 +1,11 @@
 """numba, where it is installed: what the compiled loops of this package share.
 
 Why a module of its own: keyed_kernels.py (DARE's and DELLA's chunks, the Philox draws), introsort_replay.py
-(TIES' magnitude selection) and bf16_mix.py (TIES' bfloat16 mix) compile their loops the same way, and all fall
-back to their numpy/torch paths where numba cannot be imported (a platform without a wheel): one place says
-whether it can and how, and holds the helpers they share (torch's sign, the consensus codes, and the bit-level
-intrinsics, which exist only with numba: the loops that call them are never called without it).
+(TIES' magnitude selection), bf16_mix.py (TIES' bfloat16 mix) and weighted_sum.py (linear's sum) compile their loops
+the same way, and all fall back to their numpy/torch paths where numba cannot be imported (a platform without a
+wheel): one place says whether it can and how, and holds the helpers they share (torch's sign, the consensus codes,
+bfloat16's widening and rounding, and the bit-level intrinsics, which exist only with numba: the loops that call
+them are never called without it).
 
 And one place for when they are used: a first compile takes 2-20 s a module (bench/first_run.py), far longer than
 a small merge, so no merge waits for it. Each module's loops form a KernelGroup that compiles in a background
@@ -139,6 +140,27 @@ def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
         return njit(nogil=True, cache=True, error_model="numpy")(function)
     except RuntimeError:  # no writable place at all (read-only install and home): compile in every process
         return njit(nogil=True, error_model="numpy")(function)
+
+
+@compiled
+def widen_bf16(bits):
+    """The float32 of bfloat16 bits (a uint16): exact, the bits shifted into the high half."""
+    return float32_from_bits(np.uint32(bits) << np.uint32(16))
+
+
+@compiled
+def round_bf16(value):
+    """value rounded to the nearest bfloat16, ties to even (torch's conversion), back as float32; nan stays nan.
+    Written without a branch so the loops that call it vectorise."""
+    bits = bits_from_float32(value)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return value if value != value else float32_from_bits(rounded)
+
+
+@compiled
+def narrow_bf16(value):
+    """The bf16 bits of a float32 that is already a bfloat16 value (as round_bf16 leaves it)."""
+    return np.uint16(bits_from_float32(value) >> np.uint32(16))
 
 
 @compiled

@@ -12,9 +12,10 @@ runs its AVX2 or AVX-512 kernels (their vector code calls fmadd, and their scala
 contraction), else the product rounded and then added (numba contracts nothing without fastmath, so each loop
 does exactly what it says); starting from +0.0 as torch's zeros do. The sum is
 divided by the float32 total of the weights unless that is zero or normalisation is off; the result is rounded
-to nearest-even bfloat16 as torch converts. A nan stays a nan with its sign, quiet; its other bits are not torch's,
-which has two answers of its own (0xFFFF from its vector loop, 0x7FC0 from its scalar tail). tests/test_weighted_sum.py
-compares the two byte for byte (nan by being nan), odd lengths, signed zeros and inf included.
+to nearest-even bfloat16 as torch converts (compiled.round_bf16, as TIES' bf16 mix rounds). A nan stays a nan, the
+top half of its float32 bits; those are not torch's, which has two answers of its own (0xFFFF from its vector loop,
+0x7FC0 from its scalar tail). tests/test_weighted_sum.py compares the two byte for byte (nan by being nan), odd
+lengths, signed zeros and inf included.
 
 Only where it pays and is exact: CPU tensors, contiguous, all bfloat16 or all float32, one to MAX_INPUTS of them;
 anything else takes the torch path.
@@ -22,15 +23,16 @@ anything else takes the torch path.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from .compiled import AVAILABLE, KernelGroup, compiled
+from .compiled import AVAILABLE, KernelGroup, compiled, narrow_bf16, round_bf16, widen_bf16
 
 if AVAILABLE:
-    from .compiled import bits_from_float32, float32_from_bits, fused_multiply_add
+    from .compiled import fused_multiply_add
 
 MAX_INPUTS = 6
 """Input counts the loops are compiled for (numba compiles one variant per count: the inputs are a tuple; each
@@ -40,15 +42,6 @@ STEP = 512
 """Entries summed per step: a float32 sum of this many stays in L1 while every input adds into it. Each step's
 loops index slices from 0 (not `start + j`): numba's wraparound check for a possibly negative index kept the
 compiler from vectorising them, 4x slower."""
-
-
-@compiled
-def _to_bf16(value):
-    """The bf16 bits of a float32, rounded to nearest-even as torch converts; a nan stays a (quiet) nan."""
-    bits = bits_from_float32(value)
-    if value != value:
-        return np.uint16((bits >> np.uint32(16)) | np.uint32(0x0040))
-    return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
 def _as_float32(value):  # noqa: ARG001 - typed by its overload below; only the compiled loops call it
@@ -68,13 +61,13 @@ if AVAILABLE:
     @overload(_as_float32)
     def _as_float32_for(value):
         if isinstance(value, types.Integer):
-            return lambda value: float32_from_bits(np.uint32(value) << np.uint32(16))
+            return lambda value: widen_bf16(value)
         return lambda value: value
 
     @overload(_stored)
     def _stored_for(value, out):
         if out.dtype == types.uint16:
-            return lambda value, out: _to_bf16(value)
+            return lambda value, out: narrow_bf16(round_bf16(value))
         return lambda value, out: value
 
 
@@ -109,19 +102,15 @@ def weighted_total(inputs, weights, divisor, fused, out):
                 result[j] = _stored(total[j], result)
 
 
-_FUSES: list[bool] = []
-
-
+@functools.cache
 def torch_fuses() -> bool:
     """Whether torch's `addcmul` on this machine's CPU adds the product with one rounding (a fused multiply-add):
     asked once, of its vector loop, with x = w = 1 + 2**-12 added to -1, where the product's last bit (2**-24)
     survives only unrounded."""
-    if not _FUSES:
-        x = torch.full((64,), 1 + 2.0**-12)
-        total = torch.full((64,), -1.0)
-        total.addcmul_(x, torch.tensor(1 + 2.0**-12))
-        _FUSES.append(float(total[0]) != 2.0**-11)
-    return _FUSES[0]
+    x = torch.full((64,), 1 + 2.0**-12)
+    total = torch.full((64,), -1.0)
+    total.addcmul_(x, torch.tensor(1 + 2.0**-12))
+    return float(total[0]) != 2.0**-11
 
 
 ENABLED = AVAILABLE

@@ -31,11 +31,12 @@ def linear_average(tensors: Sequence[torch.Tensor], weights: Sequence[float], no
     Contiguous bf16 or float32 CPU inputs take a compiled loop with the same bytes (kernels/weighted_sum.py).
     """
     work = work_dtype(*tensors)
+    total = torch.tensor(list(weights), dtype=work, device=tensors[0].device).sum() if normalize else None
+    divisor = 0.0 if total is None else float(total)  # 0: the sum is left undivided
     if work == torch.float32:
-        total = torch.tensor(list(weights), dtype=work).sum() if normalize else torch.zeros((), dtype=work)
-        fused = weighted_sum(tensors, weights, float(total))
-        if fused is not None:
-            return fused
+        compiled = weighted_sum(tensors, weights, divisor)
+        if compiled is not None:
+            return compiled
     out = torch.zeros_like(tensors[0], dtype=work)
     wide: torch.Tensor | None = None
     for tensor, weight in zip(tensors, weights):
@@ -43,10 +44,8 @@ def linear_average(tensors: Sequence[torch.Tensor], weights: Sequence[float], no
             wide = tensor.to(work) if wide is None else wide.copy_(tensor)
             tensor = wide
         out.addcmul_(tensor, torch.tensor(weight, dtype=work, device=out.device))
-    if normalize:
-        total = torch.tensor(list(weights), dtype=work, device=out.device).sum()
-        if float(total) != 0.0:
-            out.div_(total)
+    if divisor != 0.0:
+        out.div_(total)
     return out.to(tensors[0].dtype)
 
 

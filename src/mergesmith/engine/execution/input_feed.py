@@ -465,12 +465,8 @@ def _probe(recipe: TensorRecipe, checkpoints: dict[str, Checkpoint]) -> float | 
 
 
 def _capacities(block: _Block) -> list[int]:
-    return _capacities_of(block.parts)
-
-
-def _capacities_of(parts: Sequence[Part | None]) -> list[int]:
     """The buffer sizes of a block's reads (its parts with bytes)."""
-    return [capacity_for(p.length) for p in parts if p is not None and p.length]
+    return [capacity_for(p.length) for p in block.parts if p is not None and p.length]
 
 
 def _release(reads: list[Future[ReadBuffer] | None]) -> None:

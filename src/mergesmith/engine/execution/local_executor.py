@@ -287,12 +287,8 @@ class LocalExecutor(Executor):
                             continue
                         window = waiting[: ADMISSION_WINDOW if head_passed < ADMISSION_WINDOW else 1]
                         try:
-                            window_costs = [costs[i] for i in window]
-                            if device_costs is None:  # the CPU path: host bytes alone
-                                position = self.budget.acquire_first(window_costs, self.stop)
-                            else:
-                                on_device = [device_costs[i] for i in window]
-                                position = self.budget.acquire_first(window_costs, self.stop, on_device)
+                            on_device = None if device_costs is None else [device_costs[i] for i in window]
+                            position = self.budget.acquire_first([costs[i] for i in window], self.stop, on_device)
                         except MemoryShortage as exc:
                             raise self._shortage(exc, work[window[0]][1]) from None
                         if position is None:
@@ -352,10 +348,7 @@ class LocalExecutor(Executor):
         finally:
             if cost >= TRIM_AFTER_BYTES:
                 release_free_heap()
-            if device_cost:
-                self.budget.release(cost, device_cost)
-            else:
-                self.budget.release(cost)
+            self.budget.release(cost, device_cost)
             slots.release()
 
     def _write_recipe(self, writer: ShardWriter, recipe: TensorRecipe) -> bool:
