@@ -14,6 +14,10 @@
 #   --work DIR        venvs, outputs, the JSON (default ~/.cache/mergesmith/gpu-check)
 #   --size S          bench model size (default 1b; tiny with --cpu-dry-run)
 #   --json PATH       where the JSON goes (default WORK/gpu_check.json)
+#   --no-venv         no venvs: PY itself runs both tools, this checkout's src/ first on PYTHONPATH, and the
+#                     wheels in WHEELS_DIR are unpacked with --no-deps into WORK/site (so WHEELS_DIR holds only
+#                     what PY lacks, e.g. pydantic and mergekit 0.1.5 for an image that has the ML stack: a few
+#                     MB where the full set is 200 MB); a mergekit-0.1.5 wheel there makes mergekit run too
 #   --cpu-dry-run     the same pipeline on the CPU, without --cuda, at a tiny size and a small OMP: proves the
 #                     plumbing and the table on a machine without a GPU; mergekit only if its wheels are there
 #   after --, options of bench/gpu_check.py (--cases, --test-files, --omp-shared, --omp-targets, ...)
@@ -35,7 +39,7 @@ die() {
     exit 2
 }
 
-wheels="" minutes=5 py="python3" work="$HOME/.cache/mergesmith/gpu-check" size="" json="" mode="cuda"
+wheels="" minutes=5 py="python3" work="$HOME/.cache/mergesmith/gpu-check" size="" json="" mode="cuda" venv=1
 extra=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -45,6 +49,7 @@ while [ $# -gt 0 ]; do
     --size) size="${2:?--size needs a value}"; shift 2 ;;
     --json) json="${2:?--json needs a value}"; shift 2 ;;
     --cpu-dry-run) mode="cpu-dry-run"; shift ;;
+    --no-venv) venv=0; shift ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     -*) die "unknown option $1 (see --help)" ;;
@@ -63,10 +68,10 @@ mkdir -p "$work"
 work="$(cd "$work" && pwd)"
 [ -z "$json" ] || json="$(realpath -m -- "$json")"  # the check runs in the repository root
 
-ms_wheel="$(find "$wheels" -maxdepth 1 -name 'mergesmith-*.whl' | sort -V | tail -n 1)"
-[ -n "$ms_wheel" ] || die "no mergesmith-*.whl in $wheels (make the folder with scripts/gpu_wheels.sh)"
-mk_wheel="$(find "$wheels" -maxdepth 1 -name 'mergekit-0.1.5-*.whl' | head -n 1)"
-have_torch_wheel="$(find "$wheels" -maxdepth 1 -name 'torch-*.whl' | head -n 1)"
+ms_wheel="$(find "$wheels" -maxdepth 1 -type f -name 'mergesmith-*.whl' | sort -V | tail -n 1)"
+[ -n "$ms_wheel" ] || [ "$venv" = 0 ] || die "no mergesmith-*.whl in $wheels (make the folder with scripts/gpu_wheels.sh)"
+mk_wheel="$(find "$wheels" -maxdepth 1 -type f -name 'mergekit-0.1.5-*.whl' | head -n 1)"
+have_torch_wheel="$(find "$wheels" -maxdepth 1 -type f -name 'torch-*.whl' | head -n 1)"
 
 command -v "$py" >/dev/null 2>&1 || die "--python $py: no such interpreter"
 py_version="$("$py" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
@@ -124,18 +129,42 @@ make_venv() {
     echo "$stamp" >"$dir/.gpu-check-stamp"
 }
 
-make_venv "$work/venv-mergesmith" "$ms_wheel" "mergesmith[hf]" pytest hypothesis
-ms_py="$work/venv-mergesmith/bin/python"
 args=(--mode "$mode" --deadline "$deadline" --minutes "$minutes" --size "$size" --work "$work")
-if [ -n "$mk_wheel" ]; then
-    make_venv "$work/venv-mergekit" "$mk_wheel" "mergekit==0.1.5"
-    args+=(--mergekit-python "$work/venv-mergekit/bin/python")
+if [ "$venv" = 1 ]; then
+    make_venv "$work/venv-mergesmith" "$ms_wheel" "mergesmith[hf]" pytest hypothesis
+    ms_py="$work/venv-mergesmith/bin/python"
+    if [ -n "$mk_wheel" ]; then
+        make_venv "$work/venv-mergekit" "$mk_wheel" "mergekit==0.1.5"
+        args+=(--mergekit-python "$work/venv-mergekit/bin/python")
+    else
+        echo "no mergekit-0.1.5 wheel in $wheels: mergesmith alone" >&2
+    fi
+    unset PYTHONPATH  # the installed wheel is what is checked, not a source tree
 else
-    echo "no mergekit-0.1.5 wheel in $wheels: mergesmith alone" >&2
+    # PY as it is, plus what it lacks: every wheel but mergesmith's own (the checkout's src/ is what is checked)
+    site="$work/site"
+    rm -rf "$site"
+    mapfile -t extra_wheels < <(find "$wheels" -maxdepth 1 -type f -name '*.whl' ! -name 'mergesmith-*.whl' | sort)
+    if [ "${#extra_wheels[@]}" -gt 0 ]; then
+        echo "site $site: unpacking ${#extra_wheels[@]} wheels with --no-deps (offline) ..." >&2
+        pip_in "$py" install --quiet --no-index --no-deps --no-compile --target "$site" "${extra_wheels[@]}" >&2
+    fi
+    export PYTHONPATH="$repo/src:$site${PYTHONPATH:+:$PYTHONPATH}"
+    ms_py="$(command -v "$py")"
+    if [ -n "$mk_wheel" ]; then
+        # gpu_check.py finds mergekit-yaml beside the python it is given: a wrapper of PY in the site's bin/
+        mkdir -p "$site/bin"
+        printf '#!/bin/sh\nexec %q "$@"\n' "$ms_py" >"$site/bin/python"
+        chmod +x "$site/bin/python"
+        [ -x "$site/bin/mergekit-yaml" ] || die "the mergekit wheel in $wheels installed no $site/bin/mergekit-yaml"
+        args+=(--mergekit-python "$site/bin/python")
+    else
+        echo "no mergekit-0.1.5 wheel in $wheels: mergesmith alone" >&2
+    fi
 fi
 if [ "$mode" = cuda ]; then
     "$ms_py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' ||
-        die "torch.cuda.is_available() is False in $work/venv-mergesmith (torch $("$ms_py" -c 'import torch; print(torch.__version__)')): no GPU check run"
+        die "torch.cuda.is_available() is False for $ms_py (torch $("$ms_py" -c 'import torch; print(torch.__version__)')): no GPU check run"
 else
     # a small transplant: the dry run proves the plumbing, it times nothing worth quoting
     args+=(--omp-shared 4000 --omp-hidden 256 --omp-k 16 --omp-targets 256)
@@ -145,5 +174,4 @@ args+=(--header "venvs ready after $(($(date +%s) - started)) s; wheels $wheels"
 
 cd "$repo"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
-unset PYTHONPATH  # the installed wheel is what is checked, not a source tree
 exec "$ms_py" "$here/gpu_check.py" "${args[@]}" "${extra[@]}"

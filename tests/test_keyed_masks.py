@@ -85,6 +85,30 @@ def test_blocked_total_equals_total_however_cut(dtype):
     assert torch.equal(small.result(), x[:20_000].sum())
 
 
+@pytest.mark.parametrize("numel", [20_000, 300_001])
+def test_wide_blocked_total_does_not_depend_on_cuts_or_on_the_order_within_a_block(numel):
+    """The device-independent total (keyed methods' L1 norms): the same float64 bits however the tensor is cut
+    and whichever order a block's entries are added in (a GPU's tree reduction against the CPU's loop: here the
+    block reversed and reshuffled), and the exact sum to ~1e-12 of it."""
+    x = torch.rand(numel, generator=torch.Generator().manual_seed(2)) * torch.logspace(-6, 0, numel)
+    wide = []
+    for cuts in ([0, numel], [0, 17, 16_384, 16_385, numel - 1, numel], [*range(0, numel, 999), numel]):
+        acc = BlockedTotal(wide=True)
+        for a, b in zip(cuts, cuts[1:]):
+            acc.add(x[a:b])
+        wide.append(acc.result())
+    assert all(w.dtype == torch.float64 and torch.equal(w, wide[0]) for w in wide)
+    exact = math.fsum(x.double().tolist())
+    assert abs(wide[0].item() - exact) <= 1e-12 * exact
+    # another order within each block of 16384 (what another device's reduction does): bits of the float32
+    # multiplier a ratio of such norms makes do not move
+    blocks = [x[i : i + 16_384] for i in range(0, numel, 16_384)]
+    shuffled = torch.cat([b[torch.randperm(b.numel(), generator=torch.Generator().manual_seed(3))] for b in blocks])
+    acc = BlockedTotal(wide=True)
+    acc.add(shuffled)
+    assert np.float32(acc.result().item() / 7.0) == np.float32(wide[0].item() / 7.0)
+
+
 def _models(shape, dtype, n=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(shape, generator=g)
@@ -155,6 +179,12 @@ def test_flat_chunks_start_at_multiples_of_the_chunk_size_of_the_tensor():
     assert all(p.start % 5632 == 0 and p.end % 5632 == 0 for p in rows)
 
 
+def _wide_l1(t: torch.Tensor) -> float:
+    acc = BlockedTotal(wide=True)
+    acc.add(t.abs())
+    return float(acc.result())
+
+
 def test_rescale_keeps_each_task_vectors_l1_norm_exactly_as_the_formula_says():
     """dare_linear of one task vector with weight 1: out - base is the rescaled kept delta, whose L1 norm is the
     delta's (to float rounding), and whose entries are the delta's times one factor |d|_1 / |m d|_1."""
@@ -166,8 +196,8 @@ def test_rescale_keeps_each_task_vectors_l1_norm_exactly_as_the_formula_says():
     delta = tuned - base
     kept = out - base
     mask = keyed_merge.keep_flags(MaskStream(2), keyed_merge.Vector(1, 0, 1.0, 0.3), 0, delta).float()
-    factor = total(delta.abs()) / total((delta * mask).abs())
-    assert torch.equal(out, base + delta * mask * factor)
+    factor = np.float32(_wide_l1(delta) / _wide_l1(delta * mask))  # the norms' ratio, rounded once to float32
+    assert torch.equal(out, base + delta * mask * float(factor))
     assert kept.abs().sum().item() == pytest.approx(delta.abs().sum().item(), rel=1e-4)
     assert (kept != 0).float().mean().item() == pytest.approx(0.3, abs=0.01)
 

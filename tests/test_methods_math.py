@@ -781,7 +781,15 @@ def test_methods_run_on_cuda(method):
     gpu = on("cuda", 3)
     assert gpu.device.type == "cuda" and gpu.shape == base.shape
     assert torch.equal(gpu, on("cuda", 3))
-    torch.testing.assert_close(gpu.cpu(), on("cpu", 3), rtol=1e-4, atol=1e-5)
+    rtol, atol = DEVICE_TOLERANCE.get(method, (1e-4, 1e-5))
+    torch.testing.assert_close(gpu.cpu(), on("cpu", 3), rtol=rtol, atol=atol)
+
+
+DEVICE_TOLERANCE = {"iso_cts": (1e-4, 2e-4), "tsv": (1e-4, 2e-4)}
+"""The methods whose CPU and GPU results differ by more than float rounding of one reduction: their SVDs (LAPACK on
+the CPU, cuSOLVER on the GPU) return singular vectors that differ in the last digits, which the projections
+spread. Measured on an H200 (torch 2.11, bench/gpu_check.sh, issue 33): largest differences 3.8e-5 (iso_cts) and
+5.5e-5 (tsv) on entries of ~1."""
 
 
 @pytest.mark.parametrize("consensus", [None, "sum", "count"])

@@ -60,6 +60,7 @@ from ..io.journal import (
 from ..io.references import open_checkpoint
 from ..io.safetensors_writer import file_checksum, write_file_atomic
 from ..methods import require_method
+from ..runtime.devices import start_cuda_init
 from ..sizes import human_size
 from .downloads import check_download_space, pending_downloads
 from .execution.local_executor import ExecutionSettings, Executor, LocalExecutor, ProgressEvent
@@ -438,6 +439,8 @@ def run_planned(
     started = time.monotonic()
     out = Path(out_dir)
     options = options or MergeOptions()
+    if options.executor != "ray":  # Ray workers hold the GPUs, not this driver
+        start_cuda_init(options.device)
     with hub.forcing(controls.force):  # hub models downloaded while planning: --force covers their disk check
         plan, inputs = plan_into(options, out)
     return execute_plan(plan, inputs, out, options, controls=controls, started=started)

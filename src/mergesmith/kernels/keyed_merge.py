@@ -15,7 +15,8 @@ operations compute it on other devices, and are the reference the tests compare 
 
 What stays as it was: the keep mask of entry j is decided by the keyed draw of (seed, tensor, task vector,
 flat position j) (keyed_random.MaskStream), so outputs do not depend on threads, order, blocks, the device
-or a resume; the L1 norms of the rescale are BlockedTotal sums, which do not depend on how rows are cut.
+or a resume; the L1 norms of the rescale are wide BlockedTotal sums, which do not depend on how rows are cut, nor
+(to ~1e-12 of them, see BlockedTotal) on the device.
 
 The arithmetic (methods/task_arithmetic.py states the method): per task vector d = x - base (exact in float32 for
 16-bit inputs), W = d * keep * (weight * |d|_1 / |d * keep|_1) (the rescale factor where `rescale` and both
@@ -52,8 +53,19 @@ L1_EPS = 1e-7
 """Below this L1 norm (before or after masking) a task vector is not rescaled (selection.L1_EPS)."""
 
 CHUNK_ELEMENTS = 1 << 18
-"""Entries computed at a time: ~20 float32 operations per chunk run over buffers of 1 MB that stay in the
-CPU's cache, while the Python overhead per operation (~5 us) stays small against the work."""
+"""Entries computed at a time on the CPU: ~20 float32 operations per chunk run over buffers of 1 MB that stay in
+the CPU's cache, while the Python overhead per operation (~5 us) stays small against the work."""
+
+DEVICE_CHUNK_ELEMENTS = 1 << 20
+"""Entries computed at a time on another device (a GPU): there a chunk's ~150 operations are as many kernel
+launches (~5-10 us of CPU each, whatever their size), which at CHUNK_ELEMENTS kept the GPU path CPU-bound: the 1b
+dare_ties merge took 59.5 s and 134 CPU-s with --cuda on an H200 against 26.3 s on its CPU (bench/README.md).
+4 MB float32 buffers, ~80 MB of them per worker thread on the device."""
+
+
+def chunk_elements(device: torch.device) -> int:
+    """The chunk size for tensors on `device`."""
+    return CHUNK_ELEMENTS if device.type == "cpu" else DEVICE_CHUNK_ELEMENTS
 
 _UNIT = 1 << 24
 
@@ -96,7 +108,7 @@ class _Buffers(threading.local):
         buf = self.pool.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype, device=device)
-            if numel <= CHUNK_ELEMENTS * chunks:
+            if numel <= chunk_elements(device) * chunks:
                 self.pool[key] = buf
         return buf[:numel].view(tuple(shape))
 
@@ -104,12 +116,12 @@ class _Buffers(threading.local):
 _BUFFERS = _Buffers()
 
 
-def row_chunks(shape: Sequence[int]) -> list[tuple[int, int]]:
-    """[start, end) ranges of dim 0 of about CHUNK_ELEMENTS entries each (whole rows: DELLA ranks rows)."""
+def row_chunks(shape: Sequence[int], chunk: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
+    """[start, end) ranges of dim 0 of about `chunk` entries each (whole rows: DELLA ranks rows)."""
     if len(shape) <= 1:
         return [(0, shape[0] if shape else 1)]  # 0-D, or 1-D: one row to DELLA; small anyway (norms, biases)
     rows, per_row = shape[0], max(1, math.prod(shape[1:]))
-    step = max(1, CHUNK_ELEMENTS // per_row)
+    step = max(1, chunk // per_row)
     return [(r, min(r + step, rows)) for r in range(0, rows, step)] or [(0, 0)]
 
 
@@ -134,21 +146,21 @@ class Piece:
         return t[self.start // width : self.end // width]
 
 
-def pieces(shape: Sequence[int], offset: int, by_rows: bool) -> list[Piece]:
+def pieces(shape: Sequence[int], offset: int, by_rows: bool, chunk: int = CHUNK_ELEMENTS) -> list[Piece]:
     """The chunks a block of `shape` (flat position `offset` of its tensor) is computed in: whole rows when
-    `by_rows`; otherwise flat ranges cut where the tensor's flat position is a multiple of CHUNK_ELEMENTS, so
-    that every chunk but a block's first and last is a full CHUNK_ELEMENTS (whole rows of 5632 entries make
+    `by_rows`; otherwise flat ranges cut where the tensor's flat position is a multiple of `chunk` (chunk_elements
+    of the device), so that every chunk but a block's first and last is a full `chunk` (whole rows of 5632 entries make
     chunks of 259072, more of them, each paying the per-operation overhead) and asks the stream for whole
     keyed chunks of draws (keyed_random.CHUNK). A 0-D or 1-D tensor is one chunk."""
     width = math.prod(shape[1:]) if len(shape) > 1 else 0
     if width == 0:
         return [Piece(0, math.prod(shape), True)]
     if by_rows:
-        return [Piece(r0 * width, r1 * width, True) for r0, r1 in row_chunks(shape)]
+        return [Piece(r0 * width, r1 * width, True) for r0, r1 in row_chunks(shape, chunk)]
     numel = math.prod(shape)
     cuts = [0]
-    first = (-offset) % CHUNK_ELEMENTS or CHUNK_ELEMENTS
-    cuts.extend(range(first, numel, CHUNK_ELEMENTS))
+    first = (-offset) % chunk or chunk
+    cuts.extend(range(first, numel, chunk))
     cuts.append(numel)
     return [Piece(a, b, False) for a, b in zip(cuts, cuts[1:]) if b > a] or [Piece(0, 0, False)]
 
@@ -310,10 +322,11 @@ def gather(
 ) -> Totals:
     """Fold the rows of `tensors` (flat position `offset` on) into each vector's (|d|_1, |d * keep|_1)."""
     if state is None:
-        state = Totals([(BlockedTotal(), BlockedTotal()) for _ in vectors], {})
+        state = Totals([(BlockedTotal(wide=True), BlockedTotal(wide=True)) for _ in vectors], {})
     by_rows = _by_rows(vectors)
     fused = _fused(tensors[base_index])
-    for piece in pieces(tuple(tensors[base_index].shape), offset, by_rows):
+    chunk = chunk_elements(tensors[base_index].device)
+    for piece in pieces(tuple(tensors[base_index].shape), offset, by_rows, chunk):
         base32 = _base32(piece.of(tensors[base_index]))
         for k, (vec, (before, after)) in enumerate(zip(vectors, state.norms)):
             if vec.density >= 1:
@@ -403,7 +416,7 @@ def merge(
     factors = [_factor(v, mix, None if norms is None else norms[k]) for k, v in enumerate(vectors)]
     fused = _fused(base)
     constants = _mix_constants(vectors, mix, factors) if fused else ()
-    for piece in pieces(tuple(base.shape), offset, _by_rows(vectors)):
+    for piece in pieces(tuple(base.shape), offset, _by_rows(vectors), chunk_elements(base.device)):
         base32 = _base32(piece.of(base))
         target = piece.of(out)
         if fused:

@@ -18,6 +18,8 @@ result is as close or closer to a float64 rerun than mergekit's.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 SERIAL_LIMIT = 32768
@@ -109,15 +111,26 @@ class BlockedTotal:
     norm before its first block is written. Fed the blocks in order, this keeps the partial sums `total` would
     make (one per BLOCK entries of the flattened tensor, wherever the pieces are cut) and a carry of fewer
     than BLOCK entries between pieces, so the result does not depend on how the tensor was cut.
+
+    `wide=True` makes the bits independent of the device too, for the keyed methods whose merged bytes must be
+    the same on a GPU (issue 33): a GPU adds a block's entries in another order than the CPU, which in float32
+    moved DARE's L1 norms, and so its rescale and the merged bytes, in their last bits. Wide, each block is summed
+    in float64 (an order changes such a sum by at most ~2e-12 of it, 16384 entries at 2^-53) and the block sums
+    are added by math.fsum (correctly rounded, so in any order); the float32 multiplier a norm feeds can then
+    differ between devices only where a ratio of two norms falls within ~2e-12 of a float32 rounding boundary,
+    about one tensor in 10^4-10^5. The block sums of pieces on a GPU stay there until `result` (one copy to the
+    host, not one synchronisation per piece).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, wide: bool = False) -> None:
         # The partial sums as Python floats (exact: a double holds any float32/16 value), not as one small tensor
         # per piece: those, long-lived between a worker's block-sized temporaries, kept the C heap from reusing
         # its freed blocks (+8 MB of RSS per row block of a 1b embedding's totals pass, bench/README.md).
         self._parts: list[float] = []
+        self._on_device: list[torch.Tensor] = []  # block sums not yet copied from a GPU
         self._like: torch.Tensor | None = None  # an empty tensor of the pieces' dtype and device
         self._carry: torch.Tensor | None = None
+        self._wide = wide
 
     def add(self, piece: torch.Tensor) -> None:
         flat = piece.reshape(-1)
@@ -125,16 +138,26 @@ class BlockedTotal:
             self._like = flat.new_empty(0)
         if self._carry is not None and self._carry.numel():
             flat = torch.cat([self._carry, flat])
-        if not self._parts and flat.numel() < SERIAL_LIMIT:
+        if not self._parts and not self._on_device and flat.numel() < SERIAL_LIMIT:
             self._carry = flat.clone() if flat.data_ptr() == piece.data_ptr() else flat
             return  # the whole tensor may still be small enough for one serial sum
         full = flat.numel() // BLOCK * BLOCK
         if full:
-            self._parts.extend(flat[:full].view(-1, BLOCK).sum(dim=1).tolist())
+            sums = flat[:full].view(-1, BLOCK).sum(dim=1, dtype=torch.float64 if self._wide else None)
+            if flat.device.type == "cpu":
+                self._parts.extend(sums.tolist())
+            else:
+                self._on_device.append(sums)
         self._carry = flat[full:].clone() if full < flat.numel() else None
 
     def result(self) -> torch.Tensor:
         carry = self._carry
+        if self._on_device:
+            self._parts.extend(torch.cat(self._on_device).tolist())
+            self._on_device.clear()
+        if self._wide:
+            rest = [] if carry is None or not carry.numel() else [carry.sum(dtype=torch.float64).item()]
+            return torch.tensor(math.fsum(self._parts + rest), dtype=torch.float64)
         if not self._parts:
             return carry.sum() if carry is not None else torch.zeros(())
         assert self._like is not None

@@ -43,3 +43,25 @@ def resolve_device(device: str | None, *, check: bool = True, what: str = "devic
                 f"`{what} {name}`: this machine has {torch.cuda.device_count()} CUDA device(s) (cuda:0 ...)"
             )
     return name
+
+
+def start_cuda_init(device: str) -> None:
+    """Create the CUDA context of `device` in a background thread, now, where a merge would create it later.
+
+    Why: the context costs ~1-2 s (more on a large card), and the merge first needs it after planning, for the
+    device budget (free memory), so reading the inputs waited for it; started as the command starts, it overlaps
+    the imports' tail and the planning (reading headers). Errors are left for the merge's own first CUDA call to
+    raise where they can be reported; a second start is a no-op (torch's lazy init is locked and runs once)."""
+    if not device.lower().startswith("cuda"):
+        return
+    import threading
+
+    def init() -> None:
+        import torch
+
+        try:
+            torch.cuda.mem_get_info(torch.device(device))
+        except Exception:  # noqa: BLE001 - reported by the merge's own call, which this only anticipates
+            pass
+
+    threading.Thread(target=init, name="mergesmith-cuda-init", daemon=True).start()
