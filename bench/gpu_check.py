@@ -17,7 +17,10 @@ is cut with a line saying so, rather than the whole check overrunning and report
 - a merge case runs when what is left, less the OMP reserve, is at least 1.1x the longest case so far (the first
   case always runs); cases run in the order given, so the ones cut are the last;
 - OMP gets the rest (at most its reserve): mergesmith's run picks the largest batch of targets that fits, and
-  mergekit's runs the same batch.
+  mergekit's runs the same batch;
+- then, while time is left, `--sample` cases are merged again by mergesmith under bench/sample_stacks.py (where
+  every thread spends its time, cache warm), each report written to WORK/sample-CASE.txt: what the next change
+  to the GPU path needs to know, from a machine that is lent for minutes.
 """
 
 from __future__ import annotations
@@ -240,6 +243,37 @@ def run_omp(args: argparse.Namespace, clock: Clock, cut: list[str]) -> dict[str,
     return omp
 
 
+# ------------------------------------------------------------------------------------------------ stack samples
+
+
+def run_samples(args: argparse.Namespace, clock: Clock, cases: list[dict[str, Any]], cut: list[str]) -> list[str]:
+    """Each --sample case merged once more by mergesmith under sample_stacks.py, while 1.5x its merge time is left;
+    the notes naming the reports."""
+    timed = {c["case"]: (c.get("mergesmith") or {}).get("total_s") for c in cases}
+    notes = []
+    for case in args.sample:
+        config = args.work / "out" / "configs" / f"{args.size}-{case}.yml"
+        took = timed.get(case)
+        if took is None or not config.exists():
+            cut.append(f"sample {case}: the case was not merged")
+            continue
+        if clock.left() < 1.5 * took + 5:
+            cut.append(f"sample {case}: out of time ({max(clock.left(), 0):.0f} s left, the merge took {took:.0f} s)")
+            continue
+        report = args.work / f"sample-{case}.txt"
+        merge = bl.mergesmith_cmd(config, args.work / "out" / f"sample-{case}", "5B")
+        cmd = [sys.executable, str(bl.BENCH_DIR / "sample_stacks.py"), "--top", "45", "--out", str(report), "-m",
+               "mergesmith.cli", *merge[merge.index("merge"):], "--overwrite",
+               *(["--cuda"] if args.mode == "cuda" else [])]
+        bl.log(f"sample {case}: {' '.join(cmd[2:])} ...")
+        try:
+            subprocess.run(cmd, capture_output=True, timeout=max(1.0, clock.left()), check=True)
+            notes.append(f"stack sample of {case}: {report}")
+        except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as exc:
+            cut.append(f"sample {case}: {type(exc).__name__}")
+    return notes
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -262,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--omp-full", type=int, default=50_000)
     ap.add_argument("--json", type=Path, default=None, help="write the result here (default WORK/gpu_check.json)")
     ap.add_argument("--header", action="append", default=[], help="a note for the table (repeatable)")
+    ap.add_argument("--sample", default="dare_ties", type=lambda s: [c for c in s.split(",") if c],
+                    help="cases merged again under bench/sample_stacks.py at the end, time allowing ('' for none)")
     return ap
 
 
@@ -303,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result["cases"] = run_merges(args, clock, models, cold, result["cut"])
     result["omp"] = run_omp(args, clock, result["cut"])
+    result["notes"] += run_samples(args, clock, result["cases"], result["cut"])
     result["elapsed_s"] = time.time() - origin
     if clock.left() < 0:
         result["notes"].append(f"overran the deadline by {-clock.left():.0f} s")

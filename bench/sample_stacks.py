@@ -71,6 +71,9 @@ class Sampler:
             ranked = sorted(self.inclusive[group].items(), key=lambda kv: -kv[1])[:top]
             for where, n in ranked:
                 lines.append(f"  {100 * self.leaf[group][where] / count:5.1f}  {100 * n / count:6.1f}  {where}")
+            lines.append("  by self:")
+            for where, n in self.leaf[group].most_common(12):
+                lines.append(f"  {100 * n / count:5.1f}  {100 * self.inclusive[group][where] / count:6.1f}  {where}")
         return "\n".join(lines) + "\n"
 
 
