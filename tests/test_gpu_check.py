@@ -247,3 +247,25 @@ def test_cpu_dry_run_goes_from_a_wheel_folder_to_the_table_and_json(tmp_path: Pa
     assert linear["mergesmith"]["total_s"] > 0 and linear["mergesmith"]["maxrss"] > 0 and linear["floor_s"] > 0
     assert data["omp"]["mergesmith"]["residual"] > 0 and not math.isnan(data["omp"]["mergesmith"]["seconds"])
     assert data["elapsed_s"] < 240 or any("overran" in n for n in data["notes"])
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_without_venvs_runs_the_checkout_on_the_machines_python_and_samples_a_case(tmp_path: Path) -> None:
+    """--no-venv, as on a GPU machine whose image holds the ML stack and whose transfer limit leaves room for a few
+    wheels only: no venv is made, this checkout's src/ is what runs (no mergesmith wheel needed), the wheels that
+    are there are unpacked into WORK/site, and --sample leaves a stack report of the case."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    out = tmp_path / "check.json"
+    proc = _run("bench/gpu_check.sh", str(wheels), "--no-venv", "--cpu-dry-run", "--python", sys.executable,
+                "--work", str(tmp_path / "work"), "--minutes", "3", "--json", str(out), "--",
+                "--models-root", str(tmp_path / "models"), "--cases", "linear", "--sample", "linear",
+                "--test-files", "tests/test_magnitude_blocks.py", timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert not (tmp_path / "work" / "venv-mergesmith").exists()
+    data = json.loads(out.read_text())
+    assert data["cases"][0]["mergesmith"]["total_s"] > 0
+    report = tmp_path / "work" / "sample-linear.txt"
+    assert f"note: stack sample of linear: {report}" in proc.stdout
+    text = report.read_text()
+    assert "== thread group 'MainThread'" in text and "engine/run.py:run_merge" in text
