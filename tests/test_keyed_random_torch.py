@@ -136,6 +136,59 @@ def test_a_window_serves_the_pieces_that_follow(monkeypatch):
     assert np.array_equal(np.concatenate(got), _numpy_draws(4, 1, 100, 6000))
 
 
+def test_a_window_stops_at_the_end_of_the_block(monkeypatch):
+    """A stream made for one row block (the executor's, with `end`) draws ahead up to the block's end, no further:
+    each block gets a fresh stream, so draws past it were computed for nothing (4x the draws of a 1b dare_ties
+    merge in 1M-entry blocks with the 4M window)."""
+    monkeypatch.setattr(keyed_random, "drawn_by_numpy", lambda device: False)
+    monkeypatch.setattr(keyed_random, "WINDOW", 5000)
+    counts = []
+    real = keyed_random_torch.draws
+
+    def counted(seed, stream, start, count, chunk, device):
+        counts.append(count)
+        return real(seed, stream, start, count, chunk, device)
+
+    monkeypatch.setattr(keyed_random_torch, "draws", counted)
+    stream = MaskStream(4, end=2100)
+    got = [stream.draws_on(1, start, 1000, torch.device("cpu")).numpy() for start in (100, 1100)]
+    assert counts == [2000]  # the block's 2000 entries from 100 on, one computation, not the 5000 window
+    assert np.array_equal(np.concatenate(got), _numpy_draws(4, 1, 100, 2000))
+
+
+def test_the_executor_draws_each_entry_once_on_the_device_path(monkeypatch, tmp_path, tiny_models):
+    """dare_ties merged in row blocks on the device path (on the CPU here): the draws computed, over both passes
+    and every block, are one per entry per task vector."""
+    import mergesmith
+    from mergesmith.engine.execution import blocks
+    from mergesmith.kernels import keyed_merge
+
+    base = tiny_models("llama", seed=1)
+    a, b = tiny_models.derive(base, seed=2, scale=0.01), tiny_models.derive(base, seed=3, scale=0.01)
+    cfg = tmp_path / "dare.yml"
+    cfg.write_text(
+        f"merge_method: dare_ties\nbase_model: {base}\nmodels:\n"
+        f"  - model: {a}\n    parameters: {{weight: 0.5, density: 0.5}}\n"
+        f"  - model: {b}\n    parameters: {{weight: 0.5, density: 0.5}}\n"
+    )
+    monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 1024)  # the larger tensors in several row blocks
+    monkeypatch.setattr(keyed_random, "drawn_by_numpy", lambda device: False)
+    monkeypatch.setattr(keyed_merge, "FUSED", False)
+    counts = []
+    real = keyed_random_torch.draws
+
+    def counted(seed, stream, start, count, chunk, device):
+        counts.append(count)
+        return real(seed, stream, start, count, chunk, device)
+
+    monkeypatch.setattr(keyed_random_torch, "draws", counted)
+    plan = mergesmith.plan(str(cfg)).plan
+    merged = sum(r.numel() for r in plan.recipes if r.op == "merge")
+    assert any(len(blocks.row_blocks(r)) > 1 for r in plan.recipes)
+    mergesmith.merge(str(cfg), tmp_path / "out", threads=2, random_seed=3)
+    assert sum(counts) == 2 * merged
+
+
 @pytest.mark.parametrize("method", KEYED)
 def test_merges_on_the_device_path_are_the_cpu_bytes(method, monkeypatch):
     """DARE and DELLA with masks drawn by the torch stream (whole tensors and row blocks with a totals pass, masks

@@ -8,6 +8,7 @@ one line naming the tensor.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -165,8 +166,9 @@ def compute(
             generator = torch.Generator(device="cpu")
             generator.manual_seed(recipe.seed)
         # Methods that draw by entry position get the seed's keyed stream, and where these rows start.
-        stream = MaskStream(recipe.seed) if recipe.seed is not None and spec.keyed_random else None
         offset = 0 if rows is None else rows[0] * (recipe.numel() // max(recipe.shape[0], 1))
+        end = offset + math.prod(shape)  # where these rows end: the stream draws no further ahead
+        stream = MaskStream(recipe.seed, end) if recipe.seed is not None and spec.keyed_random else None
         inputs = MergeInputs(
             tensors=tensors,
             base_index=recipe.base_index,
