@@ -10,6 +10,9 @@
 #   --platform TAG         its platform tag (default manylinux_2_28_x86_64; pip also takes older manylinux wheels)
 #   --torch-version V      the torch the GPU machine has (default 2.13.0, this project's pin): the other packages'
 #                          versions are resolved as if that torch were installed
+#   --only SPECS           only these requirements (comma-separated, e.g. pydantic==2.14.4,mergekit==0.1.5), each
+#                          without its dependencies, and no mergesmith wheel: for `bench/gpu_check.sh --no-venv` on
+#                          a GPU image that holds the rest (bench/README.md names the few the workplace image lacks)
 #   --with-torch           also download torch V itself, the CUDA build PyPI serves for Linux, with its nvidia-*
 #                          and triton wheels (several GB; without it the machine's own CUDA torch is used)
 #   GPU_WHEELS_PYTHON=python3  the interpreter whose pip downloads and builds
@@ -29,7 +32,7 @@ die() {
     exit 2
 }
 
-dir="" platform="manylinux_2_28_x86_64" torch_version="2.13.0" with_torch=0
+dir="" platform="manylinux_2_28_x86_64" torch_version="2.13.0" with_torch=0 only=""
 python_version="$("$py" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -37,6 +40,7 @@ while [ $# -gt 0 ]; do
     --platform) platform="${2:?--platform needs a value}"; shift 2 ;;
     --torch-version) torch_version="${2:?--torch-version needs a value}"; shift 2 ;;
     --with-torch) with_torch=1; shift ;;
+    --only) only="${2:?--only needs a comma-separated list}"; shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) [ -z "$dir" ] || die "one DIR only (got $dir and $1)"; dir="$1"; shift ;;
@@ -50,23 +54,41 @@ dir="$(cd "$dir" && pwd)"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
+# platform_tags TAG: TAG and every older manylinux tag (a manylinux_2_N machine also runs those; pip before 24
+# only takes the tags it is given)
+platform_tags() {
+    local tags=(--platform "$1")
+    if [[ "$1" =~ ^manylinux_2_([0-9]+)_(.+)$ ]]; then
+        local glibc="${BASH_REMATCH[1]}" arch="${BASH_REMATCH[2]}" m
+        for ((m = glibc - 1; m >= 5; m--)); do
+            tags+=(--platform "manylinux_2_${m}_${arch}")
+        done
+        [ "$glibc" -lt 17 ] || tags+=(--platform "manylinux2014_${arch}")
+        [ "$glibc" -lt 12 ] || tags+=(--platform "manylinux2010_${arch}")
+        tags+=(--platform "manylinux1_${arch}")
+    fi
+    printf '%s\n' "${tags[@]}"
+}
+mapfile -t platforms < <(platform_tags "$platform")
+
+if [ -n "$only" ]; then
+    IFS=, read -r -a specs <<<"$only"
+    echo "only ${specs[*]}, without dependencies, for Python $python_version $platform ..." >&2
+    env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$py" -m pip download --quiet --no-deps --only-binary=:all: \
+        "${platforms[@]}" --python-version "$python_version" --implementation cp --abi "cp${python_version/./}" \
+        -d "$dir" "${specs[@]}" >&2
+    { echo "python_version=$python_version"; echo "platform=$platform"; echo "only=$only"
+      (cd "$dir" && ls -1 -- *.whl); } >"$dir/gpu_wheels.txt"
+    echo "$dir: $(find "$dir" -maxdepth 1 -name '*.whl' | wc -l) wheels, $(du -sh "$dir" | cut -f1) (bench/gpu_check.sh $dir --no-venv)"
+    exit 0
+fi
+
 echo "mergesmith: building its wheel from $repo ..." >&2
 rm -f "$dir"/mergesmith-*.whl
 "$py" -m pip wheel --quiet --no-deps -w "$dir" "$repo" >&2
 ms_wheel="$(find "$dir" -maxdepth 1 -name 'mergesmith-*.whl' | head -n 1)"
 [ -n "$ms_wheel" ] || die "pip wheel made no mergesmith wheel in $dir"
 
-# a manylinux_2_N machine also runs every older manylinux wheel; pip (before 24) only takes the tags it is given
-platforms=(--platform "$platform")
-if [[ "$platform" =~ ^manylinux_2_([0-9]+)_(.+)$ ]]; then
-    glibc="${BASH_REMATCH[1]}" arch="${BASH_REMATCH[2]}"
-    for ((m = glibc - 1; m >= 5; m--)); do
-        platforms+=(--platform "manylinux_2_${m}_${arch}")
-    done
-    [ "$glibc" -lt 17 ] || platforms+=(--platform "manylinux2014_${arch}")
-    [ "$glibc" -lt 12 ] || platforms+=(--platform "manylinux2010_${arch}")
-    platforms+=(--platform "manylinux1_${arch}")
-fi
 target=(--only-binary=:all: "${platforms[@]}" --python-version "$python_version" --implementation cp
     --abi "cp${python_version/./}" -d "$dir")
 if [ "$with_torch" = 1 ]; then

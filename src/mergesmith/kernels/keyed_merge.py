@@ -57,15 +57,18 @@ CHUNK_ELEMENTS = 1 << 18
 the CPU's cache, while the Python overhead per operation (~5 us) stays small against the work."""
 
 DEVICE_CHUNK_ELEMENTS = 1 << 20
-"""Entries computed at a time on another device (a GPU): there a chunk's ~150 operations are as many kernel
-launches (~5-10 us of CPU each, whatever their size), which at CHUNK_ELEMENTS kept the GPU path CPU-bound: the 1b
-dare_ties merge took 59.5 s and 134 CPU-s with --cuda on an H200 against 26.3 s on its CPU (bench/README.md).
-4 MB float32 buffers, ~80 MB of them per worker thread on the device."""
+"""Entries computed at a time on another device (a GPU): there each of a chunk's ~30 operations per task vector is a
+kernel launch (~5-10 us of CPU, whatever its size), so the CPU's chunks made 4x the launches for nothing. 4 MB
+float32 buffers, ~80 MB of them per worker thread on the device. Measured on an H200 (bench/README.md, issue 33),
+1b dare_ties with --cuda: 59.5 s before, 49.3 s with these chunks and the device-independent norms (two machines of
+that kind, one run each), against 26.3 s on the CPU; the draws past each row block (keyed_random.MaskStream's `end`,
+found after) were not measured on a GPU."""
 
 
 def chunk_elements(device: torch.device) -> int:
     """The chunk size for tensors on `device`."""
     return CHUNK_ELEMENTS if device.type == "cpu" else DEVICE_CHUNK_ELEMENTS
+
 
 _UNIT = 1 << 24
 
