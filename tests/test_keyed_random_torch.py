@@ -116,33 +116,11 @@ def test_masks_drawn_on_the_device_path_are_the_cpu_masks(monkeypatch):
     assert 0.3 < cpu_keep.float().mean().item() < 0.44  # not all kept or all dropped
 
 
-def test_a_window_serves_the_pieces_that_follow(monkeypatch):
-    """On a device, one computation covers the next pieces of a tensor (a call costs launches, not entries)."""
+@pytest.fixture
+def device_draws(monkeypatch) -> list[int]:
+    """The device path on the CPU (keyed_random_torch's draws, not numpy's), each computation's size recorded."""
     monkeypatch.setattr(keyed_random, "drawn_by_numpy", lambda device: False)
-    monkeypatch.setattr(keyed_random, "WINDOW", 5000)
-    calls = []
-    real = keyed_random_torch.draws
-
-    def counted(*args):
-        calls.append(args)
-        return real(*args)
-
-    monkeypatch.setattr(keyed_random_torch, "draws", counted)
-    stream = MaskStream(4)
-    got = [stream.draws_on(1, start, 1000, torch.device("cpu")).numpy() for start in range(100, 5100, 1000)]
-    assert len(calls) == 1
-    got.append(stream.draws_on(1, 5100, 1000, torch.device("cpu")).numpy())  # past the window: a new one
-    assert len(calls) == 2
-    assert np.array_equal(np.concatenate(got), _numpy_draws(4, 1, 100, 6000))
-
-
-def test_a_window_stops_at_the_end_of_the_block(monkeypatch):
-    """A stream made for one row block (the executor's, with `end`) draws ahead up to the block's end, no further:
-    each block gets a fresh stream, so draws past it were computed for nothing (4x the draws of a 1b dare_ties
-    merge in 1M-entry blocks with the 4M window)."""
-    monkeypatch.setattr(keyed_random, "drawn_by_numpy", lambda device: False)
-    monkeypatch.setattr(keyed_random, "WINDOW", 5000)
-    counts = []
+    counts: list[int] = []
     real = keyed_random_torch.draws
 
     def counted(seed, stream, start, count, chunk, device):
@@ -150,13 +128,32 @@ def test_a_window_stops_at_the_end_of_the_block(monkeypatch):
         return real(seed, stream, start, count, chunk, device)
 
     monkeypatch.setattr(keyed_random_torch, "draws", counted)
+    return counts
+
+
+def test_a_window_serves_the_pieces_that_follow(monkeypatch, device_draws):
+    """On a device, one computation covers the next pieces of a tensor (a call costs launches, not entries)."""
+    monkeypatch.setattr(keyed_random, "WINDOW", 5000)
+    stream = MaskStream(4)
+    got = [stream.draws_on(1, start, 1000, torch.device("cpu")).numpy() for start in range(100, 5100, 1000)]
+    assert len(device_draws) == 1
+    got.append(stream.draws_on(1, 5100, 1000, torch.device("cpu")).numpy())  # past the window: a new one
+    assert len(device_draws) == 2
+    assert np.array_equal(np.concatenate(got), _numpy_draws(4, 1, 100, 6000))
+
+
+def test_a_window_stops_at_the_end_of_the_block(monkeypatch, device_draws):
+    """A stream made for one row block (the executor's, with `end`) draws ahead up to the block's end, no further:
+    each block gets a fresh stream, so draws past it were computed for nothing (4x the draws of a 1b dare_ties
+    merge in 1M-entry blocks with the 4M window)."""
+    monkeypatch.setattr(keyed_random, "WINDOW", 5000)
     stream = MaskStream(4, end=2100)
     got = [stream.draws_on(1, start, 1000, torch.device("cpu")).numpy() for start in (100, 1100)]
-    assert counts == [2000]  # the block's 2000 entries from 100 on, one computation, not the 5000 window
+    assert device_draws == [2000]  # the block's 2000 entries from 100 on, one computation, not the 5000 window
     assert np.array_equal(np.concatenate(got), _numpy_draws(4, 1, 100, 2000))
 
 
-def test_the_executor_draws_each_entry_once_on_the_device_path(monkeypatch, tmp_path, tiny_models):
+def test_the_executor_draws_each_entry_once_on_the_device_path(monkeypatch, tmp_path, tiny_models, device_draws):
     """dare_ties merged in row blocks on the device path (on the CPU here): the draws computed, over both passes
     and every block, are one per entry per task vector."""
     import mergesmith
@@ -172,21 +169,12 @@ def test_the_executor_draws_each_entry_once_on_the_device_path(monkeypatch, tmp_
         f"  - model: {b}\n    parameters: {{weight: 0.5, density: 0.5}}\n"
     )
     monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 1024)  # the larger tensors in several row blocks
-    monkeypatch.setattr(keyed_random, "drawn_by_numpy", lambda device: False)
     monkeypatch.setattr(keyed_merge, "FUSED", False)
-    counts = []
-    real = keyed_random_torch.draws
-
-    def counted(seed, stream, start, count, chunk, device):
-        counts.append(count)
-        return real(seed, stream, start, count, chunk, device)
-
-    monkeypatch.setattr(keyed_random_torch, "draws", counted)
     plan = mergesmith.plan(str(cfg)).plan
     merged = sum(r.numel() for r in plan.recipes if r.op == "merge")
     assert any(len(blocks.row_blocks(r)) > 1 for r in plan.recipes)
     mergesmith.merge(str(cfg), tmp_path / "out", threads=2, random_seed=3)
-    assert sum(counts) == 2 * merged
+    assert sum(device_draws) == 2 * merged
 
 
 @pytest.mark.parametrize("method", KEYED)
