@@ -18,6 +18,7 @@ is cut with a line saying so, rather than the whole check overrunning and report
   case always runs); cases run in the order given, so the ones cut are the last;
 - OMP gets the rest (at most its reserve): mergesmith's run picks the largest batch of targets that fits, and
   mergekit's runs the same batch;
+- the keyed Philox draws are timed on the device (bench/philox_torch.py, a few seconds), a note each;
 - then, while time is left, `--sample` cases are merged again by mergesmith under bench/sample_stacks.py (where
   every thread spends its time, cache warm), each report written to WORK/sample-CASE.txt: what the next change
   to the GPU path needs to know, from a machine that is lent for minutes.
@@ -243,6 +244,27 @@ def run_omp(args: argparse.Namespace, clock: Clock, cut: list[str]) -> dict[str,
     return omp
 
 
+# ------------------------------------------------------------------------------------------------ keyed draws
+
+
+def run_philox(args: argparse.Namespace, clock: Clock, cut: list[str]) -> list[str]:
+    """bench/philox_torch.py on the device (1M draws): what a DARE/DELLA mask costs there against the CPU's compiled
+    generator, the figure that decides where the GPU path should draw them. A note per timed generator."""
+    if clock.left() < OMP_RESERVE_S + 30:
+        cut.append(f"philox: out of time ({max(clock.left(), 0):.0f} s left)")
+        return []
+    device = "cuda" if args.mode == "cuda" else "cpu"
+    cmd = [sys.executable, str(bl.BENCH_DIR / "philox_torch.py"), "--draws", str(1 << 20), "--reps", "3",
+           "--device", device]
+    bl.log(f"philox: {' '.join(cmd[2:])} ...")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True)
+    except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as exc:
+        cut.append(f"philox: {type(exc).__name__}")
+        return []
+    return [f"keyed draws ({device}): {line.strip()}" for line in proc.stdout.splitlines() if "ns/draw" in line]
+
+
 # ------------------------------------------------------------------------------------------------ stack samples
 
 
@@ -252,6 +274,8 @@ def run_samples(args: argparse.Namespace, clock: Clock, cases: list[dict[str, An
     timed = {c["case"]: (c.get("mergesmith") or {}).get("total_s") for c in cases}
     notes = []
     for case in args.sample:
+        if case not in args.cases:  # not asked for in this check
+            continue
         config = args.work / "out" / "configs" / f"{args.size}-{case}.yml"
         took = timed.get(case)
         if took is None or not config.exists():
@@ -338,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             result["cut"].append(f"CUDA tests: stopped after {tests.limit_s:.0f} s")
 
     result["cases"] = run_merges(args, clock, models, cold, result["cut"])
+    result["notes"] += run_philox(args, clock, result["cut"])
     result["omp"] = run_omp(args, clock, result["cut"])
     result["notes"] += run_samples(args, clock, result["cases"], result["cut"])
     result["elapsed_s"] = time.time() - origin
