@@ -356,7 +356,7 @@ def test_device_transfer_bytes_count_inputs_in_their_wire_dtype(tmp_path, tiny_m
 EXACT_ON_GPU = ["linear", "dare_ties", "dare_linear", "della", "della_linear"]
 """Methods whose merged bytes on a GPU are the CPU's (issue 33 items 2 and 3): elementwise arithmetic in the same
 order, the keyed masks drawn on the device with the CPU's bits, the L1 norms of the rescale device-independent
-(reductions.BlockedTotal(wide=True))."""
+(reductions.BlockedTotal(invariant=True))."""
 
 CLOSE_ON_GPU = ["ties", "breadcrumbs", "slerp"]
 """Methods whose bytes on a GPU may differ from the CPU's, by a stated amount (_assert_gpu_close): ties and

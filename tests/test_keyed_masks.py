@@ -86,27 +86,43 @@ def test_blocked_total_equals_total_however_cut(dtype):
 
 
 @pytest.mark.parametrize("numel", [20_000, 300_001])
-def test_wide_blocked_total_does_not_depend_on_cuts_or_on_the_order_within_a_block(numel):
-    """The device-independent total (keyed methods' L1 norms): the same float64 bits however the tensor is cut
-    and whichever order a block's entries are added in (a GPU's tree reduction against the CPU's loop: here the
-    block reversed and reshuffled), and the exact sum to ~1e-12 of it."""
+def test_invariant_blocked_total_does_not_depend_on_cuts_or_on_the_code_that_adds(numel, monkeypatch):
+    """The device-independent total (keyed methods' L1 norms): the same bits however the tensor is cut, whether
+    the compiled loop or the torch operations (what a GPU runs) add the blocks, and the exact sum to float32's
+    pairwise accuracy."""
+    from mergesmith.kernels import keyed_kernels, reductions
+
     x = torch.rand(numel, generator=torch.Generator().manual_seed(2)) * torch.logspace(-6, 0, numel)
-    wide = []
-    for cuts in ([0, numel], [0, 17, 16_384, 16_385, numel - 1, numel], [*range(0, numel, 999), numel]):
-        acc = BlockedTotal(wide=True)
-        for a, b in zip(cuts, cuts[1:]):
-            acc.add(x[a:b])
-        wide.append(acc.result())
-    assert all(w.dtype == torch.float64 and torch.equal(w, wide[0]) for w in wide)
+    keyed_kernels.warm()
+    totals = []
+    for compiled in (True, False):
+        monkeypatch.setattr(reductions, "_compiled", lambda flat, on=compiled: on)
+        for cuts in ([0, numel], [0, 17, 16_384, 16_385, numel - 1, numel], [*range(0, numel, 999), numel]):
+            acc = BlockedTotal(invariant=True)
+            for a, b in zip(cuts, cuts[1:]):
+                acc.add(x[a:b])
+            totals.append(acc.result())
+    assert all(t.dtype == torch.float64 and torch.equal(t, totals[0]) for t in totals)
     exact = math.fsum(x.double().tolist())
-    assert abs(wide[0].item() - exact) <= 1e-12 * exact
-    # another order within each block of 16384 (what another device's reduction does): bits of the float32
-    # multiplier a ratio of such norms makes do not move
-    blocks = [x[i : i + 16_384] for i in range(0, numel, 16_384)]
-    shuffled = torch.cat([b[torch.randperm(b.numel(), generator=torch.Generator().manual_seed(3))] for b in blocks])
-    acc = BlockedTotal(wide=True)
-    acc.add(shuffled)
-    assert np.float32(acc.result().item() / 7.0) == np.float32(wide[0].item() / 7.0)
+    assert abs(totals[0].item() - exact) <= 1e-6 * exact
+
+
+def test_tree_block_sums_are_the_same_bits_compiled_and_in_torch(monkeypatch):
+    """keyed_kernels' loop and reductions' torch operations (a GPU's path) add in the same order: equal bits on
+    values of every magnitude, signs and zeros included."""
+    from mergesmith.kernels import keyed_kernels, reductions
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8 * 16_384, generator=g) * torch.logspace(-30, 30, 8 * 16_384)
+    x[::7] = 0.0
+    keyed_kernels.warm()
+    out = np.empty(8, dtype=np.float32)
+    keyed_kernels.tree_block_sums(x.numpy(), 16_384, np.empty(8_192, dtype=np.float32), out)
+    compiled_path = reductions.tree_block_sums(x)
+    monkeypatch.setattr(reductions, "_compiled", lambda flat: False)
+    torch_path = reductions.tree_block_sums(x)
+    assert torch.equal(torch.from_numpy(out), torch_path) and torch.equal(compiled_path, torch_path)
+    assert torch.isfinite(torch_path).all() and torch_path.abs().max() > 1e20  # the magnitudes did reach the sums
 
 
 def _models(shape, dtype, n=3, seed=0):
@@ -179,8 +195,8 @@ def test_flat_chunks_start_at_multiples_of_the_chunk_size_of_the_tensor():
     assert all(p.start % 5632 == 0 and p.end % 5632 == 0 for p in rows)
 
 
-def _wide_l1(t: torch.Tensor) -> float:
-    acc = BlockedTotal(wide=True)
+def _invariant_l1(t: torch.Tensor) -> float:
+    acc = BlockedTotal(invariant=True)
     acc.add(t.abs())
     return float(acc.result())
 
@@ -196,7 +212,7 @@ def test_rescale_keeps_each_task_vectors_l1_norm_exactly_as_the_formula_says():
     delta = tuned - base
     kept = out - base
     mask = keyed_merge.keep_flags(MaskStream(2), keyed_merge.Vector(1, 0, 1.0, 0.3), 0, delta).float()
-    factor = np.float32(_wide_l1(delta) / _wide_l1(delta * mask))  # the norms' ratio, rounded once to float32
+    factor = np.float32(_invariant_l1(delta) / _invariant_l1(delta * mask))  # the norms' ratio, rounded once to float32
     assert torch.equal(out, base + delta * mask * float(factor))
     assert kept.abs().sum().item() == pytest.approx(delta.abs().sum().item(), rel=1e-4)
     assert (kept != 0).float().mean().item() == pytest.approx(0.3, abs=0.01)

@@ -118,6 +118,29 @@ def magnitudes(base, x, flags, mags, kept):
 
 
 @compiled
+def tree_block_sums(values, block, scratch, out):
+    """out[b] = the pairwise sum of values[b * block : (b + 1) * block] (block a power of two, scratch block // 2
+    entries): halves added entry by entry, then halves of those, down to one; reductions.tree_block_sums' torch
+    operations in the same order, so the same bits, at ~0.05 ns an entry (each level slices from 0: a computed
+    index would keep LLVM from vectorising, 0.30 ns)."""
+    half = block // 2
+    for b in range(out.shape[0]):
+        start = b * block
+        low = values[start : start + half]
+        high = values[start + half : start + block]
+        for i in range(half):
+            scratch[i] = low[i] + high[i]
+        width = half // 2
+        while width >= 1:
+            head = scratch[:width]
+            tail = scratch[width : 2 * width]
+            for i in range(width):
+                head[i] = head[i] + tail[i]
+            width //= 2
+        out[b] = scratch[0]
+
+
+@compiled
 def mix(base, xs, flags, masked, factors, weights, consensus, normalize, divisor, lam, scale, out):
     """out = base + lam * mix of the task vectors xs[k] - base, masked (where masked[k]) by the 0/1 flags of row
     k of `flags` and multiplied by factors[k]: keyed_merge.merge's and keyed_merge._mix's operations, entry by entry.
@@ -200,6 +223,7 @@ def _compile_all() -> None:
     flags = np.zeros((1, 1), dtype=np.uint8)
     philox_draws(np.uint64(0), np.uint64(0), 0, 0, 8, np.empty(1, dtype=np.uint32))
     magnitudes(one, one, flags[0], one, one)
+    tree_block_sums(np.zeros(2, dtype=np.float32), 2, one, one)
     masked = np.ones(1, dtype=np.bool_)
     for consensus in (0, 1):
         mix(one, one.reshape(1, 1), flags, masked, one, one, consensus, True, np.float32(1), np.float32(1), True, one)

@@ -15,8 +15,8 @@ operations compute it on other devices, and are the reference the tests compare 
 
 What stays as it was: the keep mask of entry j is decided by the keyed draw of (seed, tensor, task vector,
 flat position j) (keyed_random.MaskStream), so outputs do not depend on threads, order, blocks, the device
-or a resume; the L1 norms of the rescale are wide BlockedTotal sums, which do not depend on how rows are cut, nor
-(to ~1e-12 of them, see BlockedTotal) on the device.
+or a resume; the L1 norms of the rescale are invariant BlockedTotal sums, which do not depend on how rows are cut,
+nor on the device.
 
 The arithmetic (methods/task_arithmetic.py states the method): per task vector d = x - base (exact in float32 for
 16-bit inputs), W = d * keep * (weight * |d|_1 / |d * keep|_1) (the rescale factor where `rescale` and both
@@ -325,7 +325,7 @@ def gather(
 ) -> Totals:
     """Fold the rows of `tensors` (flat position `offset` on) into each vector's (|d|_1, |d * keep|_1)."""
     if state is None:
-        state = Totals([(BlockedTotal(wide=True), BlockedTotal(wide=True)) for _ in vectors], {})
+        state = Totals([(BlockedTotal(invariant=True), BlockedTotal(invariant=True)) for _ in vectors], {})
     by_rows = _by_rows(vectors)
     fused = _fused(tensors[base_index])
     chunk = chunk_elements(tensors[base_index].device)

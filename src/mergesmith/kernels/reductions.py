@@ -113,17 +113,16 @@ class BlockedTotal:
     make (one per BLOCK entries of the flattened tensor, wherever the pieces are cut) and a carry of fewer
     than BLOCK entries between pieces, so the result does not depend on how the tensor was cut.
 
-    `wide=True` makes the bits independent of the device too, for the keyed methods whose merged bytes must be
-    the same on a GPU (issue 33): a GPU adds a block's entries in another order than the CPU, which in float32
-    moved DARE's L1 norms, and so its rescale and the merged bytes, in their last bits. Wide, each block is summed
-    in float64 (an order changes such a sum by at most ~2e-12 of it, 16384 entries at 2^-53) and the block sums
-    are added by math.fsum (correctly rounded, so in any order); the float32 multiplier a norm feeds can then
-    differ between devices only where a ratio of two norms falls within ~2e-12 of a float32 rounding boundary,
-    about one tensor in 10^4-10^5. The block sums of pieces on a GPU stay there until `result` (one copy to the
-    host, not one synchronisation per piece).
+    `invariant=True` makes the bits independent of the device too, for the keyed methods whose merged bytes must
+    be the same on a GPU (issue 33): a GPU adds a block's entries in another order than the CPU, which moved DARE's
+    L1 norms, and so its rescale and the merged bytes, in their last bits (seen on an H200). Invariant, each block
+    is summed pairwise in a fixed order (tree_block_sums: every step one float32 addition, the same on any device,
+    by a compiled loop on the CPU and torch operations elsewhere), the last block zero-padded, and the block sums
+    are added by math.fsum (correctly rounded, so in any order); the result is a float64 0-dim tensor. Block sums
+    of pieces on a GPU stay there until `result` (one copy to the host, not one synchronisation per piece).
     """
 
-    def __init__(self, wide: bool = False) -> None:
+    def __init__(self, invariant: bool = False) -> None:
         # The partial sums as Python floats (exact: a double holds any float32/16 value), not as one small tensor
         # per piece: those, long-lived between a worker's block-sized temporaries, kept the C heap from reusing
         # its freed blocks (+8 MB of RSS per row block of a 1b embedding's totals pass, bench/README.md).
@@ -131,7 +130,7 @@ class BlockedTotal:
         self._on_device: list[torch.Tensor] = []  # block sums not yet copied from a GPU
         self._like: torch.Tensor | None = None  # an empty tensor of the pieces' dtype and device
         self._carry: torch.Tensor | None = None
-        self._wide = wide
+        self._invariant = invariant
 
     def add(self, piece: torch.Tensor) -> None:
         flat = piece.reshape(-1)
@@ -144,26 +143,24 @@ class BlockedTotal:
             return  # the whole tensor may still be small enough for one serial sum
         full = flat.numel() // BLOCK * BLOCK
         if full:
-            if self._wide:
-                for start in range(0, full, WIDE_SLICE):
-                    self._keep(_wide_block_sums(flat[start : min(full, start + WIDE_SLICE)]))
+            sums = tree_block_sums(flat[:full]) if self._invariant else flat[:full].view(-1, BLOCK).sum(dim=1)
+            if sums.device.type == "cpu":
+                self._parts.extend(sums.tolist())
             else:
-                self._keep(flat[:full].view(-1, BLOCK).sum(dim=1))
+                self._on_device.append(sums)
         self._carry = flat[full:].clone() if full < flat.numel() else None
-
-    def _keep(self, sums: torch.Tensor) -> None:
-        if sums.device.type == "cpu":
-            self._parts.extend(sums.tolist())
-        else:
-            self._on_device.append(sums)
 
     def result(self) -> torch.Tensor:
         carry = self._carry
         if self._on_device:
             self._parts.extend(torch.cat(self._on_device).tolist())
             self._on_device.clear()
-        if self._wide:
-            rest = [] if carry is None or not carry.numel() else [carry.sum(dtype=torch.float64).item()]
+        if self._invariant:
+            rest: list[float] = []
+            if carry is not None and carry.numel():
+                padded = carry.new_zeros(-(-carry.numel() // BLOCK) * BLOCK)
+                padded[: carry.numel()] = carry
+                rest = tree_block_sums(padded).tolist()
             return torch.tensor(math.fsum(self._parts + rest), dtype=torch.float64)
         if not self._parts:
             return carry.sum() if carry is not None else torch.zeros(())
@@ -174,28 +171,51 @@ class BlockedTotal:
         return total(torch.cat(parts))
 
 
-WIDE_SLICE = 64 * BLOCK
-"""Entries widened to float64 at a time by a wide BlockedTotal, into a reused per-thread buffer (_WIDE)."""
-
-
-class _WideBuffers(threading.local):
+class _Scratch(threading.local):
     def __init__(self) -> None:
-        self.by_device: dict[torch.device, torch.Tensor] = {}
+        self.by_device: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-_WIDE = _WideBuffers()
+_SCRATCH = _Scratch()
 
 
-def _wide_block_sums(flat: torch.Tensor) -> torch.Tensor:
-    """float64 sums of the BLOCK-entry blocks of `flat` (at most WIDE_SLICE entries), widened in a reused buffer.
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A per-thread work buffer of at least `numel` entries, reused (a fresh one per call faults its pages in:
+    a float64 version of these sums cost the 1b dare_ties merge 6-9 s of system time against 2.6 s)."""
+    key = (device, dtype)
+    buffer = _SCRATCH.by_device.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _SCRATCH.by_device[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel]
 
-    Why not `sum(dim=1, dtype=torch.float64)`: that widens into a fresh tensor-sized temporary, whose pages fault
-    in on every call (a 2 MB allocation is its own mmap): the 1b dare_ties merge spent 6-9 s of system time
-    against 2.6 s (three alternating runs each, this VM). Widened here, the float64 sums cost ~0.2 ns an entry on
-    this CPU against 0.04 for float32 ones (~+1 CPU-s on the 1b dare_ties merge); a compiled float64 loop (numba,
-    with or without reassociation) and numpy's dtype=float64 reduction were no faster (0.25-0.30 ns)."""
-    buffer = _WIDE.by_device.get(flat.device)
-    if buffer is None:
-        buffer = _WIDE.by_device[flat.device] = torch.empty(WIDE_SLICE, dtype=torch.float64, device=flat.device)
-    wide = buffer[: flat.numel()].copy_(flat)
-    return wide.view(-1, BLOCK).sum(dim=1)
+
+def tree_block_sums(flat: torch.Tensor) -> torch.Tensor:
+    """The pairwise sums of the BLOCK-entry blocks of `flat` (its length a multiple of BLOCK), in its dtype: the
+    two halves of each block added entry by entry, then the halves of that, down to one entry. Every step is one
+    addition per entry, whose result IEEE arithmetic fixes, so these bits are the same on every device and with
+    any vector width: keyed_kernels.tree_block_sums computes them on the CPU (one pass, ~0.05 ns an entry, as
+    fast as torch's own float32 sum here; a float64 sum, the first device-independent version, cost ~0.2 ns, +0.9 s
+    on the 1b dare_ties merge), these torch operations elsewhere (a dozen kernel launches a piece)."""
+    rows = flat.numel() // BLOCK
+    half = BLOCK // 2
+    if flat.device.type == "cpu" and flat.is_contiguous() and flat.dtype == torch.float32 and _compiled(flat):
+        from . import keyed_kernels
+
+        out = torch.empty(rows, dtype=flat.dtype)
+        scratch = _scratch(half, flat.dtype, flat.device)
+        keyed_kernels.tree_block_sums(flat.numpy(), BLOCK, scratch.numpy(), out.numpy())
+        return out
+    blocks = flat.view(rows, BLOCK)
+    level = _scratch(rows * half, flat.dtype, flat.device).view(rows, half)
+    torch.add(blocks[:, :half], blocks[:, half:], out=level)
+    width = half
+    while width > 1:
+        width //= 2
+        level[:, :width].add_(level[:, width : 2 * width])
+    return level[:, 0].clone()
+
+
+def _compiled(flat: torch.Tensor) -> bool:
+    from . import keyed_kernels
+
+    return keyed_kernels.KERNELS.ready(flat.numel())
