@@ -130,14 +130,13 @@ make_venv() {
 }
 
 args=(--mode "$mode" --deadline "$deadline" --minutes "$minutes" --size "$size" --work "$work")
+mk_py=""  # the python beside whose mergekit-yaml gpu_check.py runs mergekit
 if [ "$venv" = 1 ]; then
     make_venv "$work/venv-mergesmith" "$ms_wheel" "mergesmith[hf]" pytest hypothesis
     ms_py="$work/venv-mergesmith/bin/python"
     if [ -n "$mk_wheel" ]; then
         make_venv "$work/venv-mergekit" "$mk_wheel" "mergekit==0.1.5"
-        args+=(--mergekit-python "$work/venv-mergekit/bin/python")
-    else
-        echo "no mergekit-0.1.5 wheel in $wheels: mergesmith alone" >&2
+        mk_py="$work/venv-mergekit/bin/python"
     fi
     unset PYTHONPATH  # the installed wheel is what is checked, not a source tree
 else
@@ -157,10 +156,13 @@ else
         printf '#!/bin/sh\nexec %q "$@"\n' "$ms_py" >"$site/bin/python"
         chmod +x "$site/bin/python"
         [ -x "$site/bin/mergekit-yaml" ] || die "the mergekit wheel in $wheels installed no $site/bin/mergekit-yaml"
-        args+=(--mergekit-python "$site/bin/python")
-    else
-        echo "no mergekit-0.1.5 wheel in $wheels: mergesmith alone" >&2
+        mk_py="$site/bin/python"
     fi
+fi
+if [ -n "$mk_py" ]; then
+    args+=(--mergekit-python "$mk_py")
+else
+    echo "no mergekit-0.1.5 wheel in $wheels: mergesmith alone" >&2
 fi
 if [ "$mode" = cuda ]; then
     "$ms_py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' ||

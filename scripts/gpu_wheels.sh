@@ -54,29 +54,25 @@ dir="$(cd "$dir" && pwd)"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
-# platform_tags TAG: TAG and every older manylinux tag (a manylinux_2_N machine also runs those; pip before 24
-# only takes the tags it is given)
-platform_tags() {
-    local tags=(--platform "$1")
-    if [[ "$1" =~ ^manylinux_2_([0-9]+)_(.+)$ ]]; then
-        local glibc="${BASH_REMATCH[1]}" arch="${BASH_REMATCH[2]}" m
-        for ((m = glibc - 1; m >= 5; m--)); do
-            tags+=(--platform "manylinux_2_${m}_${arch}")
-        done
-        [ "$glibc" -lt 17 ] || tags+=(--platform "manylinux2014_${arch}")
-        [ "$glibc" -lt 12 ] || tags+=(--platform "manylinux2010_${arch}")
-        tags+=(--platform "manylinux1_${arch}")
-    fi
-    printf '%s\n' "${tags[@]}"
-}
-mapfile -t platforms < <(platform_tags "$platform")
+# a manylinux_2_N machine also runs every older manylinux wheel; pip (before 24) only takes the tags it is given
+platforms=(--platform "$platform")
+if [[ "$platform" =~ ^manylinux_2_([0-9]+)_(.+)$ ]]; then
+    glibc="${BASH_REMATCH[1]}" arch="${BASH_REMATCH[2]}"
+    for ((m = glibc - 1; m >= 5; m--)); do
+        platforms+=(--platform "manylinux_2_${m}_${arch}")
+    done
+    [ "$glibc" -lt 17 ] || platforms+=(--platform "manylinux2014_${arch}")
+    [ "$glibc" -lt 12 ] || platforms+=(--platform "manylinux2010_${arch}")
+    platforms+=(--platform "manylinux1_${arch}")
+fi
+target=(--only-binary=:all: "${platforms[@]}" --python-version "$python_version" --implementation cp
+    --abi "cp${python_version/./}" -d "$dir")
 
 if [ -n "$only" ]; then
     IFS=, read -r -a specs <<<"$only"
     echo "only ${specs[*]}, without dependencies, for Python $python_version $platform ..." >&2
-    env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$py" -m pip download --quiet --no-deps --only-binary=:all: \
-        "${platforms[@]}" --python-version "$python_version" --implementation cp --abi "cp${python_version/./}" \
-        -d "$dir" "${specs[@]}" >&2
+    env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$py" -m pip download --quiet --no-deps "${target[@]}" \
+        "${specs[@]}" >&2
     { echo "python_version=$python_version"; echo "platform=$platform"; echo "only=$only"
       (cd "$dir" && ls -1 -- *.whl); } >"$dir/gpu_wheels.txt"
     echo "$dir: $(find "$dir" -maxdepth 1 -name '*.whl' | wc -l) wheels, $(du -sh "$dir" | cut -f1) (bench/gpu_check.sh $dir --no-venv)"
@@ -89,8 +85,6 @@ rm -f "$dir"/mergesmith-*.whl
 ms_wheel="$(find "$dir" -maxdepth 1 -name 'mergesmith-*.whl' | head -n 1)"
 [ -n "$ms_wheel" ] || die "pip wheel made no mergesmith wheel in $dir"
 
-target=(--only-binary=:all: "${platforms[@]}" --python-version "$python_version" --implementation cp
-    --abi "cp${python_version/./}" -d "$dir")
 if [ "$with_torch" = 1 ]; then
     # the registry's torch (CUDA on Linux), never a local +cpu build a find-links folder may hold
     echo "torch==$torch_version" >"$tmp/constraints.txt"

@@ -36,7 +36,6 @@ value sort, ~10x cheaper than torch's argsort (bench/profile_task_vectors.py).
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +46,7 @@ from . import keyed_kernels, keyed_random
 from .compiled import CONSENSUS_CODES
 from .keyed_random import MaskStream
 from .reductions import BlockedTotal
+from .work_buffers import WorkBuffers
 
 F32 = torch.float32
 L1_EPS = 1e-7
@@ -94,29 +94,16 @@ class Mix:
     lam: float
 
 
-class _Buffers(threading.local):
-    """Per-thread float32 (and other) work buffers, reused across chunks and blocks: no fresh pages per
-    operation, and the C heap is not left holding block-sized holes between tensors."""
-
-    def __init__(self) -> None:
-        self.pool: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
-
-    def get(
-        self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device, chunks: int = 1
-    ) -> torch.Tensor:
-        """A buffer of `shape`, kept for the next chunk up to `chunks` chunks' worth of entries (a one-row tensor
-        may be larger than a chunk: its buffer is not kept)."""
-        numel = math.prod(shape)
-        key = (name, dtype, device)
-        buf = self.pool.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            if numel <= chunk_elements(device) * chunks:
-                self.pool[key] = buf
-        return buf[:numel].view(tuple(shape))
+_BUFFERS = WorkBuffers()
+"""Per-thread float32 (and other) work buffers, reused across chunks and blocks (see _buffer)."""
 
 
-_BUFFERS = _Buffers()
+def _buffer(
+    name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device, chunks: int = 1
+) -> torch.Tensor:
+    """A work buffer of `shape`, kept for the next chunk up to `chunks` chunks' worth of entries (a one-row tensor
+    may be larger than a chunk: its buffer is not kept)."""
+    return _BUFFERS.get(name, shape, dtype, device, keep_up_to=chunk_elements(device) * chunks)
 
 
 def row_chunks(shape: Sequence[int], chunk: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
@@ -283,7 +270,7 @@ def _as_factors(flags: np.ndarray | torch.Tensor, like: torch.Tensor) -> torch.T
     """The flags as 0/1 float32 in a work buffer shaped like `like`: a float32 mask multiplies ~5x faster than
     a bool one (torch casts bool operands entry by entry), and uint8 converts to float32 ~7x faster than bool
     (bench/README.md, issue 21)."""
-    keep = _BUFFERS.get("keep", like.shape, F32, like.device)
+    keep = _buffer("keep", like.shape, F32, like.device)
     if isinstance(flags, torch.Tensor):  # drawn on the device (keep_mask)
         return keep.copy_(flags.view(torch.uint8).view(like.shape))
     return keep.copy_(torch.from_numpy(flags.view(np.uint8)).view(like.shape))
@@ -293,13 +280,13 @@ def _as_factors(flags: np.ndarray | torch.Tensor, like: torch.Tensor) -> torch.T
 
 
 def _task_vector(name: str, x: torch.Tensor, base32: torch.Tensor) -> torch.Tensor:
-    d = _BUFFERS.get(name, base32.shape, F32, base32.device)
+    d = _buffer(name, base32.shape, F32, base32.device)
     d.copy_(x)
     return d.sub_(base32)
 
 
 def _base32(base: torch.Tensor) -> torch.Tensor:
-    b = _BUFFERS.get("base", base.shape, F32, base.device)
+    b = _buffer("base", base.shape, F32, base.device)
     return b.copy_(base)
 
 
@@ -335,12 +322,12 @@ def gather(
             if vec.density >= 1:
                 continue
             start = offset + piece.start
-            mags = _BUFFERS.get("abs", base32.shape, F32, base32.device)
+            mags = _buffer("abs", base32.shape, F32, base32.device)
             if fused:  # |d| and |d * keep| by one compiled loop
-                x = _BUFFERS.get("x", base32.shape, F32, base32.device).copy_(piece.of(tensors[vec.index]))
+                x = _buffer("x", base32.shape, F32, base32.device).copy_(piece.of(tensors[vec.index]))
                 flags = _keep_of(stream, vec, start, x, base32)
                 packed = np.packbits(flags)
-                kept = _BUFFERS.get("kept", base32.shape, F32, base32.device)
+                kept = _buffer("kept", base32.shape, F32, base32.device)
                 keyed_kernels.magnitudes(_flat(base32), _flat(x), flags.view(np.uint8), _flat(mags), _flat(kept))
                 before.add(mags)
                 after.add(kept)
@@ -374,7 +361,7 @@ def _keep_of(stream: MaskStream, vec: Vector, start: int, x32: torch.Tensor, bas
     in a work buffer, DARE needs only its size)."""
     like = x32
     if vec.epsilon is not None and 0 < vec.density < 1:
-        like = torch.sub(x32, base32, out=_BUFFERS.get("d0", x32.shape, F32, x32.device))
+        like = torch.sub(x32, base32, out=_buffer("d0", x32.shape, F32, x32.device))
     flags = keep_array(stream, vec, start, like)
     assert flags is not None
     return flags
@@ -477,8 +464,8 @@ def _merge_fused(
     flags one byte an entry in another, then one compiled pass (`constants`: _mix_constants); the rounding to
     the output dtype is torch's, as on the torch path."""
     numel = base32.numel()
-    xs = _BUFFERS.get("xs", (len(vectors), numel), F32, base32.device, chunks=len(vectors))
-    flags = _BUFFERS.get("flags", (len(vectors), numel), torch.uint8, torch.device("cpu"), chunks=len(vectors))
+    xs = _buffer("xs", (len(vectors), numel), F32, base32.device, chunks=len(vectors))
+    flags = _buffer("flags", (len(vectors), numel), torch.uint8, torch.device("cpu"), chunks=len(vectors))
     flags = flags.numpy()
     masked = np.zeros(len(vectors), dtype=np.bool_)
     for k, vec in enumerate(vectors):
@@ -488,7 +475,7 @@ def _merge_fused(
             flags[k], masked[k] = np.unpackbits(packed, count=numel), True
         elif vec.density < 1:
             flags[k], masked[k] = _keep_of(stream, vec, start, x, base32).view(np.uint8), True
-    result = _BUFFERS.get("out", base32.shape, F32, base32.device)
+    result = _buffer("out", base32.shape, F32, base32.device)
     keyed_kernels.mix(_flat(base32), xs.numpy(), flags, masked, *constants, _flat(result))
     target.copy_(result.view(target.shape))  # the one rounding
 
@@ -509,15 +496,15 @@ def _mix(weighted: list[torch.Tensor], weights: list[float], mix: Mix) -> torch.
         if mix.normalize:
             acc.div_(_plain_divisor(weights))
         return acc
-    tmp = _BUFFERS.get("tmp", shape, F32, device)
-    pos = _BUFFERS.get("pos", shape, F32, device)
-    neg = _BUFFERS.get("neg", shape, F32, device)
+    tmp = _buffer("tmp", shape, F32, device)
+    pos = _buffer("pos", shape, F32, device)
+    neg = _buffer("neg", shape, F32, device)
     torch.clamp_min(weighted[0], 0, out=pos)
     torch.clamp_max(weighted[0], 0, out=neg)
     for w in weighted[1:]:
         pos.add_(torch.clamp_min(w, 0, out=tmp))
         neg.add_(torch.clamp_max(w, 0, out=tmp))
-    votes = _BUFFERS.get("votes", shape, F32, device)
+    votes = _buffer("votes", shape, F32, device)
     if mix.consensus == "sum":
         torch.add(pos, neg, out=votes)
     elif mix.consensus == "count":
@@ -527,11 +514,11 @@ def _mix(weighted: list[torch.Tensor], weights: list[float], mix: Mix) -> torch.
     else:
         raise ValueError(f"consensus_method must be one of sum, count, got {mix.consensus!r}")
     # 1 where votes >= 0, else 0: sign + 1 is 2, 1 or 0, capped at 1 (torch.heaviside is ~20x slower on the CPU)
-    elected = torch.sign(votes, out=_BUFFERS.get("elected", shape, F32, device)).add_(1).clamp_max_(1)
+    elected = torch.sign(votes, out=_buffer("elected", shape, F32, device)).add_(1).clamp_max_(1)
     divisor = None
     if mix.normalize:  # the weights of the vectors on the elected side, 1 where there are none
-        pos_w = _BUFFERS.get("pos_w", shape, F32, device).zero_()
-        neg_w = _BUFFERS.get("neg_w", shape, F32, device).zero_()
+        pos_w = _buffer("pos_w", shape, F32, device).zero_()
+        neg_w = _buffer("neg_w", shape, F32, device).zero_()
         for w, weight in zip(weighted, weights):
             sign = torch.sign(w, out=tmp)
             pos_w.add_(torch.clamp_min(sign, 0, out=votes), alpha=weight)  # weight where w > 0

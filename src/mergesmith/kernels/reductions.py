@@ -19,9 +19,11 @@ result is as close or closer to a float64 rerun than mergekit's.
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
+
+from . import keyed_kernels
+from .work_buffers import WorkBuffers
 
 SERIAL_LIMIT = 32768
 """ATen's grain size: reductions of fewer input entries run on one thread."""
@@ -171,22 +173,8 @@ class BlockedTotal:
         return total(torch.cat(parts))
 
 
-class _Scratch(threading.local):
-    def __init__(self) -> None:
-        self.by_device: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
-_SCRATCH = _Scratch()
-
-
-def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A per-thread work buffer of at least `numel` entries, reused (a fresh one per call faults its pages in:
-    a float64 version of these sums cost the 1b dare_ties merge 6-9 s of system time against 2.6 s)."""
-    key = (device, dtype)
-    buffer = _SCRATCH.by_device.get(key)
-    if buffer is None or buffer.numel() < numel:
-        buffer = _SCRATCH.by_device[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buffer[:numel]
+_SCRATCH = WorkBuffers()
+"""tree_block_sums' first level, per thread."""
 
 
 def tree_block_sums(flat: torch.Tensor) -> torch.Tensor:
@@ -199,14 +187,12 @@ def tree_block_sums(flat: torch.Tensor) -> torch.Tensor:
     rows = flat.numel() // BLOCK
     half = BLOCK // 2
     if flat.device.type == "cpu" and flat.is_contiguous() and flat.dtype == torch.float32 and _compiled(flat):
-        from . import keyed_kernels
-
         out = torch.empty(rows, dtype=flat.dtype)
-        scratch = _scratch(half, flat.dtype, flat.device)
+        scratch = _SCRATCH.get("tree", (half,), flat.dtype, flat.device)
         keyed_kernels.tree_block_sums(flat.numpy(), BLOCK, scratch.numpy(), out.numpy())
         return out
     blocks = flat.view(rows, BLOCK)
-    level = _scratch(rows * half, flat.dtype, flat.device).view(rows, half)
+    level = _SCRATCH.get("tree", (rows, half), flat.dtype, flat.device)
     torch.add(blocks[:, :half], blocks[:, half:], out=level)
     width = half
     while width > 1:
@@ -216,6 +202,5 @@ def tree_block_sums(flat: torch.Tensor) -> torch.Tensor:
 
 
 def _compiled(flat: torch.Tensor) -> bool:
-    from . import keyed_kernels
-
+    """Whether keyed_kernels' loop may add `flat`'s blocks now (the torch operations give the same bits)."""
     return keyed_kernels.KERNELS.ready(flat.numel())
