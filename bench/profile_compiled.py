@@ -5,7 +5,8 @@ torch/numpy code it stands in for, through the module switches the tests use, on
 data: keyed_merge's totals and merge passes (dare_ties, 2 task vectors, rescale), keyed_random's Philox draws,
 sort_select's replay (TIES' selection of half of a task vector of bf16 magnitudes), bf16_mix's subtraction and
 masking of a bf16 task vector, task_vector_mix's bf16 mix (TIES, sum consensus, normalize), and weighted_sum's
-linear average (3 bf16 models, and 3 float32 ones). Process CPU
+linear average (3 bf16 models, and 3 float32 ones), and reductions' pairwise block sums of DARE's L1 norms (beside
+torch's own float32 block sums, which are not the same on every device). Process CPU
 time, one torch thread, after a warm-up call (which compiles or loads the loops).
 
 Usage::
@@ -25,7 +26,15 @@ os.environ.setdefault("MERGESMITH_KERNELS", "wait")  # the compiled column must 
 import torch  # noqa: E402
 from profile_task_vectors import per_entry  # bench/ is on the path when a script here runs
 
-from mergesmith.kernels import bf16_mix, keyed_merge, keyed_random, sort_select, task_vector_mix, weighted_sum
+from mergesmith.kernels import (
+    bf16_mix,
+    keyed_merge,
+    keyed_random,
+    reductions,
+    sort_select,
+    task_vector_mix,
+    weighted_sum,
+)
 from mergesmith.kernels.keyed_random import MaskStream
 from mergesmith.methods.linear import linear_average
 
@@ -57,6 +66,7 @@ def main() -> None:
         return keyed_merge.finish(keyed_merge.gather(None, tensors, 0, vectors, MaskStream(3), 0))
 
     floats = [t.float() for t in tensors]
+    mags32 = magnitudes.float()
 
     def stages() -> dict[str, float]:
         done = totals()
@@ -73,6 +83,8 @@ def main() -> None:
             ),
             "linear average, 3 bf16 models": lambda: linear_average(tensors, [0.5, 0.3, 0.2], True),
             "linear average, 3 float32 models": lambda: linear_average(floats, [0.5, 0.3, 0.2], True),
+            "block sums, pairwise (keyed L1 norms)": lambda: reductions.tree_block_sums(mags32),
+            "block sums, torch float32 .sum": lambda: mags32.view(-1, reductions.BLOCK).sum(dim=1),
         }
         return {
             stage: per_entry(fn, n, args.reps)
@@ -87,6 +99,7 @@ def main() -> None:
         (task_vector_mix, "COMPILED_MIX"),
         (bf16_mix, "ELEMENTWISE"),
         (weighted_sum, "ENABLED"),
+        (reductions, "COMPILED_TREE"),
     )
     results = {}
     for compiled in (False, True):

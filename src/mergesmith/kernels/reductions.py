@@ -176,14 +176,19 @@ class BlockedTotal:
 _SCRATCH = WorkBuffers()
 """tree_block_sums' first level, per thread."""
 
+COMPILED_TREE = True
+"""tree_block_sums by keyed_kernels' loop on the CPU once it is compiled (bench/profile_compiled.py switches it off
+to time the torch operations, which give the same bits)."""
+
 
 def tree_block_sums(flat: torch.Tensor) -> torch.Tensor:
     """The pairwise sums of the BLOCK-entry blocks of `flat` (its length a multiple of BLOCK), in its dtype: the
     two halves of each block added entry by entry, then the halves of that, down to one entry. Every step is one
     addition per entry, whose result IEEE arithmetic fixes, so these bits are the same on every device and with
-    any vector width: keyed_kernels.tree_block_sums computes them on the CPU (one pass, ~0.05 ns an entry, as
-    fast as torch's own float32 sum here; a float64 sum, the first device-independent version, cost ~0.2 ns, +0.9 s
-    on the 1b dare_ties merge), these torch operations elsewhere (a dozen kernel launches a piece)."""
+    any vector width: keyed_kernels.tree_block_sums computes them on the CPU (one pass, about as fast as torch's own
+    float32 sum: `python bench/profile_compiled.py --only "block sums"`; a float64 sum, the first
+    device-independent version, cost ~0.2 ns an entry, +0.9 s on the 1b dare_ties merge), these torch operations
+    elsewhere (a dozen kernel launches a piece)."""
     rows = flat.numel() // BLOCK
     half = BLOCK // 2
     if flat.device.type == "cpu" and flat.is_contiguous() and flat.dtype == torch.float32 and _compiled(flat):
@@ -203,4 +208,4 @@ def tree_block_sums(flat: torch.Tensor) -> torch.Tensor:
 
 def _compiled(flat: torch.Tensor) -> bool:
     """Whether keyed_kernels' loop may add `flat`'s blocks now (the torch operations give the same bits)."""
-    return keyed_kernels.KERNELS.ready(flat.numel())
+    return COMPILED_TREE and keyed_kernels.KERNELS.ready(flat.numel())
