@@ -11,24 +11,26 @@ And one place for when they are used: a first compile takes 2-20 s a module (ben
 a small merge, so no merge waits for it. Each module's loops form a KernelGroup that compiles in a background
 thread and is used only once ready; until then the module's numpy/torch path, which gives the same bytes, runs.
 numba's on-disk cache (cache=True) makes every later process's "compile" a ~0.1-0.4 s load.
+
+numba itself is imported by the first group that starts, not with these modules (Deferred): every command imports
+them with the method registry, and most never compile anything.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-try:  # a dependency; the fallbacks are exercised by the tests through each module's switch
-    from numba import njit
-except ImportError:  # pragma: no cover - exercised only where numba is missing
-    njit = None
-
-AVAILABLE = njit is not None
+AVAILABLE = importlib.util.find_spec("numba") is not None
+"""Whether numba is installed (a dependency; the fallbacks are exercised by the tests through each module's switch).
+Asked of the import system, not by importing it: numba's import costs ~0.16 s warm, ~0.5 s cold, and is done
+only when a kernel group starts (see Deferred). An install where the import then fails leaves every group
+unready, so the uncompiled paths run."""
 
 WAIT_ENV = "MERGESMITH_KERNELS"
 """Set to `wait` to have the first use of a kernel group wait for its compile instead of taking the uncompiled path:
@@ -74,11 +76,8 @@ class KernelGroup:
         if not AVAILABLE or self._ready:
             return True
         try:
-            from numba.core.dispatcher import Dispatcher
-
-            module = sys.modules[self._compile_all.__module__]
-            loops = [f for f in vars(module).values() if isinstance(f, Dispatcher) and f.__module__ == module.__name__]
-            return all(bool(f._cache._cache_file._load_index()) for f in loops)
+            loops = loops_of(self._compile_all.__module__)
+            return all(bool(loop.real()._cache._cache_file._load_index()) for loop in loops)
         except Exception:  # noqa: BLE001 - an estimate's detail, never an error
             return True
 
@@ -128,18 +127,110 @@ CONSENSUS_CODES = {None: 0, "sum": 1, "count": 2}
 """How the compiled mixes are told the sign consensus (none, `sum`, `count`)."""
 
 
-def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
-    """`function` compiled to machine code that runs without the GIL, cached on disk (the first use in a fresh
-    install compiles for seconds, later processes load it in ~0.1 s: see KernelGroup), with numpy's float
-    semantics (a division by zero gives inf or nan, not an exception); `function` itself where numba is missing."""
-    if njit is None:
-        return function
+_LOAD_LOCK = threading.RLock()
+_numba: Any = None  # the numba module once loaded
+_extensions: list[Callable[[], None]] = []  # typing hooks (overloads, intrinsics) waiting for numba
+_deferred: list[Deferred] = []
+
+
+class Deferred:
+    """A compiled loop (or a numba intrinsic) made when first needed, so that numba is imported only by a kernel
+    group's compile (in its background thread), never on the way to a merge's first read.
+
+    Why not `njit` at import: the kernel modules are imported with the method registry by every command, and
+    `import numba` took 0.16 s warm and 0.5 s cold of the main thread before the input feed starts (bench/README.md,
+    "Start-up"), and every command on small models, which never starts a compile, paid it for nothing.
+
+    Called from Python it makes the real dispatcher (importing numba) and calls it. Referenced as a global by
+    another compiled loop (or by an overload's implementation), numba types it as the real one: `load` registers
+    a typeof for this class that makes and types the real object, so calls between loops compile as direct
+    calls, as before."""
+
+    def __init__(self, make: Callable[[], Any], function: Callable[..., Any] | None = None, name: str = "") -> None:
+        self._make = make
+        self._real: Any = None
+        self.function = function  # the Python source of a compiled loop (None for an intrinsic)
+        self.__name__ = name or getattr(function, "__name__", "deferred")
+        self.__doc__ = getattr(function, "__doc__", None)
+        self.__module__ = getattr(function, "__module__", __name__)
+        self.__wrapped__ = function
+        _deferred.append(self)
+
+    def real(self) -> Any:
+        """The numba object (dispatcher or intrinsic), made on first use; numba is imported then."""
+        if self._real is None:
+            with _LOAD_LOCK:
+                if self._real is None:
+                    load()
+                    self._real = self._make()
+        return self._real
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.real()(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<compiled {self.__module__}.{self.__name__} ({'made' if self._real is not None else 'deferred'})>"
+
+
+def loaded() -> bool:
+    """Whether numba has been imported by this package's kernels (tests: no merge start-up imports it)."""
+    return _numba is not None
+
+
+def load() -> Any:
+    """Import numba (once), teach it the Deferred objects, and run the typing hooks the kernel modules registered
+    (numba_extension). Raises ImportError where numba cannot be imported: a group's compile then fails and
+    leaves it unready."""
+    global _numba
+    with _LOAD_LOCK:
+        if _numba is None:
+            import numba
+            from numba.extending import typeof_impl
+
+            @typeof_impl.register(Deferred)
+            def _typeof_deferred(value: Deferred, context: Any) -> Any:
+                return numba.typeof(value.real(), context.purpose)
+
+            _numba = numba
+            while _extensions:
+                _extensions.pop(0)()
+        return _numba
+
+
+def numba_extension(register: Callable[[], None]) -> Callable[[], None]:
+    """Run `register` (it defines numba overloads with numba imported inside it) once numba is loaded: now if it
+    is, else with `load`."""
+    with _LOAD_LOCK:
+        if _numba is None:
+            _extensions.append(register)
+        else:
+            register()
+    return register
+
+
+def _jit(function: Callable[..., Any]) -> Any:
+    njit = load().njit
     try:
         # numba's cache goes beside this file (`__pycache__`) where that is writable, else to the user's cache
         # (NUMBA_CACHE_DIR, or ~/.cache/numba under XDG_CACHE_HOME's rule)
         return njit(nogil=True, cache=True, error_model="numpy")(function)
     except RuntimeError:  # no writable place at all (read-only install and home): compile in every process
         return njit(nogil=True, error_model="numpy")(function)
+
+
+def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` compiled to machine code that runs without the GIL, cached on disk (the first use in a fresh
+    install compiles for seconds, later processes load it in ~0.1 s: see KernelGroup), with numpy's float
+    semantics (a division by zero gives inf or nan, not an exception); `function` itself where numba is missing.
+    The dispatcher is made on first use (Deferred)."""
+    if not AVAILABLE:
+        return function
+    return Deferred(lambda: _jit(function), function)
+
+
+def loops_of(module_name: str) -> list[Deferred]:
+    """The compiled loops a module defines (KernelGroup.cached reads their cache index)."""
+    return [d for d in _deferred if d.function is not None and d.__module__ == module_name]
 
 
 @compiled
@@ -170,7 +261,18 @@ def sign(x):
     return np.float32(x > 0) - np.float32(x < 0)
 
 
-if AVAILABLE:
+float32_from_bits: Any = None
+bits_from_float32: Any = None
+fused_multiply_add: Any = None
+mulhilo64: Any = None
+
+
+@numba_extension
+def _define_intrinsics() -> None:
+    """The bit-level intrinsics the loops call (a few LLVM instructions each), defined once numba is loaded: an
+    intrinsic is a numba object, so it cannot exist before the import. A module whose loops call one takes it
+    with a numba_extension of its own (registered after this one, so run after it)."""
+    global float32_from_bits, bits_from_float32, fused_multiply_add, mulhilo64
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic

@@ -30,11 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .compiled import AVAILABLE, KernelGroup, compiled
-
-if AVAILABLE:
-    from numba import types
-    from numba.extending import overload
+from .compiled import AVAILABLE, KernelGroup, compiled, numba_extension
 
 BLOCK = 64
 """Entries whose stops one scan gathers at a time."""
@@ -154,8 +150,15 @@ def _swap(entries, i, j):
     entries[j] = a
 
 
-if AVAILABLE:
-    _swap = compiled(_swap)
+_swap = compiled(_swap)
+
+
+@numba_extension
+def _typing() -> None:
+    """The overloads that pick how an exchange and a leaf follow entries, by the type of `track` (none, ids,
+    table), registered once numba is loaded (compiled.numba_extension)."""
+    from numba import types
+    from numba.extending import overload
 
     @overload(_exchange)
     def _exchange_by_track(entries, i, j, track):

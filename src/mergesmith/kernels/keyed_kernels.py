@@ -24,12 +24,21 @@ Its output is numpy's, bit for bit (tests/test_keyed_kernels.py compares them at
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from .compiled import AVAILABLE, KernelGroup, compiled
+from .compiled import AVAILABLE as AVAILABLE  # the switch callers read (keyed_random, keyed_merge)
+from .compiled import KernelGroup, compiled, numba_extension
 from .compiled import sign as _sign
 
-if AVAILABLE:
+mulhilo64: Any = None
+
+
+@numba_extension
+def _intrinsics() -> None:
+    """Take compiled.mulhilo64, which exists once numba is loaded (the Philox rounds call it)."""
+    global mulhilo64
     from .compiled import mulhilo64
 
 _PHILOX_M0, _PHILOX_M1 = np.uint64(0xD2E7470EE14C6C93), np.uint64(0xCA5A826395121157)  # the round multipliers

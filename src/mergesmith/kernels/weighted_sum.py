@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from .compiled import AVAILABLE, KernelGroup, compiled, narrow_bf16, round_bf16, widen_bf16
-
-if AVAILABLE:
-    from .compiled import fused_multiply_add
+from .compiled import AVAILABLE, KernelGroup, compiled, narrow_bf16, numba_extension, round_bf16, widen_bf16
 
 MAX_INPUTS = 6
 """Input counts the loops are compiled for (numba compiles one variant per count: the inputs are a tuple; each
@@ -54,9 +52,18 @@ def _stored(value, out):  # noqa: ARG001 - typed by its overload below
     raise NotImplementedError
 
 
-if AVAILABLE:
+fused_multiply_add: Any = None
+
+
+@numba_extension
+def _typing() -> None:
+    """The overloads of _as_float32 and _stored, registered once numba is loaded (compiled.numba_extension), and
+    compiled.fused_multiply_add, which exists only then."""
+    global fused_multiply_add
     from numba import types
     from numba.extending import overload
+
+    from .compiled import fused_multiply_add
 
     @overload(_as_float32)
     def _as_float32_for(value):
