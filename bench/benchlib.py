@@ -20,6 +20,7 @@ Measurement choices (why):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -537,8 +538,23 @@ def write_config(config: dict[str, Any], path: Path) -> Path:
 # --------------------------------------------------------------------------------------------------- tools
 
 
+@functools.cache
+def compile_bytecode() -> None:
+    """Write the bytecode of this checkout's mergesmith, once per bench process. Why: `pip install` of a wheel
+    writes every module's bytecode, but an editable install leaves it to the first import, and where
+    PYTHONDONTWRITEBYTECODE is set (this project's VMs set it) every run compiled mergesmith's ~130 modules again
+    (~0.1 s of its start-up), which mergekit's pip-installed venv never does. scripts/bootstrap.sh does the same."""
+    import compileall
+
+    import mergesmith
+
+    compileall.compile_dir(str(Path(mergesmith.__file__).parent), quiet=1)
+
+
 def mergesmith_cmd(config: Path, out: Path, shard_size: str, extra: Sequence[str] = ()) -> list[str]:
-    """The mergesmith CLI of this venv, quiet, no tokenizer (the generated models have none)."""
+    """The mergesmith CLI of this venv, quiet, no tokenizer (the generated models have none); its bytecode written
+    first (compile_bytecode)."""
+    compile_bytecode()
     exe = Path(sys.executable).parent / "mergesmith"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mergesmith.cli"]
     return [*cmd, "merge", str(config), str(out), "-q", "--no-copy-tokenizer", "--out-shard-size", shard_size,
