@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,11 @@ def _assert_used_gpu(allocated: int, command: str) -> None:
     assert allocated > 0, f"`mergesmith {command} ... {DEVICE}` allocated nothing on the GPU"
 
 
+def _named(name: str) -> Callable[[str], str]:
+    """torch.testing.assert_close's message with the tensor's name in front (the mismatch counts kept)."""
+    return lambda message: f"{name}: {message}"
+
+
 def _runs() -> tuple[tuple[str, str], tuple[str, str]]:
     """(name, device) of the reference run and of the run under test."""
     return ("cpu", "cpu"), ("device", DEVICE)
@@ -106,7 +112,7 @@ def test_tokensurgeon_cuda_rows_match_cpu(tmp_path: Path, capsys: pytest.Capture
         # hidden dimension moved these rows by at most 6.1e-5 (k=16); rounding can then put a value one
         # bfloat16 step (BF16_ULP relative) away. atol 1e-3 is 16x that measured spread and 0.25% of the rows'
         # largest value (0.39), far below what a wrong atom or coefficient does (~0.1).
-        torch.testing.assert_close(dev[name].float(), tensor.float(), rtol=BF16_ULP, atol=1e-3, msg=name)
+        torch.testing.assert_close(dev[name].float(), tensor.float(), rtol=BF16_ULP, atol=1e-3, msg=_named(name))
         # Only the 500 approximated rows may differ at all: the rest are the base's rows, copied bytes.
         differ = int((dev[name] != tensor).any(dim=1).sum())
         assert differ <= 500, f"{name}: {differ} rows differ"
@@ -160,7 +166,7 @@ def test_extract_lora_cuda_update_matches_cpu(
         delta = fine[f"{module}.weight"].double() - plain[f"{module}.weight"].double()
         s = torch.linalg.svdvals(delta)
         assert (s[rank - 1] - s[rank]) / s[0] > 5e-3, f"{module}: rank {rank} cuts between near-equal values"
-        torch.testing.assert_close(dev[module], product, rtol=0, atol=1e-4, msg=module)
+        torch.testing.assert_close(dev[module], product, rtol=0, atol=1e-4, msg=_named(module))
     whole = {n: t for n, t in read_state_dict(adapters["cpu"]).items() if "lora_" not in n}
     assert whole, "the embedding and lm_head travel whole (modules_to_save)"
     for name, tensor in read_state_dict(adapters["device"]).items():
@@ -240,7 +246,7 @@ def test_evolve_cuda_scores_and_merges(
         assert got.keys() == want.keys()
         for name, tensor in want.items():
             assert got[name].dtype == tensor.dtype == torch.bfloat16, name
-            torch.testing.assert_close(got[name].float(), tensor.float(), rtol=BF16_ULP, atol=1e-6, msg=name)
+            torch.testing.assert_close(got[name].float(), tensor.float(), rtol=BF16_ULP, atol=1e-6, msg=_named(name))
     # --merge-best: the best genome's merge, on the merge device; it loads and is that candidate's CPU merge
     evaluation = best["evaluation"]
     assert dev["best_config"] == dev["history"][evaluation - 1]["config"]
@@ -248,7 +254,7 @@ def test_evolve_cuda_scores_and_merges(
     want = cpu["merged"][evaluation - 1][1]
     assert written.keys() <= want.keys()
     for name, tensor in written.items():
-        torch.testing.assert_close(tensor.float(), want[name].float(), rtol=BF16_ULP, atol=1e-6, msg=name)
+        torch.testing.assert_close(tensor.float(), want[name].float(), rtol=BF16_ULP, atol=1e-6, msg=_named(name))
     finite_logits(load_causal_lm(dev["best"]))
 
 
@@ -285,4 +291,4 @@ def test_moe_hidden_gates_cuda_match_cpu(
         # Unit-norm rows from float32 forward passes (4 layers, hidden 32): the CPU's float32 rows differ from
         # float64 ones by 7e-8, so the devices' reduction orders move them by ~1e-7. atol 1e-4 leaves 1000x
         # room, and is 10^4 below the distance between two experts' rows (> 1.0).
-        torch.testing.assert_close(dev[name], tensor, rtol=0, atol=1e-4, msg=name)
+        torch.testing.assert_close(dev[name], tensor, rtol=0, atol=1e-4, msg=_named(name))
