@@ -292,3 +292,41 @@ def test_moe_hidden_gates_cuda_match_cpu(
         # float64 ones by 7e-8, so the devices' reduction orders move them by ~1e-7. atol 1e-4 leaves 1000x
         # room, and is 10^4 below the distance between two experts' rows (> 1.0).
         torch.testing.assert_close(dev[name], tensor, rtol=0, atol=1e-4, msg=_named(name))
+
+
+# ----- least-squares solves of rank-deficient systems on the device ------------------------------------
+def test_rank_deficient_solves_cuda_match_cpu() -> None:
+    """The systems that are rank-deficient exactly when it matters, solved with device tensors: tokensurgeon's
+    common_interpolation weights over neighbours with repeated rows, and regmean's fallback for a Gram with a
+    feature no input ever activates. CUDA's own lstsq (gels) assumes full rank and raises or returns inf
+    there; runtime.devices.min_norm_lstsq gives the CPU's minimum-norm answer on every device."""
+    from mergesmith.methods.regmean import regmean_linear
+    from mergesmith.tokensurgeon.approximate import common_interpolation
+
+    g = torch.Generator().manual_seed(3)
+    distinct = torch.randn(60, 16, generator=g)
+    atoms = torch.cat([distinct, distinct[:20]])  # rows 60..79 repeat rows 0..19
+    targets = distinct[:20] + 0.05 * torch.randn(20, 16, generator=g)
+    for scheme in ("least_squares", "barycentric"):
+        fits = {}
+        for device in ("cpu", DEVICE):
+            idx, w = common_interpolation(targets.to(device), atoms.to(device), 8, scheme=scheme)
+            assert w.device.type == torch.device(device).type and torch.isfinite(w).all(), scheme
+            # fits, not weights: equal distances to a row and its repeat may be ordered differently on a GPU
+            fits[device] = torch.bmm(w.unsqueeze(1), atoms.to(device)[idx]).squeeze(1).cpu()
+        # the same float32 inputs to the same CPU solve; only the distances and the products ran on the device
+        # (float32 reduction order, ~1e-6 here), and these rows are of norm ~4
+        torch.testing.assert_close(fits[DEVICE], fits["cpu"], rtol=0, atol=1e-4, msg=_named(scheme))
+    weights = [torch.randn(8, 6, generator=g) for _ in range(3)]
+    features = [torch.randn(40, 6, generator=g) for _ in range(3)]
+    for x in features:
+        x[:, 5] = 0  # feature 5 is never active: its Gram row and column are zero, the sum is singular
+    grams = [x.T @ x for x in features]
+    merged = {
+        device: regmean_linear([w.to(device) for w in weights], [gr.to(device) for gr in grams], 0.9).cpu()
+        for device in ("cpu", DEVICE)
+    }
+    assert torch.isfinite(merged[DEVICE]).all()
+    # the products G W^T run on the device (float32 sums of 6 terms ~40 each), so the CPU's gelsd solves
+    # right-hand sides that differ in the last bits; the merged weights are ~1
+    torch.testing.assert_close(merged[DEVICE], merged["cpu"], rtol=1e-4, atol=1e-4)
