@@ -102,6 +102,31 @@ def test_common_interpolation_dependent_neighbours() -> None:
     torch.testing.assert_close(w.sum(dim=1), torch.ones(20), rtol=1e-4, atol=1e-4)
 
 
+def test_common_interpolation_blocks_by_memory() -> None:
+    """Without --batch-size, common interpolation takes as many targets at once as fit a quarter of
+    --max-memory, as OMP does (it took all of them: per target a row of distances to every shared token, too
+    much for a GPU on a real vocabulary); --batch-size still decides when given."""
+    from mergesmith.engine.planning.shared import MergeOptions
+    from mergesmith.tokensurgeon import SurgeryOptions
+    from mergesmith.tokensurgeon.api import build_tokensurgeon_plan
+    from mergesmith.tokensurgeon.approximate import interpolation_block_bytes
+    from mergesmith.tokensurgeon.table import lookup
+
+    def block(surgery: SurgeryOptions, max_memory: int | None = None) -> tuple[int, int]:
+        """(targets per block, bytes per target) of the embedding's recipe."""
+        plan, _, _ = build_tokensurgeon_plan(BASE, DONOR, surgery, MergeOptions(threads=1, max_memory=max_memory))
+        params = dict(next(r for r in plan.recipes if r.name == EMBED).params)
+        shared = lookup(str(params["table"])).shared_base.numel()
+        return params["block"], interpolation_block_bytes(shared, 48, surgery.k)
+
+    surgery = SurgeryOptions(approximation_method="common_interpolation", k=8)
+    whole, per = block(surgery)
+    assert whole == 500  # the 1 GiB default holds every target of this small transplant
+    targets, per = block(surgery, max_memory=4 * 100 * per)
+    assert targets == 100
+    assert block(SurgeryOptions(approximation_method="common_interpolation", k=8, batch_size=7))[0] == 7
+
+
 # ----- end to end --------------------------------------------------------------------------------
 def _heldout() -> str:
     sys.path.insert(0, str(EXAMPLES))

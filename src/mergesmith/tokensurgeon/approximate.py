@@ -31,6 +31,13 @@ def omp_block_bytes(shared: int, hidden: int, k: int) -> int:
     return 4 * (2 * shared + k * hidden + k * k + 4 * hidden + 4 * k)
 
 
+def interpolation_block_bytes(shared: int, hidden: int, k: int) -> int:
+    """Working bytes per target of `common_interpolation` (float32): its distances to every shared token (three
+    rows of them with cosine), its k neighbours' rows twice (gathered, and the copy the least-squares solve
+    takes to the CPU) and the barycentric system."""
+    return 4 * (3 * shared + 2 * k * hidden + 2 * (k + 1) ** 2 + 4 * k + hidden)
+
+
 def batch_omp(
     targets: torch.Tensor,
     atoms: torch.Tensor,
