@@ -4,7 +4,8 @@
 Each test runs one command the way a user does (the CLI, in-process) twice on the same small fixtures, once on
 the CPU and once on the device under test, and checks that the device run used the GPU and exited 0, that its
 results are the CPU run's within a tolerance stated (and justified) beside each comparison, and that the output
-loads with transformers and gives finite logits.
+loads with transformers and gives finite logits. A last test solves, with device tensors, the rank-deficient
+least-squares systems of tokensurgeon's common_interpolation and regmean (runtime.devices.min_norm_lstsq).
 
 Without a GPU the tests skip. `MERGESMITH_TEST_DEVICE=cpu` runs them anyway with the CPU as the device under
 test: that proves the commands, the comparisons and the assertions on a machine without a GPU, and leaves out
