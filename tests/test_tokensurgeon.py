@@ -82,6 +82,51 @@ def test_common_interpolation_neighbours_and_weights() -> None:
     torch.testing.assert_close(w.sum(dim=1), torch.ones(5), rtol=1e-4, atol=1e-4)
 
 
+def test_common_interpolation_dependent_neighbours() -> None:
+    """Neighbour sets with repeated rows (an embedding table with duplicated tokens) make the least-squares
+    systems rank-deficient: the weights are still the best fit (as an SVD solve finds it), and barycentric's
+    still sum to 1. torch's default CPU solver (gelsy) got both wrong here: fits 8x worse, sums 0.69 to 1.49."""
+    g = torch.Generator().manual_seed(3)
+    distinct = torch.randn(60, 16, generator=g)
+    atoms = torch.cat([distinct, distinct[:20]])  # rows 60..79 repeat rows 0..19
+    targets = distinct[:20] + 0.05 * torch.randn(20, 16, generator=g)
+    idx, w = common_interpolation(targets, atoms, 8, scheme="least_squares")
+    points = atoms[idx].double()
+    fit = torch.bmm(w.double().unsqueeze(1), points).squeeze(1)
+    best = torch.linalg.pinv(points.transpose(1, 2)) @ targets.double().unsqueeze(-1)
+    best_fit = torch.bmm(best.transpose(1, 2), points).squeeze(1)
+    residual, optimum = (fit - targets).norm(dim=1), (best_fit - targets).norm(dim=1)
+    assert (residual <= optimum + 1e-4).all(), (residual - optimum).max()
+    _, w = common_interpolation(targets, atoms, 8, scheme="barycentric")
+    assert torch.isfinite(w).all()
+    torch.testing.assert_close(w.sum(dim=1), torch.ones(20), rtol=1e-4, atol=1e-4)
+
+
+def test_common_interpolation_blocks_by_memory() -> None:
+    """Without --batch-size, common interpolation takes as many targets at once as fit a quarter of
+    --max-memory, as OMP does (it took all of them: per target a row of distances to every shared token, too
+    much for a GPU on a real vocabulary); --batch-size still decides when given."""
+    from mergesmith.engine.planning.shared import MergeOptions
+    from mergesmith.tokensurgeon import SurgeryOptions
+    from mergesmith.tokensurgeon.api import build_tokensurgeon_plan
+    from mergesmith.tokensurgeon.approximate import interpolation_block_bytes
+    from mergesmith.tokensurgeon.table import lookup
+
+    def block(surgery: SurgeryOptions, max_memory: int | None = None) -> tuple[int, int]:
+        """(targets per block, bytes per target) of the embedding's recipe."""
+        plan, _, _ = build_tokensurgeon_plan(BASE, DONOR, surgery, MergeOptions(threads=1, max_memory=max_memory))
+        params = dict(next(r for r in plan.recipes if r.name == EMBED).params)
+        shared = lookup(str(params["table"])).shared_base.numel()
+        return params["block"], interpolation_block_bytes(shared, 48, surgery.k)
+
+    surgery = SurgeryOptions(approximation_method="common_interpolation", k=8)
+    whole, per = block(surgery)
+    assert whole == 500  # the 1 GiB default holds every target of this small transplant
+    targets, per = block(surgery, max_memory=4 * 100 * per)
+    assert targets == 100
+    assert block(SurgeryOptions(approximation_method="common_interpolation", k=8, batch_size=7))[0] == 7
+
+
 # ----- end to end --------------------------------------------------------------------------------
 def _heldout() -> str:
     sys.path.insert(0, str(EXAMPLES))

@@ -79,7 +79,9 @@ def run_evolve_command(genome_file: Path, storage_path: Path, kw: dict[str, Any]
                 click.echo(f"warning: {warning}", err=True)
 
         controls = RunControls(overwrite=kw["overwrite"], on_plan=warn)
-        merged = run_merge(cfg, merge_best, MergeOptions(random_seed=options.random_seed), controls=controls)
+        # the best merge is merged where the candidates were (--merge-cuda), so it is the model that was scored
+        merge = MergeOptions(random_seed=options.random_seed, device=options.merge_device)
+        merged = run_merge(cfg, merge_best, merge, controls=controls)
         for warning in merged.warnings:  # found while merging: NaN/inf
             click.echo(f"warning: {warning}", err=True)
         click.echo(f"wrote the best merge to {merged.out_dir}")

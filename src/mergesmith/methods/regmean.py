@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..runtime.devices import min_norm_lstsq
 from .common import as_bool, check_same_shape, work_dtype
 from .registry import MergeInputs, MethodSpec, ParamSpec, WorkingMemory
 
@@ -61,7 +62,7 @@ def regmean_linear(weights: Sequence[torch.Tensor], grams: Sequence[torch.Tensor
     assert total is not None and rhs is not None
     solved, info = torch.linalg.solve_ex(total, rhs)
     if int(info) != 0 or not bool(torch.isfinite(solved).all()):
-        solved = torch.linalg.lstsq(total, rhs, driver="gelsd" if total.device.type == "cpu" else None).solution
+        solved = min_norm_lstsq(total, rhs)  # a singular Gram: gelsd, also for a merge on CUDA
     return solved.T.contiguous().to(weights[0].dtype)
 
 

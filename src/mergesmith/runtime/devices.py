@@ -1,4 +1,5 @@
-"""Where the arithmetic runs: one check of a requested device, shared by the planners, the API and extract-lora.
+"""Where the arithmetic runs: one check of a requested device, shared by the planners, the API and extract-lora;
+and the one least-squares solve that gives the same answer on every device (min_norm_lstsq).
 
 Checked before anything is written, so asking for a device this machine lacks is one line (exit 2),
 not a torch assertion halfway through with an output directory left behind.
@@ -6,7 +7,12 @@ not a torch assertion halfway through with an output directory left behind.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICES = ("cpu", "cuda", "mps", "auto")
 
@@ -65,3 +71,21 @@ def start_cuda_init(device: str) -> None:
             pass
 
     threading.Thread(target=init, name="mergesmith-cuda-init", daemon=True).start()
+
+
+def min_norm_lstsq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The minimum-norm least-squares solution X of A X = B (batched like torch.linalg.lstsq), on A's device.
+
+    Solved by LAPACK's gelsd (SVD) on the CPU whatever the device, because the systems mergesmith solves this
+    way (tokensurgeon's neighbour weights, regmean's fallback for a singular Gram) are rank-deficient exactly
+    when it matters: repeated embeddings among a token's neighbours, more neighbours than dimensions, a Gram
+    of unused features. On CUDA torch has only gels, which assumes full rank: a batched call raises
+    LinAlgError, an unbatched one returns inf or arbitrary weights. On the CPU torch's default, gelsy, leaves
+    its pivot array uninitialised (pytorch/pytorch#187411), so it can misjudge the rank and return a far worse
+    fit (tests/test_tokensurgeon.py: residual 1.83 where 0.24 is the optimum, neighbours with repeated rows). The
+    systems are small next to the work around them (k x k, hidden x k, or one Gram), so the copy to the CPU
+    and back costs little."""
+    import torch
+
+    solution = torch.linalg.lstsq(a.cpu(), b.cpu(), driver="gelsd").solution
+    return solution.to(a.device)

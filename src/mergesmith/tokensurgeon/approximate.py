@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.devices import min_norm_lstsq
+
 WORK_DTYPES = (torch.float32, torch.float64)
 
 
@@ -27,6 +29,13 @@ def _work(t: torch.Tensor) -> torch.Tensor:
 def omp_block_bytes(shared: int, hidden: int, k: int) -> int:
     """Working bytes per target of `batch_omp` (float32): correlations, selected atoms, factor, residual."""
     return 4 * (2 * shared + k * hidden + k * k + 4 * hidden + 4 * k)
+
+
+def interpolation_block_bytes(shared: int, hidden: int, k: int) -> int:
+    """Working bytes per target of `common_interpolation` (float32): its distances to every shared token (three
+    rows of them with cosine), its k neighbours' rows twice (gathered, and the copy the least-squares solve
+    takes to the CPU) and the barycentric system."""
+    return 4 * (3 * shared + 2 * k * hidden + 2 * (k + 1) ** 2 + 4 * k + hidden)
 
 
 def batch_omp(
@@ -132,7 +141,8 @@ def common_interpolation(
 
     Weights (mergekit's `--weight-scheme`): `distance_proportional` 1/d (1-d for cosine) normalised to
     sum 1; `least_squares` the least-squares fit on the k neighbours; `barycentric` the least-squares
-    fit whose weights sum to 1.
+    fit whose weights sum to 1. Both are the minimum-norm fit when the neighbours are linearly dependent
+    (repeated embeddings, k above the hidden size): runtime.devices.min_norm_lstsq, the same on every device.
     """
     n = atoms.shape[0]
     if k > n:
@@ -158,7 +168,7 @@ def common_interpolation(
             w = (1 - near_d) if cosine else 1 / near_d.clamp(min=1e-6)
             w = w / w.sum(dim=1, keepdim=True).clamp(min=1e-6)
         elif scheme == "least_squares":
-            w = torch.linalg.lstsq(points.transpose(1, 2), y.unsqueeze(-1)).solution.squeeze(-1)
+            w = min_norm_lstsq(points.transpose(1, 2), y.unsqueeze(-1)).squeeze(-1)
         elif scheme == "barycentric":
             w = _barycentric(y, points)
         else:
@@ -177,4 +187,4 @@ def _barycentric(y: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
     system[:, k, :k] = 1
     rhs = torch.ones((s, k + 1), dtype=y.dtype, device=y.device)
     rhs[:, :k] = torch.bmm(points, y.unsqueeze(-1)).squeeze(-1)
-    return torch.linalg.lstsq(system, rhs.unsqueeze(-1)).solution.squeeze(-1)[:, :k]
+    return min_norm_lstsq(system, rhs.unsqueeze(-1)).squeeze(-1)[:, :k]

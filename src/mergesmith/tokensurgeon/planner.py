@@ -32,7 +32,7 @@ from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
 from ..io.model_files import TOKENIZER_FILES
 from ..tokenizer.align import staging_root, write_atomic
-from .approximate import omp_block_bytes
+from .approximate import interpolation_block_bytes, omp_block_bytes
 from .table import METHODS, NEEDS_DONOR, OP, TransplantTable, register
 from .vocab import Assignment, Vocabulary, assign_rows, load_vocabulary, subword_ids
 
@@ -55,7 +55,7 @@ class SurgeryOptions:
     weight_scheme: str = "distance_proportional"
     cosine_similarity: bool = False
     subword_method: str = "mean"
-    batch_size: int | None = None  # targets per OMP block; default: as many as fit the memory budget
+    batch_size: int | None = None  # targets per OMP/interpolation block; default: as many as fit the memory budget
     new_vocab_noise: float | None = None
     new_vocab_scale: float | None = None
 
@@ -212,10 +212,10 @@ class TokenSurgeonPlanner:
             "is_head": vt.head,
             "device": self.options.device,
         }
-        if s.approximation_method == "omp":
+        if s.approximation_method in ("omp", "common_interpolation"):
             params["block"] = self._block(found, vt)
         if s.approximation_method == "common_interpolation":
-            params.update(weight_scheme=s.weight_scheme, cosine_similarity=s.cosine_similarity, block=s.batch_size)
+            params.update(weight_scheme=s.weight_scheme, cosine_similarity=s.cosine_similarity)
         if s.approximation_method == "subword":
             params["subword_method"] = s.subword_method
         if s.new_vocab_noise:
@@ -237,12 +237,15 @@ class TokenSurgeonPlanner:
         )
 
     def _block(self, found: Assignment, vt: VocabTensor) -> int:
-        """OMP targets per block: --batch-size, else as many as fit a quarter of --max-memory (1 GiB without)."""
+        """Targets per block of OMP or common interpolation: --batch-size, else as many as fit a quarter of
+        --max-memory (1 GiB without). Both hold per target a row of scores against every shared token, so all
+        targets at once (30k new tokens against 120k shared: 14 GB of distances alone) would not fit a GPU."""
         if self.surgery.batch_size and self.surgery.batch_size > 0:
             return self.surgery.batch_size
         assert vt.donor_tensor is not None
         hidden = self.donor.info(vt.donor_tensor).shape[1]
-        per = omp_block_bytes(found.shared_base.numel(), hidden, self.surgery.k)
+        per_target = omp_block_bytes if self.surgery.approximation_method == "omp" else interpolation_block_bytes
+        per = per_target(found.shared_base.numel(), hidden, self.surgery.k)
         budget = self.options.max_memory // 4 if self.options.max_memory else DEFAULT_BLOCK_BYTES
         return max(1, min(max(found.target_rows.numel(), 1), budget // per))
 
