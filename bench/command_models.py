@@ -73,9 +73,9 @@ SIZES: dict[str, CommandSize] = {
     # shapes in one layer; the MLP is narrow to keep the files small (0.6 GB base, 0.5 GB donor)
     "realistic": CommandSize(4096, 32, 8, 1024, 1, 32_000, 50_000, 16_000, 64, 4, 16, 60.0),
     # the same pipeline in about half a minute on a 2-core CPU
-    "quick": CommandSize(256, 4, 2, 512, 1, 2_000, 3_000, 1_000, 32, 3, 8, 40.0),
+    "quick": CommandSize(1024, 8, 2, 1024, 1, 4_000, 6_000, 2_000, 32, 3, 8, 40.0),
     # for the tests of the plumbing: seconds
-    "tiny": CommandSize(128, 2, 1, 128, 1, 300, 400, 200, 8, 2, 4, 20.0),
+    "tiny": CommandSize(128, 2, 1, 128, 1, 300, 400, 200, 8, 2, 4, 15.0),
 }
 
 
