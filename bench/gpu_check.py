@@ -438,7 +438,11 @@ def main(argv: list[str] | None = None) -> int:
         if result["tests"]["cut"]:
             result["cut"].append(f"CUDA tests: stopped after {tests.limit_s:.0f} s")
     if prebuild is not None:  # before any timing: the build would share the machine with the merges
-        prebuild.wait()
+        try:
+            prebuild.wait(timeout=max(1.0, clock.left()))
+        except subprocess.TimeoutExpired:  # no time left for anything: the step will say so
+            os.killpg(prebuild.pid, signal.SIGKILL)
+            prebuild.wait()
 
     result["cases"] = run_merges(args, clock, models, cold, result["cut"])
     result["notes"] += run_philox(args, clock, result["cut"])
