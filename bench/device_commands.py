@@ -229,13 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=["cpu", "cuda", "mps", "auto"],
                     default="cuda" if torch.cuda.is_available() else "cpu",
                     help="the commands' --device (default: cuda when torch sees one, else cpu)")
-    ap.add_argument("--size", choices=sorted(SIZES), default="realistic")
+    ap.add_argument("--size", choices=sorted(SIZES), default="realistic",
+                    help="realistic: a 32k-to-50k transplant at hidden 4096 (for a GPU); quick: the same on 2 CPU "
+                         "cores in ~15 s; tiny: for the tests (bench/command_models.py)")
     ap.add_argument("--also-cpu", action="store_true", help="then the same commands with --device cpu")
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK, help="the models (cached) and the outputs")
-    ap.add_argument("--budget-s", type=float, default=None, help="stop runs that would end after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop a run still going this many seconds after the start (reported as cut)")
     ap.add_argument("--cold", action="store_true", help="drop the page cache before each run (where permitted)")
     ap.add_argument("--commands", default=",".join(COMMANDS),
-                    type=lambda s: [c for c in s.split(",") if c in COMMANDS or _bad(c)])
+                    type=lambda s: [c for c in s.split(",") if c in COMMANDS or _bad(c)],
+                    help=f"which to run, comma-separated (default: {','.join(COMMANDS)})")
     ap.add_argument("--k", type=int, default=None, help="tokensurgeon's -k (default: the size's)")
     ap.add_argument("--build-only", action="store_true", help="build the models and stop")
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",

@@ -125,3 +125,24 @@ def test_command_rows_the_cpu_line_and_a_failed_check() -> None:
     text = table.render({"mode": "cuda", "cases": [], "omp": None, "commands": commands, "cut": [], "notes": []})
     assert "commands: tokensurgeon 32000->50000 tokens (34000 new, k=64) and extract-lora (r=16) at hidden 4096" in text
     assert table.commands_failed({"cut": "failed: Traceback"}) and not table.commands_failed(None)
+
+
+def test_a_timed_command_past_its_timeout_is_killed_with_what_it_started(tmp_path: Path) -> None:
+    """benchlib.run_timed's timeout, which stops a command at the step's budget: the launcher and the command go
+    (a CPU transplant at the realistic size would otherwise run for hours after the check has printed its table)."""
+    import subprocess
+
+    bl = _load("benchlib")
+    pid_file = tmp_path / "pid"
+    started = time.perf_counter()
+    with pytest.raises(subprocess.TimeoutExpired):
+        bl.run_timed(["bash", "-c", f"echo $$ > {pid_file}; exec sleep 60"], cold=False, timeout=1.0)
+    assert time.perf_counter() - started < 10
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # gone, or a zombie until init reaps it
+        status = Path(f"/proc/{pid}/status")
+        if not status.exists() or "\nState:\tZ" in status.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the timed command {pid} is still running")
