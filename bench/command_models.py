@@ -103,7 +103,9 @@ class CommandModels:
 
 
 def _fingerprint(name: str, size: CommandSize, seed: int) -> dict[str, Any]:
-    return {"version": FORMAT_VERSION, "size": name, "seed": seed, "spec": asdict(size)}
+    """What the files depend on (not the time estimate: retuning it must not rebuild them)."""
+    spec = {k: v for k, v in asdict(size).items() if k != "expected_s"}
+    return {"version": FORMAT_VERSION, "size": name, "seed": seed, "spec": spec}
 
 
 def ensure_command_models(name: str, work: Path, seed: int = 0, quiet: bool = False) -> CommandModels:
