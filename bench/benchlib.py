@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -164,9 +165,13 @@ with open(out, "w") as fh:
 
 
 def run_timed(
-    cmd: Sequence[str], *, cold: bool, env: dict[str, str] | None = None, out_dir: Path | None = None
+    cmd: Sequence[str], *, cold: bool, env: dict[str, str] | None = None, out_dir: Path | None = None,
+    timeout: float | None = None,
 ) -> RunResult:
-    """Run `cmd` as a fresh process (through `LAUNCHER`) and measure it; raises on a non-zero exit."""
+    """Run `cmd` as a fresh process (through `LAUNCHER`) and measure it; raises on a non-zero exit.
+
+    With `timeout` (seconds), the launcher and the command (its own process group) are killed when it passes and
+    `subprocess.TimeoutExpired` is raised: how a step that must keep to a deadline times a command that may not."""
     dropped = drop_page_cache() if cold else False
     full_env = dict(os.environ)
     full_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
@@ -180,16 +185,23 @@ def run_timed(
     with open(errlog, "wb") as err:
         launcher = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", LAUNCHER, str(usage_file), "-", *cmd],
-            stdout=subprocess.PIPE, stderr=err, env=full_env,
+            stdout=subprocess.PIPE, stderr=err, env=full_env, start_new_session=timeout is not None,
         )
         assert launcher.stdout is not None
         line = launcher.stdout.readline()
         sampler = _AnonSampler(int(line)) if line.strip() else None
         if sampler:
             sampler.start()
-        launcher.wait()
-        if sampler:
-            sampler.stop()
+        try:
+            launcher.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and the command it forked
+            launcher.wait()
+            errlog.unlink(missing_ok=True)
+            raise
+        finally:
+            if sampler:
+                sampler.stop()
     t1 = time.perf_counter()
     os.sync()
     sync_s = time.perf_counter() - t1
@@ -551,14 +563,18 @@ def compile_bytecode() -> None:
     compileall.compile_dir(str(Path(mergesmith.__file__).parent), quiet=1)
 
 
-def mergesmith_cmd(config: Path, out: Path, shard_size: str, extra: Sequence[str] = ()) -> list[str]:
-    """The mergesmith CLI of this venv, quiet, no tokenizer (the generated models have none); its bytecode written
-    first (compile_bytecode)."""
+def mergesmith_exe() -> list[str]:
+    """The mergesmith command of this venv, as a user runs it (its console script; `python -m` where none), its
+    bytecode written first (compile_bytecode)."""
     compile_bytecode()
     exe = Path(sys.executable).parent / "mergesmith"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mergesmith.cli"]
-    return [*cmd, "merge", str(config), str(out), "-q", "--no-copy-tokenizer", "--out-shard-size", shard_size,
-            "--random-seed", "0", *extra]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "mergesmith.cli"]
+
+
+def mergesmith_cmd(config: Path, out: Path, shard_size: str, extra: Sequence[str] = ()) -> list[str]:
+    """The mergesmith CLI of this venv, quiet, no tokenizer (the generated models have none)."""
+    return [*mergesmith_exe(), "merge", str(config), str(out), "-q", "--no-copy-tokenizer", "--out-shard-size",
+            shard_size, "--random-seed", "0", *extra]
 
 
 def mergesmith_methods() -> list[str]:

@@ -1,5 +1,6 @@
 """The GPU check's measurements, within a deadline: bench models, the suite's CUDA tests, both tools' merges with
-the I/O floor, tokensurgeon's OMP; then one table (bench/gpu_table.py) and its JSON.
+the I/O floor, tokensurgeon and extract-lora end to end, tokensurgeon's OMP; then one table (bench/gpu_table.py)
+and its JSON.
 
 Run by bench/gpu_check.sh (which makes the two venvs offline and checks that CUDA works) with mergesmith's venv
 python; on its own, for example with this checkout's sources:
@@ -12,10 +13,14 @@ its fastest). Each step gets what is left after a reserve for the steps behind i
 is cut with a line saying so, rather than the whole check overrunning and reporting nothing:
 
 - the CUDA tests run while the models are generated (they time nothing) and get a quarter of what is left after
-  the OMP reserve (at least 20 s, at most 120 s); pytest is stopped at the limit and the tests that finished are
-  reported;
-- a merge case runs when what is left, less the OMP reserve, is at least 1.1x the longest case so far (the first
+  the reserves of OMP and the commands (at least 20 s, at most 120 s); pytest is stopped at the limit and the
+  tests that finished are reported; the commands' checkpoints (bench/command_models.py) are built meanwhile too;
+- a merge case runs when what is left, less those reserves, is at least 1.1x the longest case so far (the first
   case always runs); cases run in the order given, so the ones cut are the last;
+- the commands (bench/device_commands.py: `mergesmith tokensurgeon` and `extract-lora` with the device option at
+  `--commands-size`, outputs checked) run when what is left, less the OMP reserve, covers the size's expected
+  time; their reserve is 1.25x that time (75 s at the realistic size); a command still running when the time is
+  spent is stopped and reported as cut;
 - OMP gets the rest (at most its reserve): mergesmith's run picks the largest batch of targets that fits, and
   mergekit's runs the same batch;
 - the keyed Philox draws are timed on the device (bench/philox_torch.py, a few seconds), a note each;
@@ -27,10 +32,12 @@ is cut with a line saying so, rather than the whole check overrunning and report
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -41,12 +48,14 @@ from typing import Any
 import benchlib as bl
 import compare_mergekit as cm
 import gpu_table
+from command_models import SIZES as COMMAND_SIZES
 from make_models import DEFAULT_ROOT, SIZES, ensure_models
 
 # the order cases are cut in, last first: linear (the floor's peer) and dare_ties (issue 33: within 1.2x of linear
 # on the GPU) are the ones most worth having
 DEFAULT_CASES = ("linear", "dare_ties", "ties", "della", "slerp")
 OMP_RESERVE_S = 45.0
+COMMANDS_RESERVE = 1.25  # the commands step's reserve: its size's expected seconds times this
 # the CUDA tests: files that mention CUDA at all; bench/cuda_select.py keeps the device tests among their tests
 CUDA_FILE = re.compile(r"cuda", re.IGNORECASE)
 
@@ -171,7 +180,7 @@ def run_merges(args: argparse.Namespace, clock: Clock, models: list[Path], cold:
     longest = 0.0
     for case in args.cases:
         entry: dict[str, Any] = {"case": case, "mergesmith": None, "mergekit": None, "cut": None}
-        left = clock.left() - OMP_RESERVE_S
+        left = clock.left() - OMP_RESERVE_S - commands_reserve(args)
         if case not in available:
             entry["cut"] = "mergesmith has no such method in this checkout"
         elif cases and left < 1.1 * longest:
@@ -244,13 +253,70 @@ def run_omp(args: argparse.Namespace, clock: Clock, cut: list[str]) -> dict[str,
     return omp
 
 
+# ------------------------------------------------------------------------------------------------ commands
+
+
+def commands_reserve(args: argparse.Namespace) -> float:
+    """Seconds kept for the commands step by the steps before it (0 without the step)."""
+    if args.commands_size == "none":
+        return 0.0
+    return COMMANDS_RESERVE * COMMAND_SIZES[args.commands_size].expected_s
+
+
+def _commands_cmd(args: argparse.Namespace, *extra: str) -> list[str]:
+    return [sys.executable, str(bl.BENCH_DIR / "device_commands.py"), "--size", args.commands_size, "--work",
+            str(args.work / "commands"), *extra]
+
+
+def start_command_models(args: argparse.Namespace) -> subprocess.Popen | None:
+    """The commands' checkpoints built in the background (cached: instant when present), while the bench models
+    are generated and the CUDA tests run; the step then finds them made."""
+    if args.commands_size == "none":
+        return None
+    log = args.work / "commands-build.log"
+    with open(log, "wb") as out:
+        return subprocess.Popen(_commands_cmd(args, "--build-only"), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def run_commands(args: argparse.Namespace, clock: Clock, cold: bool, cut: list[str]) -> dict[str, Any] | None:
+    """bench/device_commands.py with the device option, within what is left less the OMP reserve; its JSON, or
+    {"cut": why} when the step did not run or gave no result."""
+    if args.commands_size == "none":
+        return None
+    budget = clock.left() - OMP_RESERVE_S
+    need = COMMAND_SIZES[args.commands_size].expected_s
+    if budget < need:
+        why = f"out of time ({max(budget, 0):.0f} s left, the {args.commands_size} size needs about {need:.0f} s)"
+        cut.append(f"commands: {why}")
+        return {"cut": why}
+    out = args.work / "commands.json"
+    out.unlink(missing_ok=True)
+    cmd = _commands_cmd(args, "--device", "cuda" if args.mode == "cuda" else "cpu", "--budget-s", f"{budget:.0f}",
+                        "--json", str(out), *(["--cold"] if cold else []),
+                        *(["--also-cpu"] if args.commands_also_cpu else []), *args.commands_args)
+    bl.log(f"commands: {' '.join(cmd[2:])} ...")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget + 30)
+    except subprocess.TimeoutExpired:
+        cut.append("commands: stopped at the deadline")
+        return {"cut": "stopped at the deadline"}
+    if not out.exists():  # it crashed before writing its result
+        why = f"failed: {(proc.stderr.strip().splitlines() or ['exit code ' + str(proc.returncode)])[-1][:200]}"
+        cut.append(f"commands: {why}")
+        return {"cut": why}
+    commands = json.loads(out.read_text())
+    cut += [f"{r['command']} --device {r['device']}: {r['cut']}" for r in commands["runs"] if r.get("cut")]
+    return commands
+
+
 # ------------------------------------------------------------------------------------------------ keyed draws
 
 
 def run_philox(args: argparse.Namespace, clock: Clock, cut: list[str]) -> list[str]:
     """bench/philox_torch.py on the device (1M draws): what a DARE/DELLA mask costs there against the CPU's compiled
     generator, the figure that decides where the GPU path should draw them. A note per timed generator."""
-    if clock.left() < OMP_RESERVE_S + 30:
+    if clock.left() < OMP_RESERVE_S + commands_reserve(args) + 30:
         cut.append(f"philox: out of time ({max(clock.left(), 0):.0f} s left)")
         return []
     device = "cuda" if args.mode == "cuda" else "cpu"
@@ -320,6 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--omp-full", type=int, default=50_000)
     ap.add_argument("--json", type=Path, default=None, help="write the result here (default WORK/gpu_check.json)")
     ap.add_argument("--header", action="append", default=[], help="a note for the table (repeatable)")
+    ap.add_argument("--commands-size", choices=[*sorted(COMMAND_SIZES), "none"], default="realistic",
+                    help="bench/device_commands.py's size ('none': no commands step)")
+    ap.add_argument("--commands-also-cpu", action="store_true",
+                    help="the commands with --device cpu too, in the step's time (the realistic transplant's CPU "
+                         "run does not fit five minutes: it is stopped and reported as cut)")
+    ap.add_argument("--commands-args", default="", type=shlex.split,
+                    help="more bench/device_commands.py options, e.g. '--k 32' or '--commands extract-lora'")
     ap.add_argument("--sample", default="dare_ties", type=lambda s: [c for c in s.split(",") if c],
                     help="cases merged again under bench/sample_stacks.py at the end, time allowing ('' for none)")
     return ap
@@ -337,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     cold = args.mode == "cuda" and bl.can_drop_caches()
     result: dict[str, Any] = {"mode": args.mode, "device": device_name(args.mode), "torch": torch.__version__,
                               "size": args.size, "minutes": minutes, "cold": cold, "tests": None, "cases": [],
-                              "omp": None, "cut": [], "notes": list(args.header)}
+                              "omp": None, "commands": None, "cut": [], "notes": list(args.header)}
     if args.mergekit_python is None:
         result["notes"].append("mergekit not run (no mergekit wheels): mergesmith figures only")
     if args.test_files is None:
@@ -346,23 +419,34 @@ def main(argv: list[str] | None = None) -> int:
         files = [bl.REPO / f for f in args.test_files.split(",") if f]
     tests = None
     if files:
-        tests = CudaTests(files, min(120.0, max(20.0, 0.25 * (clock.left() - OMP_RESERVE_S))), args.work)
+        tests = CudaTests(files, min(120.0, max(20.0, 0.25 * (clock.left() - OMP_RESERVE_S - commands_reserve(args)))),
+                          args.work)
+    prebuild = start_command_models(args)
     t0 = time.perf_counter()
     bl.log(f"models: {args.size} under {args.models_root} ...")
     try:
         models = ensure_models(args.size, args.models_root)
     except BaseException:
-        if tests is not None:
-            os.killpg(tests.proc.pid, signal.SIGKILL)
+        for proc in (tests.proc if tests is not None else None, prebuild):
+            if proc is not None:
+                with contextlib.suppress(ProcessLookupError):  # it may have ended already
+                    os.killpg(proc.pid, signal.SIGKILL)
         raise
     result["models_s"] = time.perf_counter() - t0
     if tests is not None:
         result["tests"] = tests.finish()
         if result["tests"]["cut"]:
             result["cut"].append(f"CUDA tests: stopped after {tests.limit_s:.0f} s")
+    if prebuild is not None:  # before any timing: the build would share the machine with the merges
+        try:
+            prebuild.wait(timeout=max(1.0, clock.left()))
+        except subprocess.TimeoutExpired:  # no time left for anything: the step will say so
+            os.killpg(prebuild.pid, signal.SIGKILL)
+            prebuild.wait()
 
     result["cases"] = run_merges(args, clock, models, cold, result["cut"])
     result["notes"] += run_philox(args, clock, result["cut"])
+    result["commands"] = run_commands(args, clock, cold, result["cut"])
     result["omp"] = run_omp(args, clock, result["cut"])
     result["notes"] += run_samples(args, clock, result["cases"], result["cut"])
     result["elapsed_s"] = time.time() - origin
@@ -375,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = result["tests"] or {}
     bad = counts.get("failed", 0) or counts.get("errors", 0) or any(
         (c.get("verdict") or "").startswith("DIFFERENT") or (c.get("cut") or "").startswith("failed")
-        for c in result["cases"])
+        for c in result["cases"]) or gpu_table.commands_failed(result["commands"])
     return 1 if bad else 0
 
 

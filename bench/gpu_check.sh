@@ -2,8 +2,9 @@
 # The GPU check of issue 33 (item 6), for a machine with a CUDA GPU and NO network: in about five minutes it
 # builds the 1b bench models, runs every CUDA test of the suite, merges linear, ties, dare_ties, della and slerp
 # with mergesmith --cuda and mergekit 0.1.5 --cuda (one run each, alternating, with the I/O floor and the output
-# check of bench/compare_mergekit.py), times tokensurgeon's batched OMP at a transplant's size on the device, and
-# prints one table (also written as JSON).
+# check of bench/compare_mergekit.py), runs `mergesmith tokensurgeon` (a 32k-to-50k transplant at hidden 4096) and
+# `mergesmith extract-lora` with --device cuda end to end, their outputs checked (bench/device_commands.py), times
+# tokensurgeon's batched OMP at a transplant's size on the device, and prints one table (also written as JSON).
 #
 # Usage: bench/gpu_check.sh WHEELS_DIR [options] [-- gpu_check.py options]
 #   WHEELS_DIR        the wheels scripts/gpu_wheels.sh made on a machine with network (mergesmith's wheel, its
@@ -18,9 +19,11 @@
 #                     wheels in WHEELS_DIR are unpacked with --no-deps into WORK/site (so WHEELS_DIR holds only
 #                     what PY lacks, e.g. pydantic and mergekit 0.1.5 for an image that has the ML stack: a few
 #                     MB where the full set is 200 MB); a mergekit-0.1.5 wheel there makes mergekit run too
-#   --cpu-dry-run     the same pipeline on the CPU, without --cuda, at a tiny size and a small OMP: proves the
-#                     plumbing and the table on a machine without a GPU; mergekit only if its wheels are there
-#   after --, options of bench/gpu_check.py (--cases, --test-files, --omp-shared, --omp-targets, ...)
+#   --cpu-dry-run     the same pipeline on the CPU, without --cuda, at a tiny size, a small OMP and the commands'
+#                     quick size: proves the plumbing and the table on a machine without a GPU; mergekit only if its
+#                     wheels are there
+#   after --, options of bench/gpu_check.py (--cases, --test-files, --omp-shared, --omp-targets, --commands-size,
+#                     --commands-also-cpu, ...)
 #
 # How the venvs see the machine's torch without --system-site-packages: that flag would only reach the base
 # interpreter's packages, and the CUDA torch often lives in a venv or conda env; so each venv gets a .pth file
@@ -169,7 +172,7 @@ if [ "$mode" = cuda ]; then
         die "torch.cuda.is_available() is False for $ms_py (torch $("$ms_py" -c 'import torch; print(torch.__version__)')): no GPU check run"
 else
     # a small transplant: the dry run proves the plumbing, it times nothing worth quoting
-    args+=(--omp-shared 4000 --omp-hidden 256 --omp-k 16 --omp-targets 256)
+    args+=(--omp-shared 4000 --omp-hidden 256 --omp-k 16 --omp-targets 256 --commands-size quick)
 fi
 [ -z "$json" ] || args+=(--json "$json")
 args+=(--header "venvs ready after $(($(date +%s) - started)) s; wheels $wheels")

@@ -9,10 +9,13 @@ The result is a plain dict (what the JSON file holds), built by gpu_check.py:
                 "mergesmith": {"total_s", "cpu_s", "maxrss"} | None, "mergekit": {...} | None}],
      "omp": {"mergesmith": {omp_device.py's JSON}, "mergekit": {...} | None, "same_selections": float | None,
              "cut": str | None} | None,
+     "commands": {bench/device_commands.py's JSON: "size", "spec", "device", "build_s", "runs": [{"command",
+                  "device", "total_s", "cpu_s", "maxrss", "check": {"ok", "summary"} | None, "error", "cut"}]}
+                 | {"cut": str} | None,
      "cut": [what was left out to keep to the minutes], "notes": [str]}
 
-Why one table with the OMP row in it: the check's output is pasted into an issue or a README as it is; a reader
-compares each row's two tools, and every row that was cut says so in its own "outputs equal" cell.
+Why one table with the OMP and command rows in it: the check's output is pasted into an issue or a README as it
+is; a reader compares each row's two tools, and every row that was cut says so in its own "outputs equal" cell.
 """
 
 from __future__ import annotations
@@ -86,6 +89,72 @@ def omp_row(omp: Result) -> list[str]:
             _ratio(ms["seconds"], mk_s), "-", "-", "-", "-", verdict]
 
 
+def commands_label(commands: Result) -> str:
+    """What the commands step ran on: the transplant's vocabularies, the width, the LoRA rank, the device."""
+    spec = commands["spec"]
+    return (f"tokensurgeon {spec['base_vocab']}->{spec['donor_vocab']} tokens ({spec['donor_vocab'] - spec['shared']} "
+            f"new, k={spec['k']}) and extract-lora (r={spec['lora_rank']}) at hidden {spec['hidden']}, "
+            f"{spec['layers']} layer(s), size {commands['size']}, --device {commands['device']}")
+
+
+def command_verdict(run: Result) -> str:
+    """A run's last cell: not run (cut), failed (the command's error line), FAILED check, or ok (the check)."""
+    if run.get("cut"):
+        return f"not run: {run['cut']}"
+    if run.get("error"):
+        return f"failed: {run['error']}"
+    check = run.get("check") or {}
+    if not check:
+        return "not checked"
+    return f"{'ok' if check.get('ok') else 'FAILED check'}: {check.get('summary', '')}"
+
+
+def command_rows(commands: Result) -> list[list[str]]:
+    """The commands step's device runs as rows of the one table (mergekit's columns and the floor stay empty)."""
+    if commands.get("runs") is None:
+        return [["commands", "-", "-", "-", "-", "-", "-", "-", f"not run: {commands.get('cut') or 'no result'}"]]
+    spec = commands["spec"]
+    labels = {"tokensurgeon": f"tokensurgeon {spec['base_vocab']}->{spec['donor_vocab']} D={spec['hidden']}",
+              "extract-lora": f"extract-lora D={spec['hidden']} r={spec['lora_rank']}"}
+    rows = []
+    for run in commands["runs"]:
+        if run["device"] != commands["device"]:
+            continue
+        rows.append([labels.get(run["command"], run["command"]), fmt_s(_num(run.get("total_s"))), "-", "-", "-", "-",
+                     fmt_s(_num(run.get("cpu_s"))), fmt_bytes(_num(run.get("maxrss"))), command_verdict(run)])
+    return rows
+
+
+def commands_cpu_line(commands: Result) -> str | None:
+    """The --also-cpu runs, each against the device's time for the same command."""
+    device = {r["command"]: r for r in commands.get("runs") or [] if r["device"] == commands.get("device")}
+    parts = []
+    for run in commands.get("runs") or []:
+        if run["device"] != "cpu" or commands.get("device") == "cpu":
+            continue
+        if run.get("total_s") is None:
+            parts.append(f"{run['command']} {command_verdict(run)}")
+            continue
+        there = _num((device.get(run["command"]) or {}).get("total_s"))
+        parts.append(f"{run['command']} {run['total_s']:.1f} s ({_ratio(run['total_s'], there)} the device's)"
+                     + ("" if run_passed(run) else f", {command_verdict(run)}"))
+    return f"commands with --device cpu (--also-cpu): {', '.join(parts)}" if parts else None
+
+
+def run_passed(run: Result) -> bool:
+    """False for a run that failed or whose output failed its check; a cut run is not a failure."""
+    return not run.get("error") and (run.get("check") or {}).get("ok", True)
+
+
+def commands_failed(commands: Result | None) -> bool:
+    """Whether the step makes the check fail: a command failed or its output is wrong."""
+    if not commands:
+        return False
+    if str(commands.get("cut") or "").startswith("failed"):
+        return True
+    return not all(run_passed(r) for r in commands.get("runs") or [])
+
+
 def tests_line(tests: Result | None) -> str:
     if tests is None:
         return "CUDA tests: not run"
@@ -106,33 +175,44 @@ def render(result: Result) -> str:
             f"{60 * result.get('minutes', 0):.0f} s; times are one run each, wall+sync, cache "
             f"{'dropped' if result.get('cold') else 'warm'}")
     lines = [head, tests_line(result.get("tests"))]
-    rows = [case_row(c) for c in result.get("cases", [])]
-    if result.get("omp") is not None:
-        rows.append(omp_row(result["omp"]))
-    lines += ["", table(headers(mode), rows), ""]
+    lines += ["", table(headers(mode), all_rows(result)), ""]
     omp = result.get("omp") or {}
     if omp.get("mergesmith"):
         full = " / ".join(f"{t} {omp[t]['full_s']:.0f} s" for t in ("mergesmith", "mergekit") if omp.get(t))
         lines.append(f"omp extrapolated to the whole transplant ({omp['mergesmith']['full']} new tokens): {full}")
+    commands = result.get("commands") or {}
+    if commands.get("runs") is not None:
+        lines.append(f"commands: {commands_label(commands)}; models built or found in {commands['build_s']:.0f} s")
+        cpu = commands_cpu_line(commands)
+        if cpu:
+            lines.append(cpu)
     lines += [f"cut: {c}" for c in result.get("cut", [])]
     lines += [f"note: {n}" for n in result.get("notes", [])]
     return "\n".join(lines).rstrip() + "\n"
 
 
-def to_json(result: Result) -> str:
-    """The result as JSON, with the printed table's rows beside the raw figures (NaN written as null)."""
+def all_rows(result: Result) -> list[list[str]]:
+    """The table's rows: the merge cases, then OMP, then the commands."""
     rows = [case_row(c) for c in result.get("cases", [])]
     if result.get("omp") is not None:
         rows.append(omp_row(result["omp"]))
-    out = {**result, "table": {"headers": headers(result["mode"]), "rows": rows}}
-    return json.dumps(_clean(out), indent=1, allow_nan=False) + "\n"
+    if result.get("commands") is not None:
+        rows += command_rows(result["commands"])
+    return rows
 
 
-def _clean(x: Any) -> Any:
+def to_json(result: Result) -> str:
+    """The result as JSON, with the printed table's rows beside the raw figures (NaN written as null)."""
+    out = {**result, "table": {"headers": headers(result["mode"]), "rows": all_rows(result)}}
+    return json.dumps(clean(out), indent=1, allow_nan=False) + "\n"
+
+
+def clean(x: Any) -> Any:
+    """`x` with every NaN or infinity as None, so strict JSON can hold it."""
     if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
         return None
     if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
+        return {k: clean(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
+        return [clean(v) for v in x]
     return x

@@ -4,8 +4,9 @@ The check itself is a measurement for a CUDA machine with no network. What can r
 the table and JSON formatting (bench/gpu_table.py) on a made-up result, the counting of the CUDA tests' results,
 OMP's batch sizing, the one-line refusals of both scripts (a bad argument, no CUDA), and, marked slow, the whole
 pipeline in `--cpu-dry-run` mode: a mergesmith wheel built from this checkout, a venv made offline from it on this
-interpreter's torch, tiny bench models, one CUDA test file (skipped here), a linear merge with its floor, and the
-OMP timing, down to the printed table and the JSON file.
+interpreter's torch, tiny bench models, one CUDA test file (skipped here), a linear merge with its floor, the
+OMP timing and the commands step at its quick size, down to the printed table and the JSON file. (The commands
+step's own tests, at the tiny size: tests/test_gpu_check_commands.py.)
 """
 
 from __future__ import annotations
@@ -238,6 +239,8 @@ def test_cpu_dry_run_goes_from_a_wheel_folder_to_the_table_and_json(tmp_path: Pa
     assert "CUDA tests: " in text and ("3 skipped" in text or "3 passed" in text)
     assert any(line.startswith("linear ") for line in text.splitlines())
     assert "omp N=4000 D=256 k=16 B=" in text
+    for row in ("tokensurgeon 4000->6000 D=1024 ", "extract-lora D=1024 r=8 "):  # the commands, quick size
+        assert any(line.startswith(row) and "  ok: " in line for line in text.splitlines()), text
     assert "note: mergekit not run (no mergekit wheels): mergesmith figures only" in text
     data = json.loads(out.read_text())
     assert data["mode"] == "cpu-dry-run" and data["size"] == "tiny"
