@@ -17,6 +17,8 @@ is cut with a line saying so, rather than the whole check overrunning and report
   tests that finished are reported; the commands' checkpoints (bench/command_models.py) are built meanwhile too;
 - a merge case runs when what is left, less those reserves, is at least 1.1x the longest case so far (the first
   case always runs); cases run in the order given, so the ones cut are the last;
+- then the same machine's CPU path (mergesmith without --cuda) for --cpu-cases, each when 1.5x its --cuda time
+  fits, for the line that says whether the GPU path is slower than the CPU path there (issue 33, item 4);
 - the commands (bench/device_commands.py: `mergesmith tokensurgeon` and `extract-lora` with the device option at
   `--commands-size`, outputs checked) run when what is left, less the OMP reserve, covers the size's expected
   time; their reserve is 1.25x that time (75 s at the realistic size); a command still running when the time is
@@ -195,6 +197,35 @@ def run_merges(args: argparse.Namespace, clock: Clock, models: list[Path], cold:
             longest = max(longest, time.perf_counter() - started)
         cases.append(entry)
     return cases
+
+
+def run_cpu_path(args: argparse.Namespace, clock: Clock, cases: list[dict[str, Any]], cold: bool,
+                 cut: list[str]) -> None:
+    """The same machine's CPU path for --cpu-cases (mergesmith without --cuda, one cold run each), into each case's
+    "cpu_path": issue 33 asks that the GPU path is never slower than the CPU path on the same machine, and only
+    the same machine, disk and start-up answer that (a CPU figure from another machine does not)."""
+    if args.mode != "cuda":
+        return
+    for entry in cases:
+        if entry["case"] not in args.cpu_cases or entry.get("mergesmith") is None:
+            continue
+        config = args.work / "out" / "configs" / f"{args.size}-{entry['case']}.yml"
+        expected = 1.5 * entry["mergesmith"]["total_s"]
+        left = clock.left() - OMP_RESERVE_S - commands_reserve(args)
+        if left < expected:
+            cut.append(f"{entry['case']} on the CPU path: out of time ({max(left, 0):.0f} s left, ~{expected:.0f} s)")
+            continue
+        out = args.work / "out" / f"cpu-path-{entry['case']}"
+        bl.rm_out(out)
+        bl.log(f"[{args.size} {entry['case']}] the CPU path (no --cuda) ...")
+        try:
+            run = bl.run_timed(bl.mergesmith_cmd(config, out, "5B"), cold=cold, out_dir=out, timeout=2 * expected)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+            cut.append(f"{entry['case']} on the CPU path: failed: {str(exc).strip()[-200:]}")
+            continue
+        finally:
+            bl.rm_out(out)
+        entry["cpu_path"] = {"total_s": run.total_s, "wall_s": run.wall_s, "cpu_s": run.cpu_s, "maxrss": run.maxrss}
 
 
 # ------------------------------------------------------------------------------------------------ OMP
@@ -393,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "run does not fit five minutes: it is stopped and reported as cut)")
     ap.add_argument("--commands-args", default="", type=shlex.split,
                     help="more bench/device_commands.py options, e.g. '--k 32' or '--commands extract-lora'")
+    ap.add_argument("--cpu-cases", default="linear,dare_ties", type=lambda s: [c for c in s.split(",") if c],
+                    help="cases also merged on the CPU path of the same machine, for the cuda/cpu line (default "
+                         "linear,dare_ties; '' for none)")
     ap.add_argument("--sample", default="dare_ties", type=lambda s: [c for c in s.split(",") if c],
                     help="cases merged again under bench/sample_stacks.py at the end, time allowing ('' for none)")
     return ap
@@ -445,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             prebuild.wait()
 
     result["cases"] = run_merges(args, clock, models, cold, result["cut"])
+    run_cpu_path(args, clock, result["cases"], cold, result["cut"])
     result["notes"] += run_philox(args, clock, result["cut"])
     result["commands"] = run_commands(args, clock, cold, result["cut"])
     result["omp"] = run_omp(args, clock, result["cut"])

@@ -2,7 +2,8 @@
 # The GPU check of issue 33 (item 6), for a machine with a CUDA GPU and NO network: in about five minutes it
 # builds the 1b bench models, runs every CUDA test of the suite, merges linear, ties, dare_ties, della and slerp
 # with mergesmith --cuda and mergekit 0.1.5 --cuda (one run each, alternating, with the I/O floor and the output
-# check of bench/compare_mergekit.py), runs `mergesmith tokensurgeon` (a 32k-to-50k transplant at hidden 4096) and
+# check of bench/compare_mergekit.py), then linear and dare_ties again on the same machine's CPU path (no --cuda), runs
+# `mergesmith tokensurgeon` (a 32k-to-50k transplant at hidden 4096) and
 # `mergesmith extract-lora` with --device cuda end to end, their outputs checked (bench/device_commands.py), times
 # tokensurgeon's batched OMP at a transplant's size on the device, and prints one table (also written as JSON).
 #

@@ -6,7 +6,8 @@ The result is a plain dict (what the JSON file holds), built by gpu_check.py:
      "tests": {"passed": int, "failed": int, "skipped": int, "errors": int, "failures": [nodeid: message, ...],
                "seconds": float, "cut": bool} | None,
      "cases": [{"case": "linear", "floor_s": float | None, "verdict": str | None, "cut": str | None,
-                "mergesmith": {"total_s", "cpu_s", "maxrss"} | None, "mergekit": {...} | None}],
+                "mergesmith": {"total_s", "cpu_s", "maxrss"} | None, "mergekit": {...} | None,
+                "cpu_path": {"total_s", "cpu_s", "maxrss"} (the same machine without --cuda; optional)}],
      "omp": {"mergesmith": {omp_device.py's JSON}, "mergekit": {...} | None, "same_selections": float | None,
              "cut": str | None} | None,
      "commands": {bench/device_commands.py's JSON: "size", "spec", "device", "build_s", "runs": [{"command",
@@ -167,6 +168,20 @@ def tests_line(tests: Result | None) -> str:
     return line
 
 
+def cpu_path_lines(cases: list[Result]) -> list[str]:
+    """The GPU path against the same machine's CPU path, per case that ran both (issue 33: never slower)."""
+    lines = []
+    for case in cases:
+        cpu, gpu = case.get("cpu_path"), case.get("mergesmith")
+        if cpu is None or gpu is None:
+            continue
+        ratio = _num(gpu["total_s"]) / _num(cpu["total_s"])
+        verdict = "slower than" if ratio > 1.0 else "at least as fast as"
+        lines.append(f"{case['case']}: --cuda {fmt_s(_num(gpu['total_s']))} s, this machine's CPU path "
+                     f"{fmt_s(_num(cpu['total_s']))} s ({fmt_ratio(ratio)}: the GPU path {verdict} the CPU path)")
+    return lines
+
+
 def render(result: Result) -> str:
     """The text the check prints: a header, the test summary, then the one table, then what was cut."""
     mode = result["mode"]
@@ -186,6 +201,7 @@ def render(result: Result) -> str:
         cpu = commands_cpu_line(commands)
         if cpu:
             lines.append(cpu)
+    lines += cpu_path_lines(result.get("cases", []))
     lines += [f"cut: {c}" for c in result.get("cut", [])]
     lines += [f"note: {n}" for n in result.get("notes", [])]
     return "\n".join(lines).rstrip() + "\n"

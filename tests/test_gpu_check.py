@@ -272,3 +272,32 @@ def test_cpu_dry_run_without_venvs_runs_the_checkout_on_the_machines_python_and_
     assert f"note: stack sample of linear: {report}" in proc.stdout
     text = report.read_text()
     assert "== thread group 'MainThread'" in text and "engine/run.py:run_merge" in text
+
+
+def test_the_gpu_path_is_set_against_the_same_machines_cpu_path() -> None:
+    """Issue 33, item 4: the GPU path never slower than the CPU path on the same machine. A case with a CPU-path run
+    gets a line with both times, their ratio and which is faster; a case without one gets none."""
+    table = _load("gpu_table")
+    result = _result()
+    result["cases"][0]["cpu_path"] = {"total_s": 12.5, "wall_s": 12.4, "cpu_s": 30.0, "maxrss": 9e8}
+    result["cases"][2]["cpu_path"] = {"total_s": 20.0, "wall_s": 19.9, "cpu_s": 30.0, "maxrss": 9e8}
+    text = table.render(result)
+    assert "linear: --cuda 15.0 s, this machine's CPU path 12.5 s (1.20x: the GPU path slower than the CPU path)" in text
+    assert "slerp: --cuda 15.0 s, this machine's CPU path 20.0 s (0.75x: the GPU path at least as fast as" in text
+    assert "della: --cuda" not in text
+    assert json.loads(table.to_json(result))["cases"][0]["cpu_path"]["total_s"] == 12.5
+
+
+def test_the_cpu_path_runs_are_cut_when_they_would_not_fit(tmp_path: Path) -> None:
+    """The CPU-path step keeps the later steps' reserves: with too little time left it runs nothing and says so in
+    one cut line per case; off CUDA (the dry run) it does nothing at all."""
+    check = _load("gpu_check")
+    args = check.build_parser().parse_args(["--work", str(tmp_path), "--commands-size", "none"])
+    cases = [{"case": "linear", "mergesmith": {"total_s": 15.0}}, {"case": "ties", "mergesmith": {"total_s": 9.0}}]
+    cut: list[str] = []
+    check.run_cpu_path(args, check.Clock(__import__("time").time() + check.OMP_RESERVE_S + 10), cases, False, cut)
+    assert cut == ["linear on the CPU path: out of time (10 s left, ~22 s)"]  # ties is not a --cpu-cases case
+    assert all("cpu_path" not in c for c in cases)
+    args.mode = "cpu-dry-run"
+    check.run_cpu_path(args, check.Clock(0.0), cases, False, cut)
+    assert len(cut) == 1
