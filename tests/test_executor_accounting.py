@@ -88,8 +88,8 @@ def _record_budgets(monkeypatch: Any) -> list[Any]:
             self.items = self.most_items = 0
             budgets.append(self)
 
-        def acquire_first(self, costs: list[int], stop: Any, device_costs: Any = None) -> int | None:
-            admitted = super().acquire_first(costs, stop, device_costs)
+        def acquire_first(self, costs: list[int], stop: Any, device_costs: Any = None, **kw: Any) -> int | None:
+            admitted = super().acquire_first(costs, stop, device_costs, **kw)
             with self._cond:
                 self.items += admitted is not None
                 self.most_items = max(self.most_items, self.items)
@@ -229,3 +229,65 @@ def test_inputs_leave_the_page_cache_only_when_they_exceed_the_memory_room(
                     expected += max(0, end - start)
             assert expected > 0 and sum(n for _, n in dropped) == expected
     assert outputs["roomy"] == outputs["tight"]
+
+
+def test_a_recipe_passes_a_protected_one_only_where_it_leaves_it_room() -> None:
+    """After ADMISSION_WINDOW recipes passed a waiting one, another still passes it where, once the largest item in
+    flight finishes, the waiting one fits beside it; not where it would take that room. (Before, every other
+    recipe then waited too, and a thread idled until the item in flight finished.)"""
+    from mergesmith.engine.execution.admission import MemoryBudget, leaves_room
+
+    assert leaves_room(118, [100], 18, 100)  # embed in flight, a layer tensor beside it: lm_head fits after embed
+    assert not leaves_room(118, [100, 18], 6, 100)  # a second one would keep lm_head out after embed
+    assert leaves_room(None, [100, 100], 100, 100)  # no limit: nothing to protect
+    assert leaves_room(118, [6], 100, 100)  # a passer larger than what runs: the head waits for the passer alone
+
+    budget = MemoryBudget(118)
+    stop = threading.Event()
+    assert budget.acquire_first([100], stop) == 0  # embed_tokens
+    assert budget.acquire_first([100, 18, 6], stop, protect_head=True) == 1  # lm_head waits, a layer tensor passes
+    assert budget.running == [100, 18]
+    stop.set()
+    assert budget.acquire_first([100, 6], stop, protect_head=True) is None  # 6 fits nowhere now; stopped, not hung
+    stop.clear()
+    budget.release(18)
+    assert budget.acquire_first([100, 6], stop, protect_head=True) == 1  # room again beside embed for one
+    budget.release(100)
+    assert budget.acquire_first([100, 6], stop, protect_head=True) == 0  # embed done: lm_head goes first
+    assert sorted(budget.running) == [6, 100] and budget.in_flight == 106
+
+
+def test_long_poles_are_started_first_and_the_rest_keeps_plan_order(
+    tmp_path: Path, tiny_models: Any, monkeypatch: Any
+) -> None:
+    """time_estimate.long_poles names the recipes whose own work is a large share of a worker's (TIES over lm_head
+    on the 1b bench); the executor starts them before the others, which keep plan order. Plain linear merges of
+    alike tensors have none."""
+    from mergesmith.engine import time_estimate
+    from mergesmith.engine.execution import local_executor as executor
+    from mergesmith.engine.plan import InputRef, TensorRecipe
+
+    def recipe(name: str, rows: int, method: str = "ties") -> TensorRecipe:
+        inputs = tuple(InputRef(f"m{i}", name) for i in range(3))
+        return TensorRecipe(name=name, op="merge", method=method, shape=(rows, 2048), dtype="bfloat16",
+                            inputs=inputs, base_index=0)
+
+    layers = [recipe(f"layers.{i}.mlp", 5632) for i in range(22 * 3)]
+    giants = [recipe("embed", 32000), recipe("lm_head", 32000)]
+    assert time_estimate.long_poles([*giants, *layers], threads=2) == {"embed", "lm_head"}
+    assert time_estimate.long_poles([recipe(f"l{i}", 5632, "linear") for i in range(20)], threads=2) == frozenset()
+
+    order: list[str] = []
+    real_compute = executor.compute
+
+    def recording(recipe: Any, *args: Any, **kwargs: Any) -> Any:
+        order.append(recipe.name)
+        return real_compute(recipe, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "compute", recording)
+    monkeypatch.setattr(time_estimate, "long_poles", lambda recipes, threads: frozenset({"lm_head.weight"}))
+    monkeypatch.setattr("mergesmith.engine.run.long_poles", time_estimate.long_poles)
+    plan = run_merge(_linear_config(tmp_path, tiny_models), tmp_path / "out", MergeOptions(threads=1)).plan
+    assert order[0] == "lm_head.weight"
+    rest = [r.name for r in plan.recipes if r.name != "lm_head.weight"]
+    assert [name for name in order[1:] if name in rest] == [name for name in rest if name in order]

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,7 @@ from .plan import CONFIG_NAME, MOE_CONFIG_NAME, OWN_CONFIG_NAME, Plan
 from .planning.merge_planner import Planner
 from .planning.shared import MergeOptions
 from .report import over_budget_warning
+from .time_estimate import long_poles
 
 try:
     import fcntl
@@ -553,7 +554,7 @@ def _write_plan(
 
         executor_cls = RayExecutor
     checkpoints = _prepare_inputs(out, plan, checkpoints, stop)
-    settings = ExecutionSettings.of(options)
+    settings = replace(ExecutionSettings.of(options), start_first=long_poles(plan.recipes, options.threads))
     executor = executor_cls(plan, checkpoints, out, journal, settings, on_progress=on_progress, stop=stop)
     executor.run()
     monitor = getattr(executor, "monitor", None)

@@ -36,6 +36,7 @@ when they were written; a GPU run of `bench/plan_accuracy.py` should replace the
 from __future__ import annotations
 
 import os
+import statistics
 
 from ..io.dtypes import dtype_size, to_torch
 from ..kernels.introsort_replay import IDS_MAX_ENTRIES
@@ -169,17 +170,50 @@ def wudi_seconds(recipe: TensorRecipe) -> float:
     return iters * step_flops(recipe.shape, tasks) / WUDI_FLOPS_PER_S
 
 
+def recipe_seconds(recipe: TensorRecipe) -> float:
+    """One recipe's work at the bench's rates, on the footing of compute_seconds (wall time at BENCH_WORKERS
+    workers): its entries at its method's rate, its SVDs, its WUDI steps; 0 for a copy or an op."""
+    if recipe.op != "merge":
+        return 0.0
+    work = _recipe_seconds(recipe.method, recipe.numel(), len(recipe.inputs))
+    return work + svd_seconds(recipe) / BENCH_WORKERS + wudi_seconds(recipe)
+
+
 def compute_seconds(plan: Plan, threads: int) -> float:
     """The merged tensors' work at the bench's rates, for `threads` workers (no more than this machine's cores).
 
     The per-entry rates are wall time at BENCH_WORKERS workers; the SVDs' one-thread seconds are divided by them to
     be on that footing, so that the whole is then divided among this merge's workers."""
-    merges = [r for r in plan.recipes if r.op == "merge"]
-    work = sum(_recipe_seconds(r.method, r.numel(), len(r.inputs)) for r in merges)
-    work += sum(svd_seconds(r) for r in merges) / BENCH_WORKERS
-    work += sum(wudi_seconds(r) for r in merges)
-    workers = max(1, min(threads, os.cpu_count() or 1))
-    return work * BENCH_WORKERS / workers
+    work = sum(recipe_seconds(r) for r in plan.recipes)
+    return work * BENCH_WORKERS / _workers(threads)
+
+
+def _workers(threads: int) -> int:
+    return max(1, min(threads, os.cpu_count() or 1))
+
+
+LONG_POLE_SHARE = 0.1
+"""A recipe is a long pole when its own work is at least this share of one worker's share of the whole merge..."""
+LONG_POLE_TYPICAL = 4.0
+"""... and this many times the median recipe's: in a model of alike tensors none is (each is a fair share)."""
+
+
+def long_poles(recipes: list[TensorRecipe], threads: int) -> frozenset[str]:
+    """The recipes to start before the others: those whose own work is a large part of what each worker has to do.
+
+    Why: workers take recipes in plan order, and a plan ends with the output's last tensors; where one of those is
+    long (TIES' selection over a 65 M-entry lm_head takes ~4 s of one core on the 1b bench, where every other
+    tensor takes a fraction of a second), it ran alone at the end while the other cores idled (a CPU timeline of the
+    1b ties merge: 4 s at one busy core after the last read). Started first, it overlaps the rest (the longest-
+    processing-time-first rule). A model of alike tensors has none."""
+    seconds = {r.name: recipe_seconds(r) for r in recipes}
+    share = sum(seconds.values()) / _workers(threads)
+    if share <= 0:
+        return frozenset()
+    typical = statistics.median(seconds.values())
+    return frozenset(
+        name for name, s in seconds.items() if s >= LONG_POLE_SHARE * share and s >= LONG_POLE_TYPICAL * typical
+    )
 
 
 def first_compile_seconds(plan: Plan, device: str) -> float:
@@ -219,7 +253,7 @@ def device_seconds(plan: Plan, threads: int) -> dict[str, float]:
     to_device, to_host = device_transfer_bytes(plan)
     transfer = (to_device + to_host) / PCIE_BYTES_PER_S
     merges = [r for r in plan.recipes if r.op == "merge"]
-    heavy = sum(svd_seconds(r) for r in merges) / max(1, min(threads, os.cpu_count() or 1))
+    heavy = sum(svd_seconds(r) for r in merges) / _workers(threads)
     heavy += sum(wudi_seconds(r) for r in merges)
     return {
         "transfer": transfer,

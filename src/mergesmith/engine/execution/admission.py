@@ -19,7 +19,23 @@ from ...sizes import human_size
 ADMISSION_WINDOW = 16
 """How far past a recipe that does not fit the budget the executor looks for one that does (so a thread
 is not idle while, say, lm_head waits for embed_tokens to finish); after this many recipes have gone past
-it, the waiting one is admitted next, as soon as it fits."""
+it, the waiting one is protected: a recipe still passes it only when it leaves room for it (`leaves_room`),
+so that it is admitted, at the latest, when the largest item in flight finishes."""
+
+
+def leaves_room(limit: int | None, running: list[int], cost: int, head: int) -> bool:
+    """Whether admitting `cost` beside `running` (the items in flight) still lets `head` in once the largest of
+    them (or `cost` itself, if larger) has finished.
+
+    Why this rule for a recipe that has waited long enough: it must not wait for work admitted after it, but
+    blocking every other recipe until it fits left a thread idle for as long as the item it waits for ran (the
+    1b TIES merge: the other core idle ~1.3 s while lm_head's selection finished, before embed_tokens could start).
+    What it waits for is in flight already; a recipe that passes it without taking the room it will need once
+    that finishes costs it nothing."""
+    if limit is None:
+        return True
+    total = sum(running) + cost
+    return total - max([*running, cost]) + head <= limit
 
 
 class DeviceBudget:
@@ -31,6 +47,7 @@ class DeviceBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.in_flight = 0
+        self.running: list[int] = []  # the device cost of each item in flight (leaves_room)
         self.peak = 0  # the most device bytes ever admitted at once
 
     def fits(self, cost: int) -> bool:
@@ -53,6 +70,7 @@ class MemoryBudget:
         # the input feed's pool tells; None counts all of `held`
         self.held_unmapped: Callable[[], int] | None = None
         self.in_flight = 0
+        self.running: list[int] = []  # the cost of each item in flight (leaves_room)
         self.peak = 0  # the most bytes ever admitted at once: a statistic for tests and reports
         self.device: DeviceBudget | None = None  # set by the executor on CUDA: device bytes admitted beside
         self._cond = threading.Condition()
@@ -66,32 +84,43 @@ class MemoryBudget:
         """Bytes the work in flight may occupy now by the memory watch (None: not watched)."""
         return None if self.watch is None else max(0, self.watch.capacity() - self.held)
 
-    def fits(self, cost: int) -> bool:
+    def _limit(self) -> int | None:
         limit, room = self.limit, self.room()
         if room is not None:
             limit = room if limit is None else min(limit, room)
+        return limit
+
+    def fits(self, cost: int) -> bool:
+        limit = self._limit()
         return limit is None or self.in_flight == 0 or self.in_flight + cost <= limit
 
     def acquire_first(
-        self, costs: list[int], stop: threading.Event, device_costs: list[int] | None = None
+        self, costs: list[int], stop: threading.Event, device_costs: list[int] | None = None, protect_head: bool = False
     ) -> int | None:
         """Admit the first of `costs` that fits, waiting until one does; its position, or None when stopped.
 
-        `device_costs` (with a `device` budget): each item's device bytes, which must fit that budget too."""
+        `device_costs` (with a `device` budget): each item's device bytes, which must fit that budget too.
+        `protect_head`: the first item has waited long enough (ADMISSION_WINDOW): another passes it only where it
+        leaves room for it on the host and on the device (leaves_room)."""
         device = self.device if device_costs is not None else None
         with self._cond:
             while True:
                 for position, cost in enumerate(costs):
                     on_device = device_costs[position] if device is not None and device_costs is not None else 0
-                    if self.fits(cost) and (device is None or device.fits(on_device)):
-                        if self.in_flight == 0 and self.watch is not None:
-                            self._check_alone(cost)
-                        self.in_flight += cost
-                        self.peak = max(self.peak, self.in_flight)
-                        if device is not None:
-                            device.in_flight += on_device
-                            device.peak = max(device.peak, device.in_flight)
-                        return position
+                    if not (self.fits(cost) and (device is None or device.fits(on_device))):
+                        continue
+                    if position and protect_head and not self._leaves_room(costs, device_costs, position):
+                        continue
+                    if self.in_flight == 0 and self.watch is not None:
+                        self._check_alone(cost)
+                    self.in_flight += cost
+                    self.running.append(cost)
+                    self.peak = max(self.peak, self.in_flight)
+                    if device is not None:
+                        device.in_flight += on_device
+                        device.running.append(on_device)
+                        device.peak = max(device.peak, device.in_flight)
+                    return position
                 if stop.is_set():
                     return None
                 self._cond.wait(0.2)
@@ -111,9 +140,21 @@ class MemoryBudget:
             available=room,
         )
 
+    def _leaves_room(self, costs: list[int], device_costs: list[int] | None, position: int) -> bool:
+        """Whether item `position` leaves room for item 0 on the host and, with device costs, on the device."""
+        if not leaves_room(self._limit(), self.running, costs[position], costs[0]):
+            return False
+        if self.device is None or device_costs is None:
+            return True
+        return leaves_room(self.device.limit, self.device.running, device_costs[position], device_costs[0])
+
     def release(self, cost: int, device_cost: int = 0) -> None:
         with self._cond:
             self.in_flight -= cost
+            if cost in self.running:
+                self.running.remove(cost)
             if self.device is not None:
                 self.device.in_flight -= device_cost
+                if device_cost in self.device.running:
+                    self.device.running.remove(device_cost)
             self._cond.notify_all()

@@ -100,6 +100,7 @@ class ExecutionSettings:
     strict: bool = False  # NaN/inf in an input or output is an error, not a warning
     ray_address: str | None = None  # the Ray cluster to join (RayExecutor only; None: RAY_ADDRESS or a local Ray)
     max_gpu_memory: int | None = None  # device bytes in flight on CUDA; None: the device's free memory less a margin
+    start_first: frozenset[str] = frozenset()  # recipes admitted before the others (time_estimate.long_poles)
 
     @classmethod
     def of(cls, options: MergeOptions) -> ExecutionSettings:
@@ -206,6 +207,9 @@ class LocalExecutor(Executor):
             if not todo:
                 self.outputs.finish(shard.filename)
             work.extend((shard, r) for r in todo)
+        # the long poles first (stable: the rest keeps plan order), reads and all: a long tensor that came last ran
+        # alone at the end while the other workers idled
+        work.sort(key=lambda item: item[1].name not in self.settings.start_first)
         self.resumed_tensors = self._done
         self._emit(None)
 
@@ -285,10 +289,13 @@ class LocalExecutor(Executor):
                     while waiting and not self._stopping():
                         if not slots.acquire(timeout=0.2):
                             continue
-                        window = waiting[: ADMISSION_WINDOW if head_passed < ADMISSION_WINDOW else 1]
+                        window = waiting[:ADMISSION_WINDOW]
                         try:
                             on_device = None if device_costs is None else [device_costs[i] for i in window]
-                            position = self.budget.acquire_first([costs[i] for i in window], self.stop, on_device)
+                            position = self.budget.acquire_first(
+                                [costs[i] for i in window], self.stop, on_device,
+                                protect_head=head_passed >= ADMISSION_WINDOW,
+                            )
                         except MemoryShortage as exc:
                             raise self._shortage(exc, work[window[0]][1]) from None
                         if position is None:
