@@ -155,7 +155,10 @@ class CudaTests:
 
 
 def tool_summary(s: bl.Summary) -> dict[str, Any]:
-    run = s.runs[-1]
+    return run_summary(s.runs[-1])
+
+
+def run_summary(run: bl.RunResult) -> dict[str, Any]:
     return {"total_s": run.total_s, "wall_s": run.wall_s, "cpu_s": run.cpu_s, "maxrss": run.maxrss,
             "peak_anon": run.peak_anon}
 
@@ -182,7 +185,7 @@ def run_merges(args: argparse.Namespace, clock: Clock, models: list[Path], cold:
     longest = 0.0
     for case in args.cases:
         entry: dict[str, Any] = {"case": case, "mergesmith": None, "mergekit": None, "cut": None}
-        left = clock.left() - OMP_RESERVE_S - commands_reserve(args)
+        left = left_before_commands(args, clock)
         if case not in available:
             entry["cut"] = "mergesmith has no such method in this checkout"
         elif cases and left < 1.1 * longest:
@@ -211,7 +214,7 @@ def run_cpu_path(args: argparse.Namespace, clock: Clock, cases: list[dict[str, A
             continue
         config = args.work / "out" / "configs" / f"{args.size}-{entry['case']}.yml"
         expected = 1.5 * entry["mergesmith"]["total_s"]
-        left = clock.left() - OMP_RESERVE_S - commands_reserve(args)
+        left = left_before_commands(args, clock)
         if left < expected:
             cut.append(f"{entry['case']} on the CPU path: out of time ({max(left, 0):.0f} s left, ~{expected:.0f} s)")
             continue
@@ -225,7 +228,7 @@ def run_cpu_path(args: argparse.Namespace, clock: Clock, cases: list[dict[str, A
             continue
         finally:
             bl.rm_out(out)
-        entry["cpu_path"] = {"total_s": run.total_s, "wall_s": run.wall_s, "cpu_s": run.cpu_s, "maxrss": run.maxrss}
+        entry["cpu_path"] = run_summary(run)
 
 
 # ------------------------------------------------------------------------------------------------ OMP
@@ -285,6 +288,11 @@ def run_omp(args: argparse.Namespace, clock: Clock, cut: list[str]) -> dict[str,
 
 
 # ------------------------------------------------------------------------------------------------ commands
+
+
+def left_before_commands(args: argparse.Namespace, clock: Clock) -> float:
+    """Seconds the steps before the commands and OMP may use: what is left less both reserves."""
+    return clock.left() - OMP_RESERVE_S - commands_reserve(args)
 
 
 def commands_reserve(args: argparse.Namespace) -> float:
@@ -453,8 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         files = [bl.REPO / f for f in args.test_files.split(",") if f]
     tests = None
     if files:
-        tests = CudaTests(files, min(120.0, max(20.0, 0.25 * (clock.left() - OMP_RESERVE_S - commands_reserve(args)))),
-                          args.work)
+        tests = CudaTests(files, min(120.0, max(20.0, 0.25 * left_before_commands(args, clock))), args.work)
     prebuild = start_command_models(args)
     t0 = time.perf_counter()
     bl.log(f"models: {args.size} under {args.models_root} ...")

@@ -134,8 +134,8 @@ _deferred: list[Deferred] = []
 
 
 class Deferred:
-    """A compiled loop (or a numba intrinsic) made when first needed, so that numba is imported only by a kernel
-    group's compile (in its background thread), never on the way to a merge's first read.
+    """A compiled loop made when first needed, so that numba is imported only by a kernel group's compile (in its
+    background thread), never on the way to a merge's first read.
 
     Why not `njit` at import: the kernel modules are imported with the method registry by every command, and
     `import numba` took 0.16 s warm and 0.5 s cold of the main thread before the input feed starts (bench/README.md,
@@ -143,26 +143,24 @@ class Deferred:
 
     Called from Python it makes the real dispatcher (importing numba) and calls it. Referenced as a global by
     another compiled loop (or by an overload's implementation), numba types it as the real one: `load` registers
-    a typeof for this class that makes and types the real object, so calls between loops compile as direct
+    a typeof for this class that makes and types the real dispatcher, so calls between loops compile as direct
     calls, as before."""
 
-    def __init__(self, make: Callable[[], Any], function: Callable[..., Any] | None = None, name: str = "") -> None:
-        self._make = make
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function  # the Python source of the loop
         self._real: Any = None
-        self.function = function  # the Python source of a compiled loop (None for an intrinsic)
-        self.__name__ = name or getattr(function, "__name__", "deferred")
-        self.__doc__ = getattr(function, "__doc__", None)
-        self.__module__ = getattr(function, "__module__", __name__)
+        self.__name__ = function.__name__
+        self.__doc__ = function.__doc__
+        self.__module__ = function.__module__
         self.__wrapped__ = function
         _deferred.append(self)
 
     def real(self) -> Any:
-        """The numba object (dispatcher or intrinsic), made on first use; numba is imported then."""
+        """The numba dispatcher, made on first use; numba is imported then."""
         if self._real is None:
             with _LOAD_LOCK:
                 if self._real is None:
-                    load()
-                    self._real = self._make()
+                    self._real = _jit(self.function)
         return self._real
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -225,12 +223,12 @@ def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
     The dispatcher is made on first use (Deferred)."""
     if not AVAILABLE:
         return function
-    return Deferred(lambda: _jit(function), function)
+    return Deferred(function)
 
 
 def loops_of(module_name: str) -> list[Deferred]:
     """The compiled loops a module defines (KernelGroup.cached reads their cache index)."""
-    return [d for d in _deferred if d.function is not None and d.__module__ == module_name]
+    return [d for d in _deferred if d.__module__ == module_name]
 
 
 @compiled

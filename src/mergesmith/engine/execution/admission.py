@@ -46,9 +46,12 @@ class DeviceBudget:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.in_flight = 0
-        self.running: list[int] = []  # the device cost of each item in flight (leaves_room)
+        self.running: list[int] = []  # the device cost of each item in flight
         self.peak = 0  # the most device bytes ever admitted at once
+
+    @property
+    def in_flight(self) -> int:
+        return sum(self.running)
 
     def fits(self, cost: int) -> bool:
         return self.in_flight == 0 or self.in_flight + cost <= self.limit
@@ -69,11 +72,14 @@ class MemoryBudget:
         # what of `held` is not yet in the process's memory use (which the watch's samples already count):
         # the input feed's pool tells; None counts all of `held`
         self.held_unmapped: Callable[[], int] | None = None
-        self.in_flight = 0
-        self.running: list[int] = []  # the cost of each item in flight (leaves_room)
+        self.running: list[int] = []  # the cost of each item in flight (their sum is in_flight; leaves_room)
         self.peak = 0  # the most bytes ever admitted at once: a statistic for tests and reports
         self.device: DeviceBudget | None = None  # set by the executor on CUDA: device bytes admitted beside
         self._cond = threading.Condition()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(self.running)
 
     @property
     def held(self) -> int:
@@ -113,11 +119,9 @@ class MemoryBudget:
                         continue
                     if self.in_flight == 0 and self.watch is not None:
                         self._check_alone(cost)
-                    self.in_flight += cost
                     self.running.append(cost)
                     self.peak = max(self.peak, self.in_flight)
                     if device is not None:
-                        device.in_flight += on_device
                         device.running.append(on_device)
                         device.peak = max(device.peak, device.in_flight)
                     return position
@@ -150,11 +154,7 @@ class MemoryBudget:
 
     def release(self, cost: int, device_cost: int = 0) -> None:
         with self._cond:
-            self.in_flight -= cost
-            if cost in self.running:
-                self.running.remove(cost)
-            if self.device is not None:
-                self.device.in_flight -= device_cost
-                if device_cost in self.device.running:
-                    self.device.running.remove(device_cost)
+            self.running.remove(cost)
+            if self.device is not None and device_cost in self.device.running:  # 0 where none was admitted
+                self.device.running.remove(device_cost)
             self._cond.notify_all()
