@@ -87,6 +87,24 @@ def test_any_dtype_rank_and_size(dtype, shape, monkeypatch):
         assert torch.equal(fused.view(-1).view(torch.uint8), plain.view(-1).view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_nonfinite_inputs_and_strided_ones(dtype, monkeypatch):
+    """Inputs with nan and +-inf entries (the compiled rounding hands a chunk with a nan to torch, whose nan bits
+    differ between its vector loop and its scalar tail) and a transposed, non-contiguous input (the compiled chunks
+    read a contiguous copy) give the torch operations' bytes; float64 inputs are rounded to float32 as torch does."""
+    tensors = _models((300, 900), dtype, n=3, seed=13)
+    tensors[1].view(-1)[[5, 700, 262_144, 262_150]] = torch.tensor([float("nan"), float("inf"), float("-inf"), 1e30],
+                                                                   dtype=dtype)
+    tensors[2] = tensors[2].t().contiguous().t()  # the same values, laid out column-major
+    assert not tensors[2].is_contiguous()
+    vectors = [keyed_merge.Vector(1, 0, 0.5, 0.3), keyed_merge.Vector(2, 1, 0.7, 0.6)]
+    for consensus in (None, "sum"):
+        mix = keyed_merge.Mix(consensus, True, False, 1.0)  # no rescale: a nan in the L1 norms would spread
+        (fused, _), (plain, _) = _merge_both(tensors, vectors, mix, 0, False, monkeypatch)
+        assert 0 < int(fused.isnan().sum()) < 4
+        assert torch.equal(fused.view(-1).view(torch.uint8), plain.view(-1).view(torch.uint8)), consensus
+
+
 def test_weights_that_sum_to_zero_and_zero_densities(monkeypatch):
     tensors = _models((64, 513), torch.bfloat16, n=3, seed=9)
     for weights, densities in (((0.5, -0.5), (0.5, 0.5)), ((1.0, 2.0), (0.0, 1.0)), ((0.0, 0.0), (0.2, 0.9))):

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .compiled import AVAILABLE as AVAILABLE  # the switch callers read (keyed_random, keyed_merge)
-from .compiled import KernelGroup, compiled, numba_extension
+from .compiled import KernelGroup, compiled, narrow_bf16, numba_extension, round_bf16, widen_bf16
 from .compiled import sign as _sign
 
 mulhilo64: Any = None
@@ -150,6 +150,26 @@ def tree_block_sums(values, block, scratch, out):
 
 
 @compiled
+def widen_into(bits, out):
+    """out = the float32 of each bfloat16 in `bits` (its uint16 bit patterns): exact, as torch's copy_ converts."""
+    for i in range(bits.shape[0]):
+        out[i] = widen_bf16(bits[i])
+
+
+@compiled
+def narrow_into(values, out):
+    """out = the bfloat16 bits of each float32 in `values`, rounded to nearest-even as torch converts; returns the
+    number of nans, whose bits torch sets its own way (0xFFFF from its vector loop, 0x7FC0 from its scalar tail): a
+    caller that finds any converts those values with torch instead."""
+    nans = 0
+    for i in range(values.shape[0]):
+        v = values[i]
+        nans += v != v
+        out[i] = narrow_bf16(round_bf16(v))
+    return nans
+
+
+@compiled
 def mix(base, xs, flags, masked, factors, weights, consensus, normalize, divisor, lam, scale, out):
     """out = base + lam * mix of the task vectors xs[k] - base, masked (where masked[k]) by the 0/1 flags of row
     k of `flags` and multiplied by factors[k]: keyed_merge.merge's and keyed_merge._mix's operations, entry by entry.
@@ -232,6 +252,9 @@ def _compile_all() -> None:
     flags = np.zeros((1, 1), dtype=np.uint8)
     philox_draws(np.uint64(0), np.uint64(0), 0, 0, 8, np.empty(1, dtype=np.uint32))
     magnitudes(one, one, flags[0], one, one)
+    bits = np.zeros(1, dtype=np.uint16)
+    widen_into(bits, one)
+    narrow_into(one, bits)
     tree_block_sums(np.zeros(2, dtype=np.float32), 2, one, one)
     masked = np.ones(1, dtype=np.bool_)
     for consensus in (0, 1):

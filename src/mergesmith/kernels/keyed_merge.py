@@ -314,54 +314,118 @@ def gather(
     if state is None:
         state = Totals([(BlockedTotal(invariant=True), BlockedTotal(invariant=True)) for _ in vectors], {})
     by_rows = _by_rows(vectors)
-    fused = _fused(tensors[base_index])
-    chunk = chunk_elements(tensors[base_index].device)
-    for piece in pieces(tuple(tensors[base_index].shape), offset, by_rows, chunk):
+    shape = tuple(tensors[base_index].shape)
+    arrays = _flat_arrays(tensors) if _fused(tensors) else None
+    for piece in pieces(shape, offset, by_rows, chunk_elements(tensors[base_index].device)):
+        if arrays is not None:  # |d| and |d * keep| by one compiled loop
+            _gather_arrays(state, piece, arrays, base_index, vectors, stream, offset, shape)
+            continue
         base32 = _base32(piece.of(tensors[base_index]))
         for k, (vec, (before, after)) in enumerate(zip(vectors, state.norms)):
             if vec.density >= 1:
                 continue
             start = offset + piece.start
             mags = _buffer("abs", base32.shape, F32, base32.device)
-            if fused:  # |d| and |d * keep| by one compiled loop
-                x = _buffer("x", base32.shape, F32, base32.device).copy_(piece.of(tensors[vec.index]))
-                flags = _keep_of(stream, vec, start, x, base32)
-                packed = np.packbits(flags)
-                kept = _buffer("kept", base32.shape, F32, base32.device)
-                keyed_kernels.magnitudes(_flat(base32), _flat(x), flags.view(np.uint8), _flat(mags), _flat(kept))
-                before.add(mags)
-                after.add(kept)
-            else:
-                d = _task_vector("d0", piece.of(tensors[vec.index]), base32)
-                flags = keep_mask(stream, vec, start, d)
-                assert flags is not None
-                packed = np.packbits(flags.numpy()) if keyed_random.drawn_by_numpy(d.device) else flags
-                before.add(torch.abs(d, out=mags))
-                after.add(mags.mul_(_as_factors(flags, mags)))
+            d = _task_vector("d0", piece.of(tensors[vec.index]), base32)
+            flags = keep_mask(stream, vec, start, d)
+            assert flags is not None
+            packed = np.packbits(flags.numpy()) if keyed_random.drawn_by_numpy(d.device) else flags
+            before.add(torch.abs(d, out=mags))
+            after.add(mags.mul_(_as_factors(flags, mags)))
             state.masks[(k, start)] = packed
     return state
 
 
-def _fused(t: torch.Tensor) -> bool:
-    """Whether a chunk is computed by keyed_kernels' compiled loops: on the CPU, where numba is there."""
-    return FUSED and t.device.type == "cpu" and keyed_kernels.KERNELS.ready(t.numel())
+def _gather_arrays(
+    state: Totals,
+    piece: Piece,
+    arrays: list[np.ndarray],
+    base_index: int,
+    vectors: Sequence[Vector],
+    stream: MaskStream,
+    offset: int,
+    shape: tuple[int, ...],
+) -> None:
+    """One chunk of `gather` by keyed_kernels' loops on numpy arrays (_flat_arrays), with no torch call."""
+    n = piece.end - piece.start
+    base32 = _array("base", n)
+    _into_float32(arrays[base_index][piece.start : piece.end], base32)
+    for k, (vec, (before, after)) in enumerate(zip(vectors, state.norms)):
+        if vec.density >= 1:
+            continue
+        start = offset + piece.start
+        x = _array("x", n)
+        _into_float32(arrays[vec.index][piece.start : piece.end], x)
+        flags = _keep_of(stream, vec, start, x, base32, _piece_shape(piece, shape))
+        mags, kept = _array("abs", n), _array("kept", n)
+        keyed_kernels.magnitudes(base32, x, flags.view(np.uint8), mags, kept)
+        before.add(mags)
+        after.add(kept)
+        state.masks[(k, start)] = np.packbits(flags)
+
+
+def _piece_shape(piece: Piece, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape `piece.of` gives a tensor of `shape`: its rows, or a flat range."""
+    if len(shape) == 0:
+        return (1,)
+    if not piece.rows:
+        return (piece.end - piece.start,)
+    if len(shape) == 1:
+        return shape
+    return ((piece.end - piece.start) // math.prod(shape[1:]), *shape[1:])
+
+
+def _fused(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a block's chunks are computed by keyed_kernels' compiled loops: on the CPU, where numba is there, for
+    inputs numpy can view (_ARRAY_VIEWS)."""
+    return (
+        FUSED
+        and all(t.device.type == "cpu" and t.dtype in _ARRAY_VIEWS for t in tensors)
+        and keyed_kernels.KERNELS.ready(tensors[0].numel())
+    )
 
 
 FUSED = keyed_kernels.AVAILABLE
 """keyed_kernels' loops compute CPU chunks (same bytes as the torch operations: tests switch this off to compare)."""
 
+_ARRAY_VIEWS = {
+    torch.bfloat16: lambda t: t.view(torch.int16).numpy().view(np.uint16),  # its bit patterns: numpy has no bf16
+    torch.float16: lambda t: t.numpy(),
+    torch.float32: lambda t: t.numpy(),
+    torch.float64: lambda t: t.numpy(),
+}
+"""The flat numpy view the compiled chunks read a tensor of each dtype through (_into_float32 converts it)."""
 
-def _flat(t: torch.Tensor) -> np.ndarray:
-    """A 1-D numpy view of a contiguous CPU work buffer."""
-    return t.reshape(-1).numpy()
+
+def _flat_arrays(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """Flat numpy views of a block's inputs, made once per block so that its chunks cost no torch call (each
+    passes the GIL between the worker threads: work_buffers); a tensor that is not contiguous is copied first."""
+    return [_ARRAY_VIEWS[t.dtype](t.contiguous().reshape(-1)) for t in tensors]
 
 
-def _keep_of(stream: MaskStream, vec: Vector, start: int, x32: torch.Tensor, base32: torch.Tensor) -> np.ndarray:
-    """The keep flags of the task vector x32 - base32 (keep_array; DELLA ranks the task vector itself, made here
-    in a work buffer, DARE needs only its size)."""
-    like = x32
+def _into_float32(values: np.ndarray, out: np.ndarray) -> None:
+    """out = values in float32, exactly as torch's copy_ converts (bfloat16 bits widened; float64 rounded to
+    nearest-even, as C's cast both use)."""
+    if values.dtype == np.uint16:
+        keyed_kernels.widen_into(values, out)
+    else:
+        np.copyto(out, values, casting="same_kind")
+
+
+def _array(name: str, numel: int, dtype: type = np.float32, chunks: int = 1) -> np.ndarray:
+    """A numpy work buffer of the compiled chunks, kept as _buffer keeps the torch ones."""
+    return _BUFFERS.array(name, numel, dtype, keep_up_to=CHUNK_ELEMENTS * chunks)
+
+
+def _keep_of(
+    stream: MaskStream, vec: Vector, start: int, x32: np.ndarray, base32: np.ndarray, shape: tuple[int, ...]
+) -> np.ndarray:
+    """The keep flags of the task vector x32 - base32, of `shape` (keep_array; DELLA ranks the task vector itself,
+    made here in a work buffer, DARE needs only its size)."""
+    like = torch.from_numpy(x32)
     if vec.epsilon is not None and 0 < vec.density < 1:
-        like = torch.sub(x32, base32, out=_buffer("d0", x32.shape, F32, x32.device))
+        d = np.subtract(x32, base32, out=_array("d0", x32.size))
+        like = torch.from_numpy(d).view(shape)
     flags = keep_array(stream, vec, start, like)
     assert flags is not None
     return flags
@@ -404,14 +468,17 @@ def merge(
     kept = {} if totals is None else totals.masks
     out = torch.empty(base.shape, dtype=base.dtype, device=base.device)
     factors = [_factor(v, mix, None if norms is None else norms[k]) for k, v in enumerate(vectors)]
-    fused = _fused(base)
-    constants = _mix_constants(vectors, mix, factors) if fused else ()
-    for piece in pieces(tuple(base.shape), offset, _by_rows(vectors), chunk_elements(base.device)):
+    shape = tuple(base.shape)
+    arrays = _flat_arrays(tensors) if _fused(tensors) else None
+    constants = _mix_constants(vectors, mix, factors) if arrays is not None else ()
+    out_array = _flat_arrays([out])[0] if arrays is not None and out.dtype in _ARRAY_VIEWS else None
+    for piece in pieces(shape, offset, _by_rows(vectors), chunk_elements(base.device)):
+        if arrays is not None:
+            result = _merge_arrays(piece, arrays, base_index, vectors, stream, offset, kept, constants, shape)
+            _round_into(out, out_array, piece, result)
+            continue
         base32 = _base32(piece.of(base))
         target = piece.of(out)
-        if fused:
-            _merge_fused(piece, tensors, base32, vectors, stream, offset + piece.start, kept, constants, target)
-            continue
         weighted = []
         for k, vec in enumerate(vectors):
             d = _task_vector(f"d{k}", piece.of(tensors[vec.index]), base32)
@@ -449,35 +516,51 @@ def _mix_constants(vectors: Sequence[Vector], mix: Mix, factors: list[float]) ->
     )
 
 
-def _merge_fused(
+def _merge_arrays(
     piece: Piece,
-    tensors: Sequence[torch.Tensor],
-    base32: torch.Tensor,
+    arrays: list[np.ndarray],
+    base_index: int,
     vectors: Sequence[Vector],
     stream: MaskStream,
-    start: int,
+    offset: int,
     kept: dict[tuple[int, int], np.ndarray],
     constants: tuple,
-    target: torch.Tensor,
-) -> None:
-    """One chunk of `merge` by keyed_kernels.mix: the inputs converted to float32 rows of one buffer, the keep
-    flags one byte an entry in another, then one compiled pass (`constants`: _mix_constants); the rounding to
-    the output dtype is torch's, as on the torch path."""
-    numel = base32.numel()
-    xs = _buffer("xs", (len(vectors), numel), F32, base32.device, chunks=len(vectors))
-    flags = _buffer("flags", (len(vectors), numel), torch.uint8, torch.device("cpu"), chunks=len(vectors))
-    flags = flags.numpy()
+    shape: tuple[int, ...],
+) -> np.ndarray:
+    """One chunk of `merge` by keyed_kernels.mix, in float32, on numpy arrays (_flat_arrays): the inputs converted
+    to float32 rows of one buffer, the keep flags one byte an entry in another, then one compiled pass
+    (`constants`: _mix_constants); _round_into rounds the result to the output dtype."""
+    n = piece.end - piece.start
+    start = offset + piece.start
+    base32 = _array("base", n)
+    _into_float32(arrays[base_index][piece.start : piece.end], base32)
+    xs = _array("xs", len(vectors) * n, chunks=len(vectors)).reshape(len(vectors), n)
+    flags = _array("flags", len(vectors) * n, np.uint8, chunks=len(vectors)).reshape(len(vectors), n)
     masked = np.zeros(len(vectors), dtype=np.bool_)
     for k, vec in enumerate(vectors):
-        x = xs[k].view(base32.shape).copy_(piece.of(tensors[vec.index]))
+        _into_float32(arrays[vec.index][piece.start : piece.end], xs[k])
         packed = kept.get((k, start))
         if packed is not None:
-            flags[k], masked[k] = np.unpackbits(packed, count=numel), True
+            flags[k], masked[k] = np.unpackbits(packed, count=n), True
         elif vec.density < 1:
-            flags[k], masked[k] = _keep_of(stream, vec, start, x, base32).view(np.uint8), True
-    result = _buffer("out", base32.shape, F32, base32.device)
-    keyed_kernels.mix(_flat(base32), xs.numpy(), flags, masked, *constants, _flat(result))
-    target.copy_(result.view(target.shape))  # the one rounding
+            flags[k], masked[k] = _keep_of(stream, vec, start, xs[k], base32, _piece_shape(piece, shape)), True
+    result = _array("out", n)
+    keyed_kernels.mix(base32, xs, flags, masked, *constants, result)
+    return result
+
+
+def _round_into(out: torch.Tensor, out_array: np.ndarray | None, piece: Piece, result: np.ndarray) -> None:
+    """Write a chunk's float32 result into its place in `out` (`out_array`: its _flat_arrays view), rounded to out's
+    dtype as torch's copy_ rounds (the one rounding): bfloat16 by keyed_kernels.narrow_into unless a nan is there
+    (torch gives nans bits of its own), float32 as it is, other dtypes by torch."""
+    if out_array is not None and out.dtype == torch.bfloat16:
+        if not keyed_kernels.narrow_into(result, out_array[piece.start : piece.end]):
+            return
+    elif out_array is not None and out.dtype == torch.float32:
+        out_array[piece.start : piece.end] = result
+        return
+    target = piece.of(out)
+    target.copy_(torch.from_numpy(result).view(target.shape))
 
 
 def _plain_divisor(weights: Sequence[float]) -> float:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from . import keyed_kernels
@@ -132,9 +133,13 @@ class BlockedTotal:
         self._on_device: list[torch.Tensor] = []  # block sums not yet copied from a GPU
         self._like: torch.Tensor | None = None  # an empty tensor of the pieces' dtype and device
         self._carry: torch.Tensor | None = None
+        self._carry_array: np.ndarray | None = None  # the carry of _add_array
         self._invariant = invariant
 
-    def add(self, piece: torch.Tensor) -> None:
+    def add(self, piece: torch.Tensor | np.ndarray) -> None:
+        if isinstance(piece, np.ndarray):
+            self._add_array(piece)
+            return
         flat = piece.reshape(-1)
         if self._like is None:
             self._like = flat.new_empty(0)
@@ -152,8 +157,25 @@ class BlockedTotal:
                 self._on_device.append(sums)
         self._carry = flat[full:].clone() if full < flat.numel() else None
 
+    def _add_array(self, piece: np.ndarray) -> None:
+        """`add` for a contiguous float32 numpy array (keyed_merge's compiled chunks, invariant sums only): the
+        same block sums by keyed_kernels' loop, with no torch call (see work_buffers on why that matters); the
+        carry stays a numpy array, which `result` takes as it takes a tensor."""
+        assert self._invariant and piece.dtype == np.float32
+        flat = piece.reshape(-1)
+        carry = self._carry_array
+        if carry is not None:
+            flat = np.concatenate([carry, flat])
+        full = flat.size // BLOCK * BLOCK
+        if full:
+            sums = np.empty(full // BLOCK, dtype=np.float32)
+            scratch = _SCRATCH.array("tree", BLOCK // 2, np.float32)
+            keyed_kernels.tree_block_sums(flat[:full], BLOCK, scratch, sums)
+            self._parts.extend(sums.tolist())
+        self._carry_array = flat[full:].copy() if full < flat.size else None
+
     def result(self) -> torch.Tensor:
-        carry = self._carry
+        carry = self._carry if self._carry_array is None else torch.from_numpy(self._carry_array)
         if self._on_device:
             self._parts.extend(torch.cat(self._on_device).tolist())
             self._on_device.clear()
