@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from .direct_write import ALIGN
+from .direct_write import ALIGN, anonymous_buffer
 
 IO_THREADS = 4
 """Reads in flight at once: a few MB requests reach this disk's full rate only at a queue depth of 4 or
@@ -127,7 +127,7 @@ class BufferPool:
         excess = self.in_use + self._free_bytes - self.limit
         if excess > 0:
             self._drop_free(excess)
-        return mmap.mmap(-1, capacity)
+        return anonymous_buffer(capacity)
 
     def _drop_free(self, needed: int) -> None:
         """Unmap free buffers until `needed` bytes are released (call holding the lock)."""

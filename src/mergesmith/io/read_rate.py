@@ -11,13 +11,12 @@ read around the page cache at the feed's queue depth, about 0.1 s at 1.3 GB/s an
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .direct_write import ALIGN
+from .direct_write import ALIGN, anonymous_buffer
 
 PROBE_BYTES = 64 << 20
 """Bytes of the timed read: four 16 MB reads in flight, the input feed's queue depth and a typical block size."""
@@ -43,7 +42,7 @@ def direct_read_rate(path: Path, offset: int = 0) -> float | None:
         piece = (min(PROBE_BYTES, (size - start) // ROUNDS) // PIECES) // ALIGN * ALIGN
         if piece < (1 << 20):
             return None  # a small file reads in a few requests whose latency says little about the rate
-        buffers = [mmap.mmap(-1, piece) for _ in range(PIECES)]
+        buffers = [anonymous_buffer(piece) for _ in range(PIECES)]
         try:
             with ThreadPoolExecutor(PIECES) as pool:
                 for round_ in range(ROUNDS):

@@ -50,7 +50,9 @@ from .writing import ShardOutputs
 PREFETCH_BYTES = 512 << 20
 TRIM_AFTER_BYTES = 64 << 20
 """After a recipe with at least this working memory, freed heap memory goes back to the OS (see
-memory_release): peak RSS then follows what is in use, not what fragmented heaps keep."""
+memory_release): peak RSS then follows what is in use, not what fragmented heaps keep..."""
+HEAP_KEPT_FREE_BYTES = 128 << 20
+"""...once the heap holds more than this free (memory_release: handing back less costs page faults for nothing)."""
 
 
 @dataclass
@@ -354,7 +356,7 @@ class LocalExecutor(Executor):
             self._fail(exc)
         finally:
             if cost >= TRIM_AFTER_BYTES:
-                release_free_heap()
+                release_free_heap(keep=HEAP_KEPT_FREE_BYTES)
             self.budget.release(cost, device_cost)
             slots.release()
 
