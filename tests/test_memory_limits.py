@@ -149,3 +149,27 @@ def test_a_merge_stops_cleanly_when_memory_runs_out_and_resumes(
     assert code == 0, err
     assert "resumed" in stdout
     assert {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != STATE_TOP} == expected
+
+
+def test_lent_memory_stays_within_the_users_budget_and_the_room() -> None:
+    """MemoryBudget.lend (sort_select's ids): within --max-memory where the user gave one; an automatic budget (the
+    executor's scheduling device) may be exceeded up to the room the watch sees, and unwatched it is the bound."""
+    stop = threading.Event()
+    user = MemoryBudget(1000, _FakeWatch(5000))
+    assert user.acquire_first([600], stop) == 0
+    assert not user.lend(500)  # 1100 > the user's 1000
+    assert user.lend(400) and user.in_flight == 1000
+    user.release(400)
+    assert user.in_flight == 600
+
+    automatic = MemoryBudget(1000, _FakeWatch(1600))
+    automatic.automatic = True
+    assert automatic.acquire_first([600], stop) == 0
+    assert automatic.lend(800)  # over the automatic 1000, within the room of 1600 less its unlent eighth
+    assert not automatic.lend(100)  # 1500 > 1400
+    automatic.release(800)
+
+    unwatched = MemoryBudget(1000)
+    unwatched.automatic = True
+    assert unwatched.acquire_first([600], stop) == 0
+    assert not unwatched.lend(500) and unwatched.lend(400)

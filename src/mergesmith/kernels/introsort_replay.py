@@ -45,7 +45,9 @@ IDS_MAX_ENTRIES = 1 << 24
 """Up to this many entries (64 MiB of ids) the followed entries carry ids; above it, a hash table of only the
 followed entries keeps the selection's memory at its keys and mask (the planner's charge, magnitude_blocks'
 totals_memory, says which): a 7 B model's 45 M-entry MLP matrices would otherwise need 180 MB more each, and
-the 0.25 B bench set's embedding would no longer fit issue 17's --max-memory 300MB."""
+the 0.25 B bench set's embedding would no longer fit issue 17's --max-memory 300MB. Above it the running merge may
+still lend the ids' memory where it has room (sort_select.lending: the table costs ~29 ns an entry on the 1b
+embedding against ~5 by ids)."""
 
 MAX_TRACKED_SHARE = 1 / 32
 """Above this share of all entries, the table (8 bytes a slot, at most half full) would cost more than the numpy

@@ -75,6 +75,9 @@ class MemoryBudget:
         self.running: list[int] = []  # the cost of each item in flight (their sum is in_flight; leaves_room)
         self.peak = 0  # the most bytes ever admitted at once: a statistic for tests and reports
         self.device: DeviceBudget | None = None  # set by the executor on CUDA: device bytes admitted beside
+        # `limit` is the executor's automatic budget, not the user's --max-memory: a scheduling device that keeps the
+        # giants taking turns, which `lend` may go beyond where the machine has the room
+        self.automatic = False
         self._cond = threading.Condition()
 
     @property
@@ -151,6 +154,23 @@ class MemoryBudget:
         if self.device is None or device_costs is None:
             return True
         return leaves_room(self.device.limit, self.device.running, device_costs[position], device_costs[0])
+
+    def lend(self, nbytes: int) -> bool:
+        """Count `nbytes` more in flight for a recipe already running, if they fit now (never waits): within the
+        user's --max-memory where one was given, else within what the memory watch says this process may use (an
+        automatic budget is no promise to the user; the machine's memory is the bound then). Give them back with
+        `release(nbytes)`. A kernel that can go faster with more memory asks (sort_select's replay by ids)."""
+        with self._cond:
+            room = self.room()
+            # unwatched, an automatic budget is all that is known of the memory: stay within it then
+            limit = None if self.automatic and room is not None else self.limit
+            after = self.in_flight + nbytes
+            # the watch samples now and then: an eighth of the room stays unlent for what it has not seen yet
+            if (limit is not None and after > limit) or (room is not None and after > room - room // 8):
+                return False
+            self.running.append(nbytes)
+            self.peak = max(self.peak, self.in_flight)
+            return True
 
     def release(self, cost: int, device_cost: int = 0) -> None:
         with self._cond:

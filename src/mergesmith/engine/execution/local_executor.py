@@ -27,6 +27,7 @@ from ...io.dtypes import to_torch
 from ...io.journal import Journal
 from ...io.quantized import quantize_output
 from ...io.safetensors_writer import ShardWriter
+from ...kernels import sort_select
 from ...kernels.compiled import KernelGroup, waits
 from ...methods import require_method
 from ...methods.registry import MERGE_WHOLE
@@ -225,6 +226,7 @@ class LocalExecutor(Executor):
         feed_bytes = pool_bytes(sizing, keeping_pool([recipe for _, recipe in work], streamed_bytes(self.ckpts)))
         if self.budget.limit is None:
             self.budget.limit = automatic_budget(list(cost_of.values()), self.threads)
+            self.budget.automatic = True
         costs = [cost_of[recipe.name] for _, recipe in work]
         device_costs = self._device_costs(work)
         if device_costs is not None:  # the workers' pinned staging buffers are held host memory too
@@ -284,7 +286,11 @@ class LocalExecutor(Executor):
         prefetched = 0
         waiting = list(range(len(work)))  # indices into work, in plan order, not yet admitted
         head_passed = 0  # recipes admitted ahead of waiting[0] since it first waited
-        with self.outputs.flushing(self._fail), intra_op_threads.shared_between(self.threads):
+        with (
+            self.outputs.flushing(self._fail),
+            intra_op_threads.shared_between(self.threads),
+            sort_select.lending(self.budget.lend, self.budget.release),
+        ):
             with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="merge") as pool:
                 futures: list[Future[None]] = []
                 try:
@@ -356,9 +362,18 @@ class LocalExecutor(Executor):
             self._fail(exc)
         finally:
             if cost >= TRIM_AFTER_BYTES:
-                release_free_heap(keep=HEAP_KEPT_FREE_BYTES)
+                release_free_heap(keep=self._heap_kept_free())
             self.budget.release(cost, device_cost)
             slots.release()
+
+    def _heap_kept_free(self) -> int:
+        """Free heap the process may keep after a large recipe: HEAP_KEPT_FREE_BYTES, or an eighth of the memory the
+        watch says is left beside the work in flight where that is less (under a tight cgroup limit, kept free heap
+        is memory the next recipe cannot have)."""
+        room = self.budget.room()
+        if room is None:
+            return HEAP_KEPT_FREE_BYTES
+        return min(HEAP_KEPT_FREE_BYTES, max(0, room - self.budget.in_flight) // 8)
 
     def _write_recipe(self, writer: ShardWriter, recipe: TensorRecipe) -> bool:
         """Compute one recipe and write it, in row blocks when it is large and elementwise.
