@@ -405,12 +405,13 @@ class TaskVectorMethod:
 # Working memory, measured (tests/test_planner_checks2.py): the task vectors and their weighted copies; sign
 # consensus adds a sign tensor and masks, chunk-sized since the mix is chunked (MIX_CHUNK); magnitude ranking
 # adds float32 magnitudes and int64 sort indices. DARE and DELLA from the keyed stream (keyed_merge.py): the
-# inputs at the compute width, and float32 work buffers (the keep mask among them), DELLA's sort keys, draws and
-# masks over one chunk of keyed_merge.CHUNK_ELEMENTS (in compute-width units).
+# inputs at the compute width, and float32 work buffers (the keep mask among them; numpy arrays on the CPU, counted
+# by the test beside torch's allocations), DELLA's sort keys, draws and masks over one chunk of
+# keyed_merge.CHUNK_ELEMENTS (in compute-width units).
 _SUM = WorkingMemory(per_input=4.5, fixed=1, chunk_elements=MIX_CHUNK)
 _CONSENSUS = WorkingMemory(per_input=4.75, fixed=0.5, chunked=(1.0, 2.0), chunk_elements=MIX_CHUNK)
 _RANKED = WorkingMemory(per_input=3.0, fixed=1, bytes=32, chunk_elements=MIX_CHUNK)
-_KEYED = WorkingMemory(per_input=2.0, fixed=0, chunked=(2.0, 18.0), chunk_elements=keyed_merge.CHUNK_ELEMENTS)
+_KEYED = WorkingMemory(per_input=2.0, fixed=0, chunked=(2.0, 19.0), chunk_elements=keyed_merge.CHUNK_ELEMENTS)
 
 _GAMMA = ParamSpec("gamma", 0.01, non_base=True)
 _EPSILON = ParamSpec("epsilon", 0.15, non_base=True)
