@@ -110,6 +110,13 @@ def _philox_round(c0, c1, c2, c3, key0, key1):
 
 
 @compiled
+def _philox_step(c0, c1, c2, c3, key0, key1):
+    """A round, and the key's increment for the next."""
+    c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, key0, key1)
+    return c0, c1, c2, c3, key0 + _PHILOX_W0, key1 + _PHILOX_W1
+
+
+@compiled
 def _philox_blocks(k0, k1, chunk, stream, first_block, last_block, out):
     """Philox-4x64-10 blocks first_block..last_block - 1 of a keyed chunk (counter (block + 1, chunk, stream, 0)),
     their eight 32-bit halves each written to out[8 * (block - first_block):], low half first: _philox_block's
@@ -123,24 +130,15 @@ def _philox_blocks(k0, k1, chunk, stream, first_block, last_block, out):
     for block in range(first_block, last_block):
         c0, c1, c2, c3 = np.uint64(block + 1), chunk64, stream64, np.uint64(0)
         key0, key1 = k0, k1
-        c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, key0, key1)
-        key0, key1 = key0 + _PHILOX_W0, key1 + _PHILOX_W1
-        c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, key0, key1)
-        key0, key1 = key0 + _PHILOX_W0, key1 + _PHILOX_W1
-        c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, key0, key1)
-        key0, key1 = key0 + _PHILOX_W0, key1 + _PHILOX_W1
-        c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, key0, key1)
-        key0, key1 = key0 + _PHILOX_W0, key1 + _PHILOX_W1
-        c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, key0, key1)
-        key0, key1 = key0 + _PHILOX_W0, key1 + _PHILOX_W1
-        c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, key0, key1)
-        key0, key1 = key0 + _PHILOX_W0, key1 + _PHILOX_W1
-        c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, key0, key1)
-        key0, key1 = key0 + _PHILOX_W0, key1 + _PHILOX_W1
-        c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, key0, key1)
-        key0, key1 = key0 + _PHILOX_W0, key1 + _PHILOX_W1
-        c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, key0, key1)
-        key0, key1 = key0 + _PHILOX_W0, key1 + _PHILOX_W1
+        c0, c1, c2, c3, key0, key1 = _philox_step(c0, c1, c2, c3, key0, key1)
+        c0, c1, c2, c3, key0, key1 = _philox_step(c0, c1, c2, c3, key0, key1)
+        c0, c1, c2, c3, key0, key1 = _philox_step(c0, c1, c2, c3, key0, key1)
+        c0, c1, c2, c3, key0, key1 = _philox_step(c0, c1, c2, c3, key0, key1)
+        c0, c1, c2, c3, key0, key1 = _philox_step(c0, c1, c2, c3, key0, key1)
+        c0, c1, c2, c3, key0, key1 = _philox_step(c0, c1, c2, c3, key0, key1)
+        c0, c1, c2, c3, key0, key1 = _philox_step(c0, c1, c2, c3, key0, key1)
+        c0, c1, c2, c3, key0, key1 = _philox_step(c0, c1, c2, c3, key0, key1)
+        c0, c1, c2, c3, key0, key1 = _philox_step(c0, c1, c2, c3, key0, key1)
         c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, key0, key1)
         j = 8 * (block - first_block)
         out[j] = np.uint32(c0 & _LOW32)

@@ -315,10 +315,10 @@ def gather(
         state = Totals([(BlockedTotal(invariant=True), BlockedTotal(invariant=True)) for _ in vectors], {})
     by_rows = _by_rows(vectors)
     shape = tuple(tensors[base_index].shape)
-    arrays = _flat_arrays(tensors) if _fused(tensors) else None
+    block = _ArrayBlock(_flat_arrays(tensors), base_index, vectors, stream, offset, shape) if _fused(tensors) else None
     for piece in pieces(shape, offset, by_rows, chunk_elements(tensors[base_index].device)):
-        if arrays is not None:  # |d| and |d * keep| by one compiled loop
-            _gather_arrays(state, piece, arrays, base_index, vectors, stream, offset, shape)
+        if block is not None:  # |d| and |d * keep| by one compiled loop
+            _gather_arrays(state, piece, block)
             continue
         base32 = _base32(piece.of(tensors[base_index]))
         for k, (vec, (before, after)) in enumerate(zip(vectors, state.norms)):
@@ -336,27 +336,34 @@ def gather(
     return state
 
 
-def _gather_arrays(
-    state: Totals,
-    piece: Piece,
-    arrays: list[np.ndarray],
-    base_index: int,
-    vectors: Sequence[Vector],
-    stream: MaskStream,
-    offset: int,
-    shape: tuple[int, ...],
-) -> None:
+@dataclass(frozen=True)
+class _ArrayBlock:
+    """A block's inputs as flat numpy views (_flat_arrays) and what its compiled chunks share."""
+
+    arrays: list[np.ndarray]
+    base_index: int
+    vectors: Sequence[Vector]
+    stream: MaskStream
+    offset: int  # the block's flat position in its tensor
+    shape: tuple[int, ...]
+
+    def float32(self, name: str, index: int, piece: Piece) -> np.ndarray:
+        """Input `index`'s entries of the piece, in float32, in the work buffer `name`."""
+        out = _array(name, piece.end - piece.start)
+        _into_float32(self.arrays[index][piece.start : piece.end], out)
+        return out
+
+
+def _gather_arrays(state: Totals, piece: Piece, block: _ArrayBlock) -> None:
     """One chunk of `gather` by keyed_kernels' loops on numpy arrays (_flat_arrays), with no torch call."""
     n = piece.end - piece.start
-    base32 = _array("base", n)
-    _into_float32(arrays[base_index][piece.start : piece.end], base32)
-    for k, (vec, (before, after)) in enumerate(zip(vectors, state.norms)):
+    base32 = block.float32("base", block.base_index, piece)
+    for k, (vec, (before, after)) in enumerate(zip(block.vectors, state.norms)):
         if vec.density >= 1:
             continue
-        start = offset + piece.start
-        x = _array("x", n)
-        _into_float32(arrays[vec.index][piece.start : piece.end], x)
-        flags = _keep_of(stream, vec, start, x, base32, _piece_shape(piece, shape))
+        start = block.offset + piece.start
+        x = block.float32("x", vec.index, piece)
+        flags = _keep_of(block.stream, vec, start, x, base32, _piece_shape(piece, block.shape))
         mags, kept = _array("abs", n), _array("kept", n)
         keyed_kernels.magnitudes(base32, x, flags.view(np.uint8), mags, kept)
         before.add(mags)
@@ -469,13 +476,12 @@ def merge(
     out = torch.empty(base.shape, dtype=base.dtype, device=base.device)
     factors = [_factor(v, mix, None if norms is None else norms[k]) for k, v in enumerate(vectors)]
     shape = tuple(base.shape)
-    arrays = _flat_arrays(tensors) if _fused(tensors) else None
-    constants = _mix_constants(vectors, mix, factors) if arrays is not None else ()
-    out_array = _flat_arrays([out])[0] if arrays is not None and out.dtype in _ARRAY_VIEWS else None
+    block = _ArrayBlock(_flat_arrays(tensors), base_index, vectors, stream, offset, shape) if _fused(tensors) else None
+    constants = _mix_constants(vectors, mix, factors) if block is not None else ()
+    out_array = _flat_arrays([out])[0] if block is not None and out.dtype in _ARRAY_VIEWS else None
     for piece in pieces(shape, offset, _by_rows(vectors), chunk_elements(base.device)):
-        if arrays is not None:
-            result = _merge_arrays(piece, arrays, base_index, vectors, stream, offset, kept, constants, shape)
-            _round_into(out, out_array, piece, result)
+        if block is not None:
+            _round_into(out, out_array, piece, _merge_arrays(piece, block, kept, constants))
             continue
         base32 = _base32(piece.of(base))
         target = piece.of(out)
@@ -517,33 +523,26 @@ def _mix_constants(vectors: Sequence[Vector], mix: Mix, factors: list[float]) ->
 
 
 def _merge_arrays(
-    piece: Piece,
-    arrays: list[np.ndarray],
-    base_index: int,
-    vectors: Sequence[Vector],
-    stream: MaskStream,
-    offset: int,
-    kept: dict[tuple[int, int], np.ndarray],
-    constants: tuple,
-    shape: tuple[int, ...],
+    piece: Piece, block: _ArrayBlock, kept: dict[tuple[int, int], np.ndarray], constants: tuple
 ) -> np.ndarray:
     """One chunk of `merge` by keyed_kernels.mix, in float32, on numpy arrays (_flat_arrays): the inputs converted
     to float32 rows of one buffer, the keep flags one byte an entry in another, then one compiled pass
     (`constants`: _mix_constants); _round_into rounds the result to the output dtype."""
     n = piece.end - piece.start
-    start = offset + piece.start
-    base32 = _array("base", n)
-    _into_float32(arrays[base_index][piece.start : piece.end], base32)
+    start = block.offset + piece.start
+    vectors = block.vectors
+    base32 = block.float32("base", block.base_index, piece)
     xs = _array("xs", len(vectors) * n, chunks=len(vectors)).reshape(len(vectors), n)
     flags = _array("flags", len(vectors) * n, np.uint8, chunks=len(vectors)).reshape(len(vectors), n)
     masked = np.zeros(len(vectors), dtype=np.bool_)
     for k, vec in enumerate(vectors):
-        _into_float32(arrays[vec.index][piece.start : piece.end], xs[k])
+        _into_float32(block.arrays[vec.index][piece.start : piece.end], xs[k])
         packed = kept.get((k, start))
         if packed is not None:
             flags[k], masked[k] = np.unpackbits(packed, count=n), True
         elif vec.density < 1:
-            flags[k], masked[k] = _keep_of(stream, vec, start, xs[k], base32, _piece_shape(piece, shape)), True
+            shape = _piece_shape(piece, block.shape)
+            flags[k], masked[k] = _keep_of(block.stream, vec, start, xs[k], base32, shape), True
     result = _array("out", n)
     keyed_kernels.mix(base32, xs, flags, masked, *constants, result)
     return result
