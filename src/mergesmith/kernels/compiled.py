@@ -262,7 +262,6 @@ def sign(x):
 float32_from_bits: Any = None
 bits_from_float32: Any = None
 fused_multiply_add: Any = None
-mulhilo64: Any = None
 
 
 @numba_extension
@@ -270,7 +269,7 @@ def _define_intrinsics() -> None:
     """The bit-level intrinsics the loops call (a few LLVM instructions each), defined once numba is loaded: an
     intrinsic is a numba object, so it cannot exist before the import. A module whose loops call one takes it
     with a numba_extension of its own (registered after this one, so run after it)."""
-    global float32_from_bits, bits_from_float32, fused_multiply_add, mulhilo64
+    global float32_from_bits, bits_from_float32, fused_multiply_add
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic
@@ -302,17 +301,3 @@ def _define_intrinsics() -> None:
             return builder.fma(*args)
 
         return types.float32(types.float32, types.float32, types.float32), codegen
-
-    @intrinsic
-    def mulhilo64(typingctx, a, b):
-        """(high, low) 64-bit halves of the 128-bit product a * b (one `mul` instruction on x86-64)."""
-        signature = types.UniTuple(types.uint64, 2)(types.uint64, types.uint64)
-
-        def codegen(context, builder, sig, args):
-            wide = ir.IntType(128)
-            product = builder.mul(builder.zext(args[0], wide), builder.zext(args[1], wide))
-            high = builder.trunc(builder.lshr(product, ir.Constant(wide, 64)), ir.IntType(64))
-            low = builder.trunc(product, ir.IntType(64))
-            return context.make_tuple(builder, sig.return_type, (high, low))
-
-        return signature, codegen

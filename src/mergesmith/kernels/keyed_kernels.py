@@ -25,22 +25,11 @@ Its output is numpy's, bit for bit (tests/test_keyed_kernels.py compares them at
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from .compiled import AVAILABLE as AVAILABLE  # the switch callers read (keyed_random, keyed_merge)
-from .compiled import KernelGroup, compiled, narrow_bf16, numba_extension, round_bf16, widen_bf16
+from .compiled import KernelGroup, compiled, narrow_bf16, round_bf16, widen_bf16
 from .compiled import sign as _sign
-
-mulhilo64: Any = None
-
-
-@numba_extension
-def _intrinsics() -> None:
-    """Take compiled.mulhilo64, which exists once numba is loaded (the Philox rounds call it)."""
-    global mulhilo64
-    from .compiled import mulhilo64
 
 _PHILOX_M0, _PHILOX_M1 = np.uint64(0xD2E7470EE14C6C93), np.uint64(0xCA5A826395121157)  # the round multipliers
 _PHILOX_W0, _PHILOX_W1 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBB67AE8584CAA73B)  # the key increments
@@ -70,18 +59,6 @@ vectorises. One loop over entries with the vectors' loop inside (branches on eve
 vector instructions) took 9-16 ns an entry on random signs, 10x this."""
 
 
-@compiled
-def _philox_block(c0, c1, c2, c3, k0, k1):
-    """The four 64-bit outputs of Philox-4x64-10 for counter (c0, c1, c2, c3) and key (k0, k1)."""
-    for _ in range(10):
-        high0, low0 = mulhilo64(_PHILOX_M0, c0)
-        high1, low1 = mulhilo64(_PHILOX_M1, c2)
-        c0, c1, c2, c3 = high1 ^ c1 ^ k0, low1, high0 ^ c3 ^ k1, low0
-        k0 = k0 + _PHILOX_W0
-        k1 = k1 + _PHILOX_W1
-    return c0, c1, c2, c3
-
-
 _LOW32 = np.uint64(0xFFFFFFFF)
 _M0_LOW, _M0_HIGH = _PHILOX_M0 & _LOW32, _PHILOX_M0 >> np.uint64(32)
 _M1_LOW, _M1_HIGH = _PHILOX_M1 & _LOW32, _PHILOX_M1 >> np.uint64(32)
@@ -103,7 +80,7 @@ def _high_product(a, b_low, b_high):
 
 @compiled
 def _philox_round(c0, c1, c2, c3, key0, key1):
-    """One Philox-4x64 round (_philox_block's), its multiplications by _high_product."""
+    """One Philox-4x64 round: Random123's, its multiplications by _high_product."""
     high0, low0 = _high_product(c0, _M0_LOW, _M0_HIGH), c0 * _PHILOX_M0
     high1, low1 = _high_product(c2, _M1_LOW, _M1_HIGH), c2 * _PHILOX_M1
     return high1 ^ c1 ^ key0, low1, high0 ^ c3 ^ key1, low0
@@ -117,13 +94,23 @@ def _philox_step(c0, c1, c2, c3, key0, key1):
 
 
 @compiled
+def _philox_block(c0, c1, c2, c3, k0, k1):
+    """The four 64-bit outputs of Philox-4x64-10 for counter (c0, c1, c2, c3) and key (k0, k1), one block alone (a
+    block the range's ends cut: _philox_cut_block; _philox_blocks computes whole ones eight at a time)."""
+    for _ in range(10):
+        c0, c1, c2, c3, k0, k1 = _philox_step(c0, c1, c2, c3, k0, k1)
+    return c0, c1, c2, c3
+
+
+@compiled
 def _philox_blocks(k0, k1, chunk, stream, first_block, last_block, out):
     """Philox-4x64-10 blocks first_block..last_block - 1 of a keyed chunk (counter (block + 1, chunk, stream, 0)),
-    their eight 32-bit halves each written to out[8 * (block - first_block):], low half first: _philox_block's
-    rounds, one block an iteration, so that LLVM computes 8 blocks at once in AVX-512 registers. It does only with
+    their eight 32-bit halves each written to out[8 * (block - first_block):], low half first: the rounds, one
+    block an iteration, so that LLVM computes 8 blocks at once in AVX-512 registers. It does only with
     no branch and no inner loop (the ten rounds are written out: LLVM vectorises only innermost loops) and with
     indices that cannot be negative (with an offset added, numba's test for a negative index stayed in the loop).
-    0.64 ns a draw here against 1.7 for the scalar rounds with 128-bit products (an ad hoc loop of 64k draws;
+    0.64 ns a draw here against 1.7 for scalar rounds with 128-bit products, as this module had them before (an ad hoc
+    loop of 64k draws;
     `python bench/profile_compiled.py --only Philox` times the whole of MaskStream.draws)."""
     chunk64, stream64 = np.uint64(chunk), np.uint64(stream)
     shift = np.uint64(32)

@@ -23,19 +23,7 @@ import ctypes
 import ctypes.util
 import sys
 from collections.abc import Callable
-
-
-def _find_malloc_trim() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # musl and others have no malloc_trim
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+from typing import Any
 
 
 class _MallInfo2(ctypes.Structure):
@@ -46,20 +34,22 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
-def _find_mallinfo2() -> Callable[[], _MallInfo2] | None:
-    if _MALLOC_TRIM is None:
+def _glibc_function(name: str, argtypes: list[Any], restype: Any) -> Callable[..., Any] | None:
+    """The C library's function `name` with this signature, None off Linux or where the library lacks it (musl and
+    others have no malloc_trim; glibc before 2.33 no mallinfo2)."""
+    if not sys.platform.startswith("linux"):
         return None
     try:
-        info = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2  # glibc 2.33 and later
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    info.argtypes = []
-    info.restype = _MallInfo2
-    return info
+    function.argtypes = argtypes
+    function.restype = restype
+    return function
 
 
-_MALLOC_TRIM = _find_malloc_trim()
-_MALLINFO2 = _find_mallinfo2()
+_MALLOC_TRIM = _glibc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
+_MALLINFO2 = _glibc_function("mallinfo2", [], _MallInfo2) if _MALLOC_TRIM is not None else None
 
 
 def free_heap_bytes() -> int | None:
