@@ -26,7 +26,7 @@ def test_a_lent_selection_follows_by_ids_and_gives_the_sorts_window(granted: boo
     replay = introsort_replay.replay
 
     def spying(*args: Any) -> bool:
-        ways.append(bool(args[-1]))
+        ways.append(args[-1] is not None)  # by ids, else by the table
         return replay(*args)
 
     monkeypatch.setattr(introsort_replay, "replay", spying)
@@ -81,3 +81,84 @@ def test_a_merge_lends_its_selections_memory(tmp_path: Any, tiny_models: Any, mo
         assert lent  # every selection asked
         outputs.append((out / "model.safetensors").read_bytes())
     assert outputs[0] == outputs[1]
+
+
+def test_a_thread_keeps_its_ids_within_the_merges_bound_and_the_windows_stay_the_sorts() -> None:
+    """Inside lending(kept_ids=N) a selection over at most N entries leaves its ids buffer to the thread's next one,
+    whose stale ids for entries it does not follow must not matter; a larger one, or any outside lending, is fresh."""
+    assert introsort_replay.warm()
+    buffers: list[int] = []
+    replay = introsort_replay.replay
+
+    def spying(*args: Any) -> bool:
+        buffers.append(args[-1].ctypes.data)
+        return replay(*args)
+
+    def select(values: torch.Tensor) -> None:
+        expected = torch.zeros(values.numel(), dtype=torch.bool)
+        expected[torch.sort(values.float(), descending=True).indices[: values.numel() // 3]] = True
+        assert torch.equal(sort_select.sorted_window_mask(values.clone(), 0, values.numel() // 3, True), expected)
+
+    first, second, larger = _deltas(300_000), _deltas(200_000).flip(0), _deltas(400_000)
+    mp = pytest.MonkeyPatch()
+    with mp.context() as patch:
+        patch.setattr(introsort_replay, "replay", spying)
+        patch.setattr(sort_select, "_IDS", type(sort_select._IDS)())  # no buffer left by an earlier test
+        select(first)
+        select(second)  # outside lending: nothing kept
+        assert not sort_select._IDS.arrays
+        buffers.clear()
+        with sort_select.lending(lambda nbytes: False, lambda nbytes: None, kept_ids=300_000):
+            assert sort_select._lender.kept_ids == 300_000
+            select(first)
+            select(second)  # the same buffer, holding the first selection's ids
+            select(larger)  # over the bound: fresh, and not kept
+            select(first)
+        assert sort_select._lender.kept_ids == 0
+        assert [a.size for a in sort_select._IDS.arrays.values()] == [300_000]
+    assert buffers[0] == buffers[1] == buffers[3] != buffers[2]
+    assert sort_select.kept_ids_entries([10, 300_000, introsort_replay.IDS_MAX_ENTRIES + 1]) == 300_000
+    assert sort_select.kept_ids_bytes(300_000) == 300_000 * introsort_replay.ID_BYTES
+
+
+@pytest.mark.parametrize("method", ["ties", "linear"])
+def test_a_merge_counts_the_ids_its_workers_keep(
+    method: str, tmp_path: Any, tiny_models: Any, monkeypatch: Any
+) -> None:
+    """The executor lets each worker keep the ids of its largest selection (a TIES merge's largest tensor) and holds
+    that memory aside in its budget for every worker; a merge that ranks nothing keeps none."""
+    from safetensors import safe_open
+
+    from mergesmith.engine.execution.admission import MemoryBudget
+    from mergesmith.engine.planning.shared import MergeOptions
+    from mergesmith.engine.run import run_merge
+
+    models = [tiny_models("llama", seed=seed) for seed in (1, 2, 3)]
+    config = tmp_path / "merge.yml"
+    config.write_text(
+        f"merge_method: {method}\nbase_model: {models[0]}\nmodels:\n"
+        + "".join(f"- model: {m}\n  parameters: {{density: 0.5, weight: 0.5}}\n" for m in models)
+        + "dtype: bfloat16\n"
+    )
+    kept: list[int] = []
+    lending = sort_select.lending
+
+    def spying(lend: Any, release: Any, kept_ids: int = 0) -> Any:
+        kept.append(kept_ids)
+        return lending(lend, release, kept_ids)
+
+    monkeypatch.setattr(sort_select, "lending", spying)
+    held: list[int] = []
+    release = MemoryBudget.release
+
+    def watching(self: MemoryBudget, *args: Any) -> None:
+        held.append(self.kept_bytes)
+        release(self, *args)
+
+    monkeypatch.setattr(MemoryBudget, "release", watching)
+    run_merge(str(config), tmp_path / "out", MergeOptions(threads=2))
+    with safe_open(str(models[0] / "model.safetensors"), "pt") as f:
+        largest = max(torch.Size(f.get_slice(name).get_shape()).numel() for name in f.keys())
+    expected = largest if method == "ties" and introsort_replay.AVAILABLE else 0
+    assert kept == [expected]
+    assert held and set(held) == {2 * expected * introsort_replay.ID_BYTES}

@@ -383,11 +383,11 @@ def _window_by_ids(entries, lo, hi, followed_low, followed_high, ids, window):
 
 
 @compiled
-def _ids_of(n, followed):
-    ids = np.empty(n, dtype=np.int32)  # positions are below 2**31 (sort_select checks)
+def _set_ids(ids, followed):
+    """The followed entries' ids are their starting positions (below 2**31: sort_select checks); the others' ids
+    are never read, so whatever the buffer held stays."""
     for q in range(followed.shape[0]):
         ids[followed[q]] = followed[q]
-    return ids
 
 
 @compiled
@@ -415,17 +415,19 @@ def _window_by_table(lo, hi, track, window):
 
 
 def replay(entries, lo, hi, descending, key_shift, followed_low, followed_high, followed, window, depth_budget,
-           use_ids) -> bool:
+           ids=None) -> bool:
     """Replay the introsort on `entries` (keys: entries >> key_shift) in place along the ranges straddling lo or
     hi, with `depth_budget` partitions along any path (libstdc++: 2 floor(log2 n)). The entries equal to
-    followed_low or followed_high, at the positions `followed` at the start, are followed (by ids, ID_BYTES an
-    entry, with `use_ids`; else by a table of ~16 bytes a followed entry): window[p] is set for each such
+    followed_low or followed_high, at the positions `followed` at the start, are followed (by ids in `ids`, an int32
+    buffer of at least as many entries, whose contents do not matter; without it by a table of ~16 bytes a
+    followed entry): window[p] is set for each such
     starting position p whose entry ends in [lo, hi). False where libstdc++ would heap-sort a range (a spent
     depth budget): only the full sort can say then."""
     if followed.shape[0] == 0:
         return bool(_introsort(entries, lo, hi, descending, key_shift, depth_budget, None))
-    if use_ids:
-        ids = _ids_of(entries.shape[0], followed)
+    if ids is not None:
+        ids = ids[: entries.shape[0]]
+        _set_ids(ids, followed)
         if not _introsort(entries, lo, hi, descending, key_shift, depth_budget, ids):
             return False
         _window_by_ids(entries, lo, hi, followed_low, followed_high, ids, window)
@@ -443,11 +445,11 @@ def _compile_all() -> None:
     window = np.zeros(2, dtype=np.bool_)
     for dtype in (np.int16, np.int32, np.int64):
         none = dtype(-1)
-        replay(np.zeros(2, dtype=dtype), 0, 1, True, 0, none, none, np.empty(0, dtype=np.int64), window, 0, True)
+        replay(np.zeros(2, dtype=dtype), 0, 1, True, 0, none, none, np.empty(0, dtype=np.int64), window, 0)
     for dtype in (np.int16, np.int32):
         both = np.arange(2, dtype=np.int64)  # the positions of every entry equal to the followed key (0)
-        for use_ids in (True, False):
-            replay(np.zeros(2, dtype=dtype), 0, 1, True, 0, dtype(0), dtype(0), both, window, 0, use_ids)
+        for ids in (np.empty(2, dtype=np.int32), None):
+            replay(np.zeros(2, dtype=dtype), 0, 1, True, 0, dtype(0), dtype(0), both, window, 0, ids)
 
 
 KERNELS = KernelGroup("introsort_replay", _compile_all)

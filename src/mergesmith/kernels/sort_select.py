@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from . import introsort_replay
+from .work_buffers import WorkBuffers
 
 INSERTION_THRESHOLD = introsort_replay.INSERTION_THRESHOLD
 """libstdc++'s `_S_threshold`: ranges of at most this many entries are left to the final insertion sort."""
@@ -272,8 +273,9 @@ def _keys_only_window(
     if use_ids or lent or (compiled_now and tracked_count <= n * introsort_replay.MAX_TRACKED_SHARE):
         low, high = keys.dtype.type(split_keys[0]), keys.dtype.type(split_keys[-1])
         try:
+            ids = _ids_buffer(n) if use_ids or lent else None
             replayed = introsort_replay.replay(keys, lo, hi, descending, 0, low, high, tracked, mask,
-                                               depth_budget(n), use_ids or lent > 0)
+                                               depth_budget(n), ids)
         finally:
             if lent:
                 _lender.give_back(lent)
@@ -302,6 +304,7 @@ class _Lender:
     def __init__(self) -> None:
         self.lend: Callable[[int], bool] | None = None
         self.release: Callable[[int], None] | None = None
+        self.kept_ids = 0  # entries of ids a thread may keep from one selection to the next (_ids_buffer)
 
     def give_back(self, nbytes: int) -> None:
         if self.release is not None:
@@ -312,16 +315,45 @@ _lender = _Lender()
 
 
 @contextmanager
-def lending(lend: Callable[[int], bool], release: Callable[[int], None]) -> Iterator[None]:
+def lending(lend: Callable[[int], bool], release: Callable[[int], None], kept_ids: int = 0) -> Iterator[None]:
     """Let selections borrow their ids' memory by `lend(nbytes)` (whether granted; never waits), given back by
-    `release(nbytes)`, inside the block. One lender at a time in a process: a second merge running beside the first
-    in the same process borrows from whichever set it last, which bounds the memory no worse than not lending."""
-    before = (_lender.lend, _lender.release)
-    _lender.lend, _lender.release = lend, release
+    `release(nbytes)`, inside the block, and let each thread keep the ids of a selection over up to `kept_ids`
+    entries for its next one (_ids_buffer: the caller counts kept_ids_bytes(kept_ids) a thread as held memory, and
+    runs the selections on threads that end with the block, which frees what they kept). One lender at a time in a
+    process: a second merge running beside the first in the same process borrows from whichever set it last, which
+    bounds the memory no worse than not lending."""
+    before = (_lender.lend, _lender.release, _lender.kept_ids)
+    _lender.lend, _lender.release, _lender.kept_ids = lend, release, kept_ids
     try:
         yield
     finally:
-        _lender.lend, _lender.release = before
+        _lender.lend, _lender.release, _lender.kept_ids = before
+
+
+_IDS = WorkBuffers()
+"""Each thread's ids buffer, kept from selection to selection where `lending` allows."""
+
+
+def _ids_buffer(n: int) -> np.ndarray:
+    """An int32 id for each of n entries (contents undefined): the thread's kept buffer where it is large enough,
+    else a fresh one, kept for the next selection where n is within the running merge's kept_ids.
+
+    Why keep it: a fresh buffer's pages fault in at random as the replay's exchanges first touch them. The 1b TIES
+    merge's 132 selections over 11.5 M-entry matrices faulted in 6 GB of ids that way (1.9 M page faults, most of its
+    6-7 s of system time); reused, 3.4-4.5 s (bench/README.md, issue 33). A fresh buffer comes from numpy, which asks
+    for transparent huge pages where the system grants them on request (a 2 MB fault instead of 512)."""
+    return _IDS.array("ids", n, np.int32, keep_up_to=_lender.kept_ids)
+
+
+def kept_ids_entries(selection_sizes: Iterable[int]) -> int:
+    """The kept_ids (see `lending`) that lets a thread keep the ids of any of these selections that are followed by
+    ids without a loan (follows_by_ids): the largest of them, 0 where none is."""
+    return max((n for n in selection_sizes if follows_by_ids(n)), default=0)
+
+
+def kept_ids_bytes(entries: int) -> int:
+    """Bytes a thread keeps for `entries` kept ids."""
+    return entries * introsort_replay.ID_BYTES
 
 
 def _borrow_ids(n: int) -> int:
@@ -430,7 +462,7 @@ def _replay_packed(packed: np.ndarray, lo: int, hi: int, descending: bool) -> bo
         nothing = np.empty(0, dtype=np.int64)
         unused = np.empty(0, dtype=np.bool_)
         return bool(introsort_replay.replay(packed, lo, hi, descending, _INDEX_BITS, none, none, nothing, unused,
-                                            depth_budget(packed.size), True))
+                                            depth_budget(packed.size)))
     return _replay(packed, lo, hi, descending)
 
 

@@ -72,6 +72,8 @@ class MemoryBudget:
         # what of `held` is not yet in the process's memory use (which the watch's samples already count):
         # the input feed's pool tells; None counts all of `held`
         self.held_unmapped: Callable[[], int] | None = None
+        # bytes the workers keep between recipes (sort_select's kept ids), counted whole in `held`
+        self.kept_bytes = 0
         self.running: list[int] = []  # the cost of each item in flight (their sum is in_flight; leaves_room)
         self.peak = 0  # the most bytes ever admitted at once: a statistic for tests and reports
         self.device: DeviceBudget | None = None  # set by the executor on CUDA: device bytes admitted beside
@@ -86,8 +88,10 @@ class MemoryBudget:
 
     @property
     def held(self) -> int:
-        """Bytes set aside beside the work in flight that are not counted in the watch's samples yet."""
-        return self.held_bytes if self.held_unmapped is None else min(self.held_bytes, self.held_unmapped())
+        """Bytes set aside beside the work in flight that are not counted in the watch's samples yet (the workers'
+        kept bytes always: once used they are counted twice, a small overestimate)."""
+        feed = self.held_bytes if self.held_unmapped is None else min(self.held_bytes, self.held_unmapped())
+        return feed + self.kept_bytes
 
     def room(self) -> int | None:
         """Bytes the work in flight may occupy now by the memory watch (None: not watched)."""

@@ -23,12 +23,22 @@ def kernel_groups(recipes: Sequence[TensorRecipe]) -> list[KernelGroup]:
         return []
     groups: list[KernelGroup] = []
     for recipe in recipes:
-        if recipe.op != "merge" or math.prod(recipe.shape) < START_ENTRIES:
+        if math.prod(recipe.shape) < START_ENTRIES:
             continue
-        spec = get_method(recipe.method or "")
-        if spec is None:
-            continue
-        for group in spec.kernel_groups(dict(recipe.params), recipe.seed is not None):
+        for group in _groups_of(recipe):
             if all(group is not g for g in groups):
                 groups.append(group)
     return groups
+
+
+def recipes_using(recipes: Sequence[TensorRecipe], group: KernelGroup) -> list[TensorRecipe]:
+    """The recipes whose merge uses `group` where it is compiled, whatever their size."""
+    return [recipe for recipe in recipes if any(g is group for g in _groups_of(recipe))]
+
+
+def _groups_of(recipe: TensorRecipe) -> list[KernelGroup]:
+    """The compiled loops the merge of `recipe` uses, as its method announces them."""
+    if recipe.op != "merge":
+        return []
+    spec = get_method(recipe.method or "")
+    return [] if spec is None else spec.kernel_groups(dict(recipe.params), recipe.seed is not None)

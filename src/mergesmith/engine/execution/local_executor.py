@@ -27,7 +27,7 @@ from ...io.dtypes import to_torch
 from ...io.journal import Journal
 from ...io.quantized import quantize_output
 from ...io.safetensors_writer import ShardWriter
-from ...kernels import sort_select
+from ...kernels import introsort_replay, sort_select
 from ...kernels.compiled import KernelGroup, waits
 from ...methods import require_method
 from ...methods.registry import MERGE_WHOLE
@@ -44,7 +44,7 @@ from .blocks import row_blocks, two_pass
 from .compute import Gathered, advise_inputs, compute
 from .device_transfer import PINNED_BYTES_PER_THREAD
 from .input_feed import MERGE, TOTALS, InputFeed, keeping_pool, open_feed, streamed_bytes
-from .kernel_warmup import kernel_groups
+from .kernel_warmup import kernel_groups, recipes_using
 from .nonfinite import NonFiniteMonitor
 from .writing import ShardOutputs
 
@@ -175,6 +175,7 @@ class LocalExecutor(Executor):
         self._feed: InputFeed | None = None
         self._kernel_groups: list[KernelGroup] = []
         self._uncache_inputs = False  # set by run(): see inputs_exceed_room
+        self._kept_ids = 0  # set by run(): see _kept_ids_entries
         self.monitor = NonFiniteMonitor(self.settings.strict)  # NaN/inf in inputs and outputs; `warnings()` after run
 
     def _warm_kernels(self, recipes: list[TensorRecipe]) -> None:
@@ -233,6 +234,8 @@ class LocalExecutor(Executor):
             staging = staging_bytes([r for _, r in work], self.plan.compute_dtype, PINNED_BYTES_PER_THREAD)
             feed_bytes += self.threads * staging
         self.budget.watch, self.budget.held_bytes = watch, feed_bytes
+        self._kept_ids = self._kept_ids_entries([recipe for _, recipe in work])
+        self.budget.kept_bytes = self.threads * sort_select.kept_ids_bytes(self._kept_ids)
         try:
             self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes)
             # after the feed's first reads are queued: loading compiled loops holds the GIL for ~0.3-0.4 s
@@ -267,6 +270,14 @@ class LocalExecutor(Executor):
                 "are saved; run the same command again to resume"
             )
 
+    def _kept_ids_entries(self, recipes: list[TensorRecipe]) -> int:
+        """The ids each worker keeps from one magnitude selection to the next (sort_select.lending: the size of the
+        largest selection followed by ids without a loan), on the CPU, where the compiled replay runs."""
+        if self.device.type != "cpu":
+            return 0
+        ranked = recipes_using(recipes, introsort_replay.KERNELS)
+        return sort_select.kept_ids_entries(recipe.numel() for recipe in ranked)
+
     def _device_costs(self, work: list[tuple[ShardPlan, TensorRecipe]]) -> list[int] | None:
         """On CUDA (with work to do): each recipe's device bytes, and the device budget they are admitted under
         (runtime/device_memory.py); None elsewhere."""
@@ -289,7 +300,7 @@ class LocalExecutor(Executor):
         with (
             self.outputs.flushing(self._fail),
             intra_op_threads.shared_between(self.threads),
-            sort_select.lending(self.budget.lend, self.budget.release),
+            sort_select.lending(self.budget.lend, self.budget.release, self._kept_ids),
         ):
             with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="merge") as pool:
                 futures: list[Future[None]] = []
