@@ -16,7 +16,9 @@ owns its process and sets them:
   allocates small objects per tensor; `gc.freeze()` moves them out of the collector's sight (in a
   profile of the slerp bench merge the collector's share of CPU fell from 1.7% to 1.1%).
   Objects made later are collected as usual, and the command thaws everything when it ends (an
-  in-process caller, such as a test suite, gets its collector back as it was).
+  in-process caller, such as a test suite, gets its collector back as it was). No collection first: at that
+  point one found 20 garbage objects among ~181 K and took 90-95 ms of the merge's start-up, before its first
+  read (a trace of the 1b linear merge's start, bench/README.md, issue 33); those few stay frozen.
 - A quick exit. Tearing down an interpreter that has loaded torch (module teardown, collecting every
   object, C++ static destructors) takes about 0.5 s here, 3-5% of a 1 B-parameter merge, and buys the
   command nothing: its files are closed and fsync'ed by then. The console script runs the registered
@@ -43,7 +45,6 @@ def prefer_huge_pages() -> None:
 
 def freeze_long_lived_objects() -> None:
     """Exclude everything alive now from future garbage collections (call once the plan is built)."""
-    gc.collect()
     gc.freeze()
 
 
