@@ -305,12 +305,13 @@ READ_DEPTH = 4
 
 def _timed_direct_read(files: Sequence[Path], piece: int = 8 << 20) -> float:
     """Seconds to read `files` with O_DIRECT, READ_DEPTH pieces at a time, into reused aligned buffers."""
-    import mmap
     from concurrent.futures import ThreadPoolExecutor
+
+    from mergesmith.io.direct_write import anonymous_buffer  # mergesmith's own buffers: huge pages where granted
 
     jobs = [(path, offset) for path in files for offset in range(0, path.stat().st_size, piece)]
     fds = {path: os.open(path, os.O_RDONLY | os.O_DIRECT) for path in files}
-    buffers = [mmap.mmap(-1, piece) for _ in range(READ_DEPTH)]
+    buffers = [anonymous_buffer(piece) for _ in range(READ_DEPTH)]
 
     def read(index: int) -> None:
         for path, offset in jobs[index::READ_DEPTH]:
@@ -362,10 +363,13 @@ def write_floor(nbytes: int, directory: Path, *, block: int = 16 << 20) -> float
 
 
 def _timed_write(nbytes: int, directory: Path, block: int, *, direct: bool) -> float:
-    import mmap
+    from mergesmith.io.direct_write import anonymous_buffer
 
     directory.mkdir(parents=True, exist_ok=True)
-    chunk = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    # page-aligned, as O_DIRECT needs, and in huge pages where granted as mergesmith's writer's are: with 4 KB pages
+    # a request carries at most max_segments pages (1 MB on the project's VM), and the floor measured the 1b bench's
+    # reads at 4.0-5.5 s where they take 1.8-2.0 s (bench/README.md, issue 33, fifth session)
+    chunk = anonymous_buffer(block)
     chunk.write(os.urandom(block))
     path = directory / f".floor-{os.getpid()}.bin"
     os.sync()  # start with no one else's dirty pages in the way
