@@ -121,12 +121,13 @@ def test_a_thread_keeps_its_ids_within_the_merges_bound_and_the_windows_stay_the
     assert sort_select.kept_ids_bytes(300_000) == 300_000 * introsort_replay.ID_BYTES
 
 
-@pytest.mark.parametrize("method", ["ties", "linear"])
+@pytest.mark.parametrize(("method", "max_memory"), [("ties", None), ("linear", None), ("ties", 8 << 30)])
 def test_a_merge_counts_the_ids_its_workers_keep(
-    method: str, tmp_path: Any, tiny_models: Any, monkeypatch: Any
+    method: str, max_memory: int | None, tmp_path: Any, tiny_models: Any, monkeypatch: Any
 ) -> None:
     """The executor lets each worker keep the ids of its largest selection (a TIES merge's largest tensor) and holds
-    that memory aside in its budget for every worker; a merge that ranks nothing keeps none."""
+    that memory aside in its budget for every worker; a merge that ranks nothing keeps none, nor one under a user's
+    --max-memory (what is kept between recipes is outside the bound on the work in flight)."""
     from safetensors import safe_open
 
     from mergesmith.engine.execution.admission import MemoryBudget
@@ -156,9 +157,9 @@ def test_a_merge_counts_the_ids_its_workers_keep(
         release(self, *args)
 
     monkeypatch.setattr(MemoryBudget, "release", watching)
-    run_merge(str(config), tmp_path / "out", MergeOptions(threads=2))
+    run_merge(str(config), tmp_path / "out", MergeOptions(threads=2, max_memory=max_memory))
     with safe_open(str(models[0] / "model.safetensors"), "pt") as f:
         largest = max(torch.Size(f.get_slice(name).get_shape()).numel() for name in f.keys())
-    expected = largest if method == "ties" and introsort_replay.AVAILABLE else 0
+    expected = largest if method == "ties" and max_memory is None and introsort_replay.AVAILABLE else 0
     assert kept == [expected]
     assert held and set(held) == {2 * expected * introsort_replay.ID_BYTES}

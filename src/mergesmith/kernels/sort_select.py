@@ -339,9 +339,10 @@ def _ids_buffer(n: int) -> np.ndarray:
     else a fresh one, kept for the next selection where n is within the running merge's kept_ids.
 
     Why keep it: a fresh buffer's pages fault in at random as the replay's exchanges first touch them. The 1b TIES
-    merge's 132 selections over 11.5 M-entry matrices faulted in 6 GB of ids that way (1.9 M page faults, most of its
-    6-7 s of system time); reused, 3.4-4.5 s (bench/README.md, issue 33). A fresh buffer comes from numpy, which asks
-    for transparent huge pages where the system grants them on request (a 2 MB fault instead of 512)."""
+    merge's 132 selections over 11.5 M-entry matrices faulted in 6 GB of ids that way (1.9 M page faults; the merge
+    took 14.5-16.0 s, 4.8-6.9 s of it system time); reused, 160 K faults and 13.3-14.6 s, 4.1-5.5 s (bench/README.md,
+    issue 33). A fresh buffer comes from numpy, which asks for transparent huge pages where the system grants them on
+    request (a 2 MB fault instead of 512)."""
     return _IDS.array("ids", n, np.int32, keep_up_to=_lender.kept_ids)
 
 

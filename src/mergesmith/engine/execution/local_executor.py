@@ -272,8 +272,10 @@ class LocalExecutor(Executor):
 
     def _kept_ids_entries(self, recipes: list[TensorRecipe]) -> int:
         """The ids each worker keeps from one magnitude selection to the next (sort_select.lending: the size of the
-        largest selection followed by ids without a loan), on the CPU, where the compiled replay runs."""
-        if self.device.type != "cpu":
+        largest selection followed by ids without a loan), on the CPU, where the compiled replay runs. None under a
+        user's --max-memory, which bounds the work in flight: what a worker keeps between recipes is outside it (up
+        to 64 MiB a worker, introsort_replay.IDS_MAX_ENTRIES ids)."""
+        if self.device.type != "cpu" or self.settings.max_memory is not None:
             return 0
         ranked = recipes_using(recipes, introsort_replay.KERNELS)
         return sort_select.kept_ids_entries(recipe.numel() for recipe in ranked)
