@@ -40,7 +40,8 @@ from .direct_write import ALIGN, anonymous_buffer
 
 IO_THREADS = 4
 """Reads in flight at once: a few MB requests reach this disk's full rate only at a queue depth of 4 or
-more (about 2.2 GB/s, against 0.65 GB/s one at a time)."""
+more (about 2.2 GB/s, against 0.65 GB/s one at a time, measured with buffers of 4 KB pages; into huge-page buffers,
+direct_write.anonymous_buffer's, 3.3-3.6 GB/s at a depth of 4 or 8 alike, bench/README.md, issue 33)."""
 
 POOL_BYTES = 128 << 20
 """Read-ahead buffers of a merge's input feed: a fixed size, whatever the model (more, up to 256 MB, where the feed
