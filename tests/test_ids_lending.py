@@ -118,7 +118,7 @@ def test_a_thread_keeps_its_ids_within_the_merges_bound_and_the_windows_stay_the
         assert [a.size for a in sort_select._IDS.arrays.values()] == [300_000]
     assert buffers[0] == buffers[1] == buffers[3] != buffers[2]
     assert sort_select.kept_ids_entries([10, 300_000, introsort_replay.IDS_MAX_ENTRIES + 1]) == 300_000
-    assert sort_select.kept_ids_bytes(300_000) == 300_000 * introsort_replay.ID_BYTES
+    assert sort_select.ids_bytes(300_000) == 300_000 * introsort_replay.ID_BYTES
 
 
 @pytest.mark.parametrize(("method", "max_memory"), [("ties", None), ("linear", None), ("ties", 8 << 30)])

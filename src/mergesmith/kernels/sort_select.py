@@ -318,7 +318,7 @@ _lender = _Lender()
 def lending(lend: Callable[[int], bool], release: Callable[[int], None], kept_ids: int = 0) -> Iterator[None]:
     """Let selections borrow their ids' memory by `lend(nbytes)` (whether granted; never waits), given back by
     `release(nbytes)`, inside the block, and let each thread keep the ids of a selection over up to `kept_ids`
-    entries for its next one (_ids_buffer: the caller counts kept_ids_bytes(kept_ids) a thread as held memory, and
+    entries for its next one (_ids_buffer: the caller counts ids_bytes(kept_ids) a thread as held memory, and
     runs the selections on threads that end with the block, which frees what they kept). One lender at a time in a
     process: a second merge running beside the first in the same process borrows from whichever set it last, which
     bounds the memory no worse than not lending."""
@@ -352,8 +352,8 @@ def kept_ids_entries(selection_sizes: Iterable[int]) -> int:
     return max((n for n in selection_sizes if follows_by_ids(n)), default=0)
 
 
-def kept_ids_bytes(entries: int) -> int:
-    """Bytes a thread keeps for `entries` kept ids."""
+def ids_bytes(entries: int) -> int:
+    """Bytes of the ids of `entries` entries (a selection's, lent or kept)."""
     return entries * introsort_replay.ID_BYTES
 
 
@@ -362,7 +362,7 @@ def _borrow_ids(n: int) -> int:
     lend = _lender.lend
     if lend is None or n > LENT_IDS_MAX_ENTRIES:
         return 0
-    nbytes = n * introsort_replay.ID_BYTES
+    nbytes = ids_bytes(n)
     return nbytes if lend(nbytes) else 0
 
 

@@ -235,7 +235,7 @@ class LocalExecutor(Executor):
             feed_bytes += self.threads * staging
         self.budget.watch, self.budget.held_bytes = watch, feed_bytes
         self._kept_ids = self._kept_ids_entries([recipe for _, recipe in work])
-        self.budget.kept_bytes = self.threads * sort_select.kept_ids_bytes(self._kept_ids)
+        self.budget.kept_bytes = self.threads * sort_select.ids_bytes(self._kept_ids)
         try:
             self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes)
             # after the feed's first reads are queued: loading compiled loops holds the GIL for ~0.3-0.4 s
