@@ -159,17 +159,38 @@ def test_lent_memory_stays_within_the_users_budget_and_the_room() -> None:
     assert user.acquire_first([600], stop) == 0
     assert not user.lend(500)  # 1100 > the user's 1000
     assert user.lend(400) and user.in_flight == 1000
-    user.release(400)
-    assert user.in_flight == 600
+    assert not user.fits(1)  # under --max-memory a loan counts against admission too
+    user.repay(400)
+    assert user.in_flight == 600 and user.fits(400)
 
     automatic = MemoryBudget(1000, _FakeWatch(1600))
     automatic.automatic = True
     assert automatic.acquire_first([600], stop) == 0
     assert automatic.lend(800)  # over the automatic 1000, within the room of 1600 less its unlent eighth
     assert not automatic.lend(100)  # 1500 > 1400
-    automatic.release(800)
+    automatic.repay(800)
 
     unwatched = MemoryBudget(1000)
     unwatched.automatic = True
     assert unwatched.acquire_first([600], stop) == 0
     assert not unwatched.lend(500) and unwatched.lend(400)
+
+
+def test_a_loan_keeps_no_item_out_of_an_automatic_budget_that_has_room() -> None:
+    """Under the executor's automatic budget an item running with a loan (TIES' ids over the output matrix) leaves
+    the others the room its own cost left them: the loan counts against the memory the watch sees, not against the
+    scheduling limit. Before, the 1b TIES merge's other core idled while lm_head's selection held its ids."""
+    stop = threading.Event()
+    automatic = MemoryBudget(697, _FakeWatch(5000))
+    automatic.automatic = True
+    assert automatic.acquire_first([521], stop) == 0  # lm_head
+    assert automatic.lend(262)  # its selection's ids
+    assert automatic.in_flight == 783 and automatic.peak == 783
+    assert automatic.acquire_first([176], stop) == 0  # a layer tensor beside it, as without the loan
+    assert not automatic.fits(176)  # the scheduling limit itself still holds: 521 + 176 + 176 > 697
+    tight = MemoryBudget(697, _FakeWatch(900))  # the room the watch sees bounds loans and items together
+    tight.automatic = True
+    assert tight.acquire_first([521], stop) == 0 and tight.lend(262)
+    assert not tight.fits(176)  # 521 + 262 + 176 > 900
+    tight.repay(262)
+    assert tight.fits(176)

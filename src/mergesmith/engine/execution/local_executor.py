@@ -302,7 +302,7 @@ class LocalExecutor(Executor):
         with (
             self.outputs.flushing(self._fail),
             intra_op_threads.shared_between(self.threads),
-            sort_select.lending(self.budget.lend, self.budget.release, self._kept_ids),
+            sort_select.lending(self.budget.lend, self.budget.repay, self._kept_ids),
         ):
             with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="merge") as pool:
                 futures: list[Future[None]] = []
