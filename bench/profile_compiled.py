@@ -70,8 +70,16 @@ def main() -> None:
 
     def stages() -> dict[str, float]:
         done = totals()
+        def totals_by_steps() -> keyed_merge.Totals:
+            keyed_merge.TOTALS_IN_ONE_LOOP = False
+            try:
+                return totals()
+            finally:
+                keyed_merge.TOTALS_IN_ONE_LOOP = True
+
         timed = {
             "keyed totals pass (dare_ties)": totals,
+            "keyed totals pass, step by step": totals_by_steps,
             "keyed merge pass (dare_ties)": lambda: keyed_merge.merge(tensors, 0, vectors, mix, MaskStream(3), 0, done),
             "Philox draws, one task vector": lambda: MaskStream(3).draws(0, 0, n),
             "TIES selection, half of one vector": lambda: sort_select.sorted_window_mask(

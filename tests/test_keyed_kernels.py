@@ -138,3 +138,45 @@ def test_compiled_philox_gives_numpys_draws(monkeypatch):
                 monkeypatch.setattr(keyed_random, "COMPILED", False)
                 reference = keyed_random.MaskStream(seed).draws(stream, start, count)
                 assert np.array_equal(compiled, reference), (seed, stream, start, count)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.3, 0.5, 0.999])
+@pytest.mark.parametrize("n", [1, 7, 8, 2047, 2049, 300_001])
+def test_bfloat16_totals_in_one_compiled_loop_give_the_separate_steps_bytes(n, density, monkeypatch):
+    """keyed_kernels.dare_totals (a bf16 DARE vector's totals chunk in one call: draws, flags, magnitudes, packed
+    flags) against the steps it replaces (numpy's draws and comparison, widen_into, magnitudes, np.packbits), at
+    lengths that end mid-byte and mid-step and from starts that cut Philox blocks and keyed chunks; and a totals
+    pass over bf16 inputs takes it (so the comparisons of the passes above cover it)."""
+    from mergesmith.kernels import keyed_random
+
+    assert keyed_kernels.warm()
+    g = torch.Generator().manual_seed(n)
+    base = (torch.randn(n, generator=g) * 0.02).bfloat16()
+    x = (base.float() + torch.randn(n, generator=g) * 0.003).bfloat16()
+    base32 = base.float().numpy()
+    bits = x.view(torch.int16).numpy().view(np.uint16)
+    vec = keyed_merge.Vector(1, 3, 0.5, density)
+    threshold = keyed_merge._dare_threshold(vec)
+    assert threshold is not None
+    for start in (0, 5, keyed_random.CHUNK - 9):
+        stream = MaskStream(17)
+        mags, kept = np.empty(n, np.float32), np.empty(n, np.float32)
+        packed = np.full(-(-n // 8), 0xAA, np.uint8)  # every byte must be written
+        scratch = np.empty(keyed_kernels.STEP, np.uint32), np.empty(keyed_kernels.STEP, np.uint8)
+        keyed_kernels.dare_totals(base32, bits, *stream.key, vec.stream, start, keyed_random.CHUNK, threshold,
+                                  *scratch, mags, kept, packed)
+        monkeypatch.setattr(keyed_random, "COMPILED", False)
+        flags = keyed_merge.keep_array(MaskStream(17), vec, start, torch.from_numpy(base32))
+        monkeypatch.setattr(keyed_random, "COMPILED", True)
+        ref_mags, ref_kept = np.empty(n, np.float32), np.empty(n, np.float32)
+        keyed_kernels.magnitudes(base32, x.float().numpy(), flags.view(np.uint8), ref_mags, ref_kept)
+        assert np.array_equal(packed, np.packbits(flags)), start
+        assert np.array_equal(mags.view(np.uint32), ref_mags.view(np.uint32))
+        assert np.array_equal(kept.view(np.uint32), ref_kept.view(np.uint32))
+
+    calls = []
+    real = keyed_kernels.dare_totals
+    monkeypatch.setattr(keyed_kernels, "dare_totals", lambda *a: calls.append(1) or real(*a))
+    tensors = [base.reshape(1, n), x.reshape(1, n)]
+    keyed_merge.gather(None, tensors, 0, [vec], MaskStream(3), 0)
+    assert calls

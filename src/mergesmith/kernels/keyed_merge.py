@@ -362,13 +362,39 @@ def _gather_arrays(state: Totals, piece: Piece, block: _ArrayBlock) -> None:
         if vec.density >= 1:
             continue
         start = block.offset + piece.start
-        x = block.float32("x", vec.index, piece)
-        flags = _keep_of(block.stream, vec, start, x, base32, _piece_shape(piece, block.shape))
         mags, kept = _array("abs", n), _array("kept", n)
-        keyed_kernels.magnitudes(base32, x, flags.view(np.uint8), mags, kept)
+        bits = block.arrays[vec.index][piece.start : piece.end]
+        threshold = _dare_threshold(vec)
+        if threshold is not None and bits.dtype == np.uint16:  # bfloat16: one compiled call for all of it
+            packed = np.empty(-(-n // 8), dtype=np.uint8)
+            draws = _array("draws", keyed_kernels.STEP, np.uint32)
+            flags = _array("step_flags", keyed_kernels.STEP, np.uint8)
+            seed, tag = block.stream.key
+            keyed_kernels.dare_totals(base32, bits, seed, tag, vec.stream, start, keyed_random.CHUNK,
+                                      threshold, draws, flags, mags, kept, packed)
+        else:
+            x = block.float32("x", vec.index, piece)
+            keep = _keep_of(block.stream, vec, start, x, base32, _piece_shape(piece, block.shape))
+            keyed_kernels.magnitudes(base32, x, keep.view(np.uint8), mags, kept)
+            packed = np.packbits(keep)
         before.add(mags)
         after.add(kept)
-        state.masks[(k, start)] = np.packbits(flags)
+        state.masks[(k, start)] = packed
+
+
+TOTALS_IN_ONE_LOOP = True
+"""bf16 DARE vectors' totals chunks by keyed_kernels.dare_totals (bench/profile_compiled.py switches it off to time
+the separate steps it replaced, which give the same bytes)."""
+
+
+def _dare_threshold(vec: Vector) -> np.uint32 | None:
+    """DARE's keep test as one uint32 (a draw below it keeps its entry: _dare_keep's), where the compiled totals
+    loop draws it (keyed_kernels.dare_totals, with the compiled draws); None for DELLA, for a vector kept whole and
+    where the draws are numpy's."""
+    if not TOTALS_IN_ONE_LOOP or vec.epsilon is not None or not 0 <= vec.density < 1 or not keyed_random.COMPILED:
+        return None
+    threshold = math.ceil(float(np.float32(vec.density)) * _UNIT)
+    return None if threshold >= _UNIT else np.uint32(threshold << 8)
 
 
 def _piece_shape(piece: Piece, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -71,6 +71,11 @@ class MaskStream:
         self._state = self._bits.state
         self._ahead: dict[tuple[int, torch.device], tuple[int, torch.Tensor]] = {}
 
+    @property
+    def key(self) -> tuple[np.uint64, np.uint64]:
+        """The Philox key of these streams, as the compiled draws take it (keyed_kernels.philox_draws)."""
+        return np.uint64(self.seed), np.uint64(_KEY_TAG)
+
     def draws_on(self, stream: int, start: int, count: int, device: torch.device) -> torch.Tensor:
         """The draws of `draws` as an int64 tensor on `device` (values in [0, 2**32)): on the CPU numpy's (or the
         compiled) ones, elsewhere computed there by keyed_random_torch, WINDOW at a time: later calls for the
@@ -95,7 +100,7 @@ class MaskStream:
         keyed_kernels.philox_draws where numba is there: the same bits, faster)."""
         out = np.empty(count, dtype=np.uint32)
         if COMPILED and keyed_kernels.KERNELS.ready(count):
-            keyed_kernels.philox_draws(np.uint64(self.seed), np.uint64(_KEY_TAG), stream, start, CHUNK, out)
+            keyed_kernels.philox_draws(*self.key, stream, start, CHUNK, out)
             return out
         first = start // CHUNK
         last = (start + count - 1) // CHUNK if count else first - 1
