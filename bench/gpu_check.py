@@ -18,7 +18,9 @@ is cut with a line saying so, rather than the whole check overrunning and report
 - a merge case runs when what is left, less those reserves, is at least 1.1x the longest case so far (the first
   case always runs); cases run in the order given, so the ones cut are the last;
 - then the same machine's CPU path (mergesmith without --cuda) for --cpu-cases, each when 1.5x its --cuda time
-  fits, for the line that says whether the GPU path is slower than the CPU path there (issue 33, item 4);
+  fits, for the line that says whether the GPU path is slower than the CPU path there (issue 33, item 4), then
+  again with each of --cpu-threads workers, each when 1.5x the CPU path's time fits (how the CPU path's threads
+  scale on a many-core machine);
 - the commands (bench/device_commands.py: `mergesmith tokensurgeon` and `extract-lora` with the device option at
   `--commands-size`, outputs checked) run when what is left, less the OMP reserve, covers the size's expected
   time; their reserve is 1.25x that time (75 s at the realistic size); a command still running when the time is
@@ -44,6 +46,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -206,29 +209,50 @@ def run_cpu_path(args: argparse.Namespace, clock: Clock, cases: list[dict[str, A
                  cut: list[str]) -> None:
     """The same machine's CPU path for --cpu-cases (mergesmith without --cuda, one cold run each), into each case's
     "cpu_path": issue 33 asks that the GPU path is never slower than the CPU path on the same machine, and only
-    the same machine, disk and start-up answer that (a CPU figure from another machine does not)."""
+    the same machine, disk and start-up answer that (a CPU figure from another machine does not).
+
+    Then, time allowing, the same case with each of --cpu-threads worker counts, into "cpu_path_threads": the CPU
+    path's default is a worker a core, and its workers are Python threads that hand the GIL to each other after
+    every compiled loop (~3,700 times a second each on the 2-core VM's dare_ties merge, bench/README.md, issue 33's
+    sixth session). The H200 host's 16 cores merged dare_ties in 26.3 s where the 2-core VM takes ~7.5 s; whether
+    fewer workers do better there is what these runs say."""
     if args.mode != "cuda":
         return
     for entry in cases:
         if entry["case"] not in args.cpu_cases or entry.get("mergesmith") is None:
             continue
         config = args.work / "out" / "configs" / f"{args.size}-{entry['case']}.yml"
-        expected = 1.5 * entry["mergesmith"]["total_s"]
-        left = left_before_commands(args, clock)
-        if left < expected:
-            cut.append(f"{entry['case']} on the CPU path: out of time ({max(left, 0):.0f} s left, ~{expected:.0f} s)")
+        run = _cpu_path_run(args, clock, entry["case"], config, 1.5 * entry["mergesmith"]["total_s"], (), cold, cut)
+        if run is None:
             continue
-        out = args.work / "out" / f"cpu-path-{entry['case']}"
+        entry["cpu_path"] = run
+        for threads in args.cpu_threads:
+            extra = ("--threads", str(threads))
+            more = _cpu_path_run(args, clock, entry["case"], config, 1.5 * run["total_s"], extra, cold, cut)
+            if more is not None:
+                entry.setdefault("cpu_path_threads", {})[str(threads)] = more
+
+
+def _cpu_path_run(args: argparse.Namespace, clock: Clock, case: str, config: Path, expected: float,
+                  extra: Sequence[str], cold: bool, cut: list[str]) -> dict[str, Any] | None:
+    """One cold CPU-path merge of `case` (with `extra` options) when `expected` seconds fit before the commands'
+    and OMP's reserves; its summary, or None with a cut line."""
+    what = f"{case} on the CPU path{' ' + ' '.join(extra) if extra else ''}"
+    left = left_before_commands(args, clock)
+    if left < expected:
+        cut.append(f"{what}: out of time ({max(left, 0):.0f} s left, ~{expected:.0f} s)")
+        return None
+    out = args.work / "out" / f"cpu-path-{case}"
+    bl.rm_out(out)
+    bl.log(f"[{args.size} {case}] the CPU path (no --cuda{', ' + ' '.join(extra) if extra else ''}) ...")
+    try:
+        run = bl.run_timed(bl.mergesmith_cmd(config, out, "5B", extra), cold=cold, out_dir=out, timeout=2 * expected)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        cut.append(f"{what}: failed: {str(exc).strip()[-200:]}")
+        return None
+    finally:
         bl.rm_out(out)
-        bl.log(f"[{args.size} {entry['case']}] the CPU path (no --cuda) ...")
-        try:
-            run = bl.run_timed(bl.mergesmith_cmd(config, out, "5B"), cold=cold, out_dir=out, timeout=2 * expected)
-        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
-            cut.append(f"{entry['case']} on the CPU path: failed: {str(exc).strip()[-200:]}")
-            continue
-        finally:
-            bl.rm_out(out)
-        entry["cpu_path"] = run_summary(run)
+    return run_summary(run)
 
 
 # ------------------------------------------------------------------------------------------------ OMP
@@ -435,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-cases", default="linear,dare_ties", type=lambda s: [c for c in s.split(",") if c],
                     help="cases also merged on the CPU path of the same machine, for the cuda/cpu line (default "
                          "linear,dare_ties; '' for none)")
+    ap.add_argument("--cpu-threads", default="4", type=lambda s: [int(c) for c in s.split(",") if c],
+                    help="worker counts the --cpu-cases also run with on the CPU path, after its default of one a "
+                         "core, time allowing (default 4; '' for none)")
     ap.add_argument("--sample", default="dare_ties", type=lambda s: [c for c in s.split(",") if c],
                     help="cases merged again under bench/sample_stacks.py at the end, time allowing ('' for none)")
     return ap

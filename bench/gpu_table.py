@@ -7,7 +7,8 @@ The result is a plain dict (what the JSON file holds), built by gpu_check.py:
                "seconds": float, "cut": bool} | None,
      "cases": [{"case": "linear", "floor_s": float | None, "verdict": str | None, "cut": str | None,
                 "mergesmith": {"total_s", "cpu_s", "maxrss"} | None, "mergekit": {...} | None,
-                "cpu_path": {"total_s", "cpu_s", "maxrss"} (the same machine without --cuda; optional)}],
+                "cpu_path": {"total_s", "cpu_s", "maxrss"} (the same machine without --cuda; optional),
+                "cpu_path_threads": {"4": {"total_s", "cpu_s", "maxrss"}, ...} (the same with --threads N; optional)}],
      "omp": {"mergesmith": {omp_device.py's JSON}, "mergekit": {...} | None, "same_selections": float | None,
              "cut": str | None} | None,
      "commands": {bench/device_commands.py's JSON: "size", "spec", "device", "build_s", "runs": [{"command",
@@ -177,8 +178,15 @@ def cpu_path_lines(cases: list[Result]) -> list[str]:
             continue
         ratio = _num(gpu["total_s"]) / _num(cpu["total_s"])
         verdict = "slower than" if ratio > 1.0 else "at least as fast as"
-        lines.append(f"{case['case']}: --cuda {fmt_s(_num(gpu['total_s']))} s, this machine's CPU path "
-                     f"{fmt_s(_num(cpu['total_s']))} s ({fmt_ratio(ratio)}: the GPU path {verdict} the CPU path)")
+        line = (f"{case['case']}: --cuda {fmt_s(_num(gpu['total_s']))} s, this machine's CPU path "
+                f"{fmt_s(_num(cpu['total_s']))} s ({fmt_ratio(ratio)}: the GPU path {verdict} the CPU path)")
+        threads = case.get("cpu_path_threads") or {}
+        if threads:
+            line += "; the CPU path with " + ", ".join(
+                f"--threads {count}: {fmt_s(_num(run['total_s']))} s ({_num(run['cpu_s']):.0f} CPU-s)"
+                for count, run in sorted(threads.items(), key=lambda item: int(item[0]))
+            ) + f", with its default: {_num(cpu['cpu_s']):.0f} CPU-s"
+        lines.append(line)
     return lines
 
 

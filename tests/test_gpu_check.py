@@ -19,6 +19,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -287,9 +289,15 @@ def test_the_gpu_path_is_set_against_the_same_machines_cpu_path() -> None:
     assert "slerp: --cuda 15.0 s, this machine's CPU path 20.0 s (0.75x: the GPU path at least as fast as" in text
     assert "della: --cuda" not in text
     assert json.loads(table.to_json(result))["cases"][0]["cpu_path"]["total_s"] == 12.5
+    result["cases"][0]["cpu_path_threads"] = {
+        "8": {"total_s": 9.0, "cpu_s": 25.0},
+        "4": {"total_s": 10.0, "cpu_s": 21.0},
+    }
+    assert (f"{slower}; the CPU path with --threads 4: 10.0 s (21 CPU-s), --threads 8: 9.0 s (25 CPU-s), with its "
+            "default: 30 CPU-s") in table.render(result)
 
 
-def test_the_cpu_path_runs_are_cut_when_they_would_not_fit(tmp_path: Path) -> None:
+def test_the_cpu_path_runs_are_cut_when_they_would_not_fit(tmp_path: Path, monkeypatch: Any) -> None:
     """The CPU-path step keeps the later steps' reserves: with too little time left it runs nothing and says so in
     one cut line per case; off CUDA (the dry run) it does nothing at all."""
     check = _load("gpu_check")
@@ -302,3 +310,17 @@ def test_the_cpu_path_runs_are_cut_when_they_would_not_fit(tmp_path: Path) -> No
     args.mode = "cpu-dry-run"
     check.run_cpu_path(args, check.Clock(0.0), cases, False, cut)
     assert len(cut) == 1
+    runs: list[list[str]] = []
+
+    def run_timed(cmd: list[str], **_: Any) -> Any:
+        runs.append(cmd)
+        return SimpleNamespace(total_s=10.0, wall_s=10.0, cpu_s=12.0, maxrss=1e9, peak_anon=5e8)
+
+    monkeypatch.setattr(check.bl, "run_timed", run_timed)
+    args.mode, args.cpu_threads = "cuda", [4, 8]
+    clock = check.Clock(__import__("time").time() + 10**6)
+    cut.clear()
+    check.run_cpu_path(args, clock, cases, False, cut)
+    assert [cmd[-2:] for cmd in runs[1:]] == [["--threads", "4"], ["--threads", "8"]] and "--threads" not in runs[0]
+    assert cases[0]["cpu_path"]["total_s"] == 10.0 and sorted(cases[0]["cpu_path_threads"]) == ["4", "8"]
+    assert not cut
