@@ -96,7 +96,7 @@ class MemoryBudget:
         `automatic`), and `lend` may go past it where the machine has the room. Counted against it, a loan kept
         every other item out: the 1b TIES merge's selection over its 65.5 M-entry output matrix borrows 262 MB of
         ids, which left no room for a 176 MB layer tensor beside it, and the other worker waited 0.7 s, twice (once
-        for the embedding; a trace of each recipe's start and end, bench/README.md, issue 33's sixth session). The
+        for the embedding; `python bench/recipe_trace.py --cold -- CONFIG OUT` prints each recipe's start and end). The
         merge's wall time did not move measurably (11.8-12.0 s against 11.4-11.9 s, two alternating cold runs):
         the work those waits delayed is CPU-bound, and the cores were busy to the end either way. The room the
         memory watch sees still counts every lent byte (`fits`)."""
