@@ -12,17 +12,19 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from .helpers import write_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_recipe_trace_prints_every_recipe_with_its_worker_and_times(tmp_path, tiny_models):
     base = tiny_models("llama", seed=1)
-    config = tmp_path / "ties.yml"
-    config.write_text(
-        f"merge_method: ties\nbase_model: {base}\nmodels:\n"
-        f"- model: {tiny_models.derive(base, seed=2)}\n  parameters: {{weight: 0.5, density: 0.5}}\n"
-        f"- model: {tiny_models.derive(base, seed=3)}\n  parameters: {{weight: 0.5, density: 0.5}}\n"
-    )
+    tuned = [str(tiny_models.derive(base, seed=seed)) for seed in (2, 3)]
+    config = write_config(tmp_path / "ties.yml", {
+        "merge_method": "ties",
+        "base_model": str(base),
+        "models": [{"model": m, "parameters": {"weight": 0.5, "density": 0.5}} for m in tuned],
+    })
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "recipe_trace.py"), "--min-s", "0", "--",
                            str(config), str(out), "--threads", "2"], capture_output=True, text=True, timeout=300)
