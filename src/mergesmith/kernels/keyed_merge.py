@@ -158,15 +158,21 @@ def pieces(shape: Sequence[int], offset: int, by_rows: bool, chunk: int = CHUNK_
 # ----- masks ------------------------------------------------------------------------------------------------------
 
 
+def _dare_cut(vec: Vector) -> int | None:
+    """DARE's keep test on a 32-bit draw: an entry is kept where its draw is below this, p = density in float32 on
+    the draw's top 24 bits (ceil(p * 2**24) << 8); None where p rounds to 1 on that grid and every entry is kept.
+    The one place the test is made, for numpy's draws, the compiled totals loop and a device's draws alike."""
+    threshold = math.ceil(float(np.float32(vec.density)) * _UNIT)
+    return None if threshold >= _UNIT else threshold << 8
+
+
 def _dare_keep(stream: MaskStream, vec: Vector, offset: int, numel: int) -> np.ndarray:
     """Bool keep flags (flat) of `numel` entries from flat position `offset`: draw < p on the 24-bit grid,
-    p = density in float32."""
-    p = float(np.float32(vec.density))
-    threshold = math.ceil(p * _UNIT)
-    draws = stream.draws(vec.stream, offset, numel)
-    if threshold >= _UNIT:
+    p = density in float32 (_dare_cut)."""
+    cut = _dare_cut(vec)
+    if cut is None:
         return np.ones(numel, dtype=np.bool_)
-    return draws < np.uint32(threshold << 8)
+    return stream.draws(vec.stream, offset, numel) < np.uint32(cut)
 
 
 def della_thresholds(n: int, density: float, epsilon: float) -> np.ndarray:
@@ -251,10 +257,10 @@ def keep_mask(stream: MaskStream, vec: Vector, offset: int, delta: torch.Tensor)
         return None
     numel, device = delta.numel(), delta.device
     if vec.epsilon is None:
-        threshold = math.ceil(float(np.float32(vec.density)) * _UNIT)
-        if threshold >= _UNIT:
+        cut = _dare_cut(vec)
+        if cut is None:
             return torch.ones(numel, dtype=torch.bool, device=device)
-        return stream.draws_on(vec.stream, offset, numel, device) < (threshold << 8)
+        return stream.draws_on(vec.stream, offset, numel, device) < cut
     if vec.density <= 0:
         return torch.zeros(numel, dtype=torch.bool, device=device)
     return (stream.draws_on(vec.stream, offset, numel, device) >> 8) < _della_thresholds_of(vec, delta)
@@ -388,13 +394,12 @@ the separate steps it replaced, which give the same bytes)."""
 
 
 def _dare_threshold(vec: Vector) -> np.uint32 | None:
-    """DARE's keep test as one uint32 (a draw below it keeps its entry: _dare_keep's), where the compiled totals
-    loop draws it (keyed_kernels.dare_totals, with the compiled draws); None for DELLA, for a vector kept whole and
-    where the draws are numpy's."""
+    """_dare_cut as the uint32 the compiled totals loop compares with (keyed_kernels.dare_totals, with the compiled
+    draws); None for DELLA, for a vector kept whole and where the draws are numpy's."""
     if not TOTALS_IN_ONE_LOOP or vec.epsilon is not None or not 0 <= vec.density < 1 or not keyed_random.COMPILED:
         return None
-    threshold = math.ceil(float(np.float32(vec.density)) * _UNIT)
-    return None if threshold >= _UNIT else np.uint32(threshold << 8)
+    cut = _dare_cut(vec)
+    return None if cut is None else np.uint32(cut)
 
 
 def _piece_shape(piece: Piece, shape: tuple[int, ...]) -> tuple[int, ...]:
