@@ -144,9 +144,9 @@ def test_a_merge_counts_the_ids_its_workers_keep(
     kept: list[int] = []
     lending = sort_select.lending
 
-    def spying(lend: Any, release: Any, kept_ids: int = 0) -> Any:
+    def spying(lend: Any, repay: Any, kept_ids: int = 0) -> Any:
         kept.append(kept_ids)
-        return lending(lend, release, kept_ids)
+        return lending(lend, repay, kept_ids)
 
     monkeypatch.setattr(sort_select, "lending", spying)
     held: list[int] = []

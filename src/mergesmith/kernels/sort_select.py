@@ -303,31 +303,31 @@ class _Lender:
 
     def __init__(self) -> None:
         self.lend: Callable[[int], bool] | None = None
-        self.release: Callable[[int], None] | None = None
+        self.repay: Callable[[int], None] | None = None
         self.kept_ids = 0  # entries of ids a thread may keep from one selection to the next (_ids_buffer)
 
     def give_back(self, nbytes: int) -> None:
-        if self.release is not None:
-            self.release(nbytes)
+        if self.repay is not None:
+            self.repay(nbytes)
 
 
 _lender = _Lender()
 
 
 @contextmanager
-def lending(lend: Callable[[int], bool], release: Callable[[int], None], kept_ids: int = 0) -> Iterator[None]:
+def lending(lend: Callable[[int], bool], repay: Callable[[int], None], kept_ids: int = 0) -> Iterator[None]:
     """Let selections borrow their ids' memory by `lend(nbytes)` (whether granted; never waits), given back by
-    `release(nbytes)`, inside the block, and let each thread keep the ids of a selection over up to `kept_ids`
-    entries for its next one (_ids_buffer: the caller counts ids_bytes(kept_ids) a thread as held memory, and
-    runs the selections on threads that end with the block, which frees what they kept). One lender at a time in a
-    process: a second merge running beside the first in the same process borrows from whichever set it last, which
-    bounds the memory no worse than not lending."""
-    before = (_lender.lend, _lender.release, _lender.kept_ids)
-    _lender.lend, _lender.release, _lender.kept_ids = lend, release, kept_ids
+    `repay(nbytes)` (MemoryBudget.lend and .repay), inside the block, and let each thread keep the ids of a
+    selection over up to `kept_ids` entries for its next one (_ids_buffer: the caller counts ids_bytes(kept_ids) a
+    thread as held memory, and runs the selections on threads that end with the block, which frees what they kept).
+    One lender at a time in a process: a second merge running beside the first in the same process borrows from
+    whichever set it last, which bounds the memory no worse than not lending."""
+    before = (_lender.lend, _lender.repay, _lender.kept_ids)
+    _lender.lend, _lender.repay, _lender.kept_ids = lend, repay, kept_ids
     try:
         yield
     finally:
-        _lender.lend, _lender.release, _lender.kept_ids = before
+        _lender.lend, _lender.repay, _lender.kept_ids = before
 
 
 _IDS = WorkBuffers()

@@ -88,9 +88,9 @@ class MemoryBudget:
         """The bytes of the items in flight and of what was lent to them."""
         return sum(self.running) + sum(self.lent)
 
-    def _counted(self) -> int:
-        """The bytes in flight that `limit` bounds: all of them under a user's --max-memory; under an automatic
-        budget only the items' own costs, not their loans.
+    def _bounded(self) -> list[int]:
+        """The bytes in flight that `limit` bounds, item by item: all of them under a user's --max-memory; under an
+        automatic budget only the items' own costs, not their loans.
 
         Why: the automatic budget is a scheduling device that keeps the largest tensors taking turns (see
         `automatic`), and `lend` may go past it where the machine has the room. Counted against it, a loan kept
@@ -100,7 +100,7 @@ class MemoryBudget:
         merge's wall time did not move measurably (11.8-12.0 s against 11.4-11.9 s, two alternating cold runs):
         the work those waits delayed is CPU-bound, and the cores were busy to the end either way. The room the
         memory watch sees still counts every lent byte (`fits`)."""
-        return sum(self.running) if self.automatic else self.in_flight
+        return self.running if self.automatic else self.running + self.lent
 
     @property
     def held(self) -> int:
@@ -125,7 +125,7 @@ class MemoryBudget:
         room = self.room()
         if room is not None and self.in_flight + cost > room:
             return False
-        return self.limit is None or self._counted() + cost <= self.limit
+        return self.limit is None or sum(self._bounded()) + cost <= self.limit
 
     def acquire_first(
         self, costs: list[int], stop: threading.Event, device_costs: list[int] | None = None, protect_head: bool = False
@@ -173,8 +173,7 @@ class MemoryBudget:
 
     def _leaves_room(self, costs: list[int], device_costs: list[int] | None, position: int) -> bool:
         """Whether item `position` leaves room for item 0 on the host and, with device costs, on the device."""
-        items = self.running if self.automatic else self.running + self.lent
-        if not leaves_room(self._limit(), items, costs[position], costs[0]):
+        if not leaves_room(self._limit(), self._bounded(), costs[position], costs[0]):
             return False
         if self.device is None or device_costs is None:
             return True
