@@ -214,8 +214,8 @@ def run_cpu_path(args: argparse.Namespace, clock: Clock, cases: list[dict[str, A
     Then, time allowing, the same case with each of --cpu-threads worker counts, into "cpu_path_threads": the CPU
     path's default is a worker a core, and its workers are Python threads that hand the GIL to each other after
     every compiled loop (~3,700 times a second each on the 2-core VM's dare_ties merge, bench/README.md, issue 33's
-    sixth session). The H200 host's 16 cores merged dare_ties in 26.3 s where the 2-core VM takes ~7.5 s; whether
-    fewer workers do better there is what these runs say."""
+    sixth session). The H200 host's CPU path (16 workers, second session) took 4.92x its floor for dare_ties where
+    the 2-core VM then took ~2x; whether fewer workers do better there is what these runs say."""
     if args.mode != "cuda":
         return
     for entry in cases:

@@ -37,7 +37,6 @@ def main() -> int:
 
     spans: list[tuple[float, float, str, str, int]] = []
     budgets: list[int | None] = []
-    start = time.perf_counter()
     run_one = local_executor.LocalExecutor._run_one
     run = local_executor.LocalExecutor.run
 
