@@ -205,6 +205,65 @@ def test_pool_drops_spare_buffers_of_other_sizes_to_make_room() -> None:
     assert len(c) == 3 << 20 and pool.in_use + pool._free_bytes <= pool.limit
 
 
+def test_buffers_read_outside_the_pools_count_come_back_as_spares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that reads a block itself (ahead of the feed) gets spares where the pool has them, and its buffers
+    come back as spares: within the limit where there is room, else up to UNCOUNTED_SPARE_BYTES beyond it; past
+    that they are unmapped. Fresh memory costs the kernel a zeroed page per touch; reused, none."""
+    monkeypatch.setattr(direct_read, "UNCOUNTED_SPARE_BYTES", 4 << 20)
+    mapped: list[int] = []
+    real = direct_read.anonymous_buffer
+    monkeypatch.setattr(direct_read, "anonymous_buffer", lambda size: mapped.append(size) or real(size))
+    pool = BufferPool(4 << 20)
+    counted = pool.take_all([2 << 20, 2 << 20])  # the feed fills the pool
+    assert counted is not None and len(mapped) == 2
+    own = pool.spares([2 << 20, 2 << 20, 2 << 20])  # no spare yet: fresh
+    assert len(mapped) == 5 and pool.in_use == 4 << 20
+    for memory in own:
+        pool.recycle(memory)  # the pool is full: two kept beyond its limit, the third unmapped
+    assert pool._uncounted_bytes == 4 << 20 and pool._free_bytes == 0
+    again = pool.spares([2 << 20, 2 << 20])
+    assert len(mapped) == 5 and {id(m) for m in again} <= {id(m) for m in own}  # reused, nothing mapped
+    assert pool._uncounted_bytes == 0
+    for memory in counted:
+        pool.give(memory)  # 4 MB of spares: the limit
+    pool.recycle(again[0])
+    assert pool._free_bytes == 4 << 20 and pool._uncounted_bytes == 2 << 20
+    pool.close()
+    assert pool._free_bytes == 0 and pool._uncounted_bytes == 0 and not pool._free and not pool._uncounted
+
+    roomy = BufferPool(4 << 20)
+    (own_one,) = roomy.spares([2 << 20])
+    roomy.recycle(own_one)  # room within the limit: a spare the pool counts, which the feed's next take reuses
+    assert roomy._free_bytes == 2 << 20 and roomy._uncounted_bytes == 0
+    taken = roomy.take_all([2 << 20])
+    assert taken is not None and taken[0] is own_one and len(mapped) == 6
+    roomy.close()
+
+
+def test_a_workers_own_reads_reuse_buffers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks taken before the feed reaches them, one after another, are read into the same buffers again."""
+    checkpoints, values = _checkpoints(tmp_path)
+    if not direct_io_works(checkpoints["a"].files[0]):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    mapped: list[int] = []
+    real = direct_read.anonymous_buffer
+    monkeypatch.setattr(direct_read, "anonymous_buffer", lambda size: mapped.append(size) or real(size))
+    recipe = _recipe("w", (300, 700), "BF16")
+    blocks = [(recipe, (r, min(r + 50, 300)), MERGE) for r in range(0, 300, 50)]
+    reader = DirectReader(BufferPool(3 * capacity_for(50 * 700 * 2)))  # one block's three inputs
+    feed = InputFeed(blocks, checkpoints, reader)  # not started: every block is read by its taker
+    try:
+        for _, rows, _ in reversed(blocks):
+            loaded = feed.take(recipe, rows)
+            assert loaded is not None
+            for model, tensor in zip("abc", loaded):
+                assert torch.equal(tensor, values[model]["w"][rows[0] : rows[1]]), (model, rows)
+            feed.done(recipe, rows)
+    finally:
+        feed.close()
+    assert len(mapped) == 3  # the first block's three buffers, then the same ones for every later block
+
+
 # ----- the feed ------------------------------------------------------------------------------------
 
 

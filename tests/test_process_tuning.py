@@ -4,6 +4,7 @@ leaves a user's explicit choice alone; the library never touches the host proces
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import subprocess
 import sys
@@ -77,6 +78,7 @@ def test_the_console_script_leaves_with_mains_exit_code(monkeypatch: pytest.Monk
         raise _Exited(status)
 
     monkeypatch.setattr(cli, "main", fake_main)
+    monkeypatch.setattr(process_tuning, "_numba_blas_wanted", True)  # run() clears it: put back after the test
     monkeypatch.setattr(process_tuning.os, "_exit", fake_exit)
     monkeypatch.delitem(sys.modules, "ray", raising=False)
     monkeypatch.setattr(process_tuning.atexit, "_run_exitfuncs", lambda: None)
@@ -88,6 +90,7 @@ def test_the_console_script_leaves_with_mains_exit_code(monkeypatch: pytest.Monk
 def test_with_ray_loaded_the_exit_is_a_normal_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", object())
     monkeypatch.setattr(cli, "main", lambda: None)
+    monkeypatch.setattr(process_tuning, "_numba_blas_wanted", True)
     with pytest.raises(SystemExit) as exited:
         cli.run()
     assert exited.value.code == 0
@@ -115,3 +118,82 @@ def test_the_quick_exit_runs_atexit_handlers_and_flushes(tmp_path) -> None:
         text=True,
     )
     assert version.returncode == 0 and "mergesmith" in version.stdout
+
+
+class _CollectorCheck:
+    """A command that records the collector's thresholds before and after the plan's freeze."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int]] = []
+
+    def main(self, **_kw: object) -> None:
+        self.seen.append(gc.get_threshold())
+        process_tuning.freeze_long_lived_objects()
+        self.seen.append(gc.get_threshold())
+
+
+def test_the_collector_runs_less_often_until_the_plan_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = gc.get_threshold()
+    command = _CollectorCheck()
+    monkeypatch.setattr(cli, "cli", command)
+    _run_main(["anything"])
+    assert command.seen == [process_tuning.STARTING_THRESHOLDS, before]
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_a_command_that_builds_no_plan_gets_its_collector_back_at_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = gc.get_threshold()
+    seen: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(cli, "cli", type("NoPlan", (), {"main": lambda self, **_kw: seen.append(gc.get_threshold())})())
+    _run_main(["anything"])
+    assert seen == [process_tuning.STARTING_THRESHOLDS] and gc.get_threshold() == before
+
+
+def test_the_refused_import_is_the_importing_threads_only(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside numba_without_blas (once the command asked for it), the probe module cannot be imported by the thread
+    that imports numba; another thread imports it as usual, and afterwards so does this one."""
+    name = "mergesmith_probe_module_for_a_test"
+    (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(process_tuning, "NUMBA_BLAS_PROBE", name)
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    with process_tuning.numba_without_blas():  # not asked for: nothing refused
+        assert __import__(name).VALUE == 1
+    del sys.modules[name]
+    monkeypatch.setattr(process_tuning, "_numba_blas_wanted", False)
+    other: list[object] = []
+    with process_tuning.numba_without_blas():
+        with pytest.raises(ModuleNotFoundError):
+            __import__(name)
+        import threading
+
+        thread = threading.Thread(target=lambda: other.append(__import__(name)))
+        thread.start()
+        thread.join(10)
+    assert other and getattr(other[0], "VALUE", None) == 1
+    assert __import__(name).VALUE == 1 and not any(
+        isinstance(finder, process_tuning._RefusedInThread) for finder in sys.meta_path
+    )
+    del sys.modules[name]
+
+
+def test_the_command_loads_numba_without_scipys_blas() -> None:
+    """A process where the command asked for it loads the compiled loops without importing scipy.linalg, and they
+    work; one where it did not (the library's default) leaves numba's import as it is."""
+    pytest.importorskip("numba")
+    if importlib.util.find_spec("scipy") is None:
+        pytest.skip("scipy is not installed: numba never imports it")
+    code = (
+        "import sys; from mergesmith.runtime import process_tuning as p\n"
+        "if sys.argv[1] == 'command': p.skip_numba_blas()\n"
+        "from mergesmith.kernels import keyed_kernels, introsort_replay, weighted_sum, bf16_mix\n"
+        "assert all(m.KERNELS.wait() for m in (keyed_kernels, introsort_replay, weighted_sum, bf16_mix))\n"
+        "print('scipy.linalg' in sys.modules)"
+    )
+    env = {**os.environ, "MERGESMITH_KERNELS": "wait"}
+    found = {
+        how: subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, env=env, check=True)
+        for how in ("command", "library")
+    }
+    assert found["command"].stdout.strip() == "False", found["command"].stderr
+    assert found["library"].stdout.strip() == "True", found["library"].stderr

@@ -29,7 +29,14 @@ from .display.command_output import (
 from .display.interrupts import Interrupts
 from .errors import ConfigError, MergesmithError
 from .options import click_options, epilog, to_merge_options, to_run_controls
-from .runtime.process_tuning import exit_code_of, exit_now, prefer_huge_pages, thaw_objects
+from .runtime.process_tuning import (
+    exit_code_of,
+    exit_now,
+    prefer_huge_pages,
+    quiet_collector_while_starting,
+    skip_numba_blas,
+    thaw_objects,
+)
 from .sizes import human_size
 
 
@@ -413,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning errors into one line and an exit code."""
     args = sys.argv[1:] if argv is None else argv
     prefer_huge_pages()  # before any command imports torch
+    quiet_collector_while_starting()  # until the plan is built, or the command ends (thaw_objects)
     verbose = "-v" in args or "--verbose" in args
     _show_downloads(quiet="-q" in args or "--quiet" in args)
     try:
@@ -456,6 +464,7 @@ def main(argv: list[str] | None = None) -> None:
 def run() -> NoReturn:
     """The console script: `main`, then a quick exit (process_tuning.exit_now), since the command owns
     its process. In-process callers (tests, notebooks) use `main`, which raises SystemExit as usual."""
+    skip_numba_blas()  # the command owns its process (process_tuning)
     try:
         main()
     except SystemExit as exc:

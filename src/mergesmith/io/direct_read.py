@@ -49,6 +49,11 @@ keeps two-pass recipes' blocks between their passes: engine/execution/input_feed
 (--max-memory) at most a quarter of it, never under MIN_POOL_BYTES (see pool_bytes)."""
 MIN_POOL_BYTES = 16 << 20
 
+UNCOUNTED_SPARE_BYTES = 32 << 20
+"""Spare buffers a pool keeps beyond its limit for the reads it does not count (BufferPool.recycle): a worker's own
+reads of blocks the feed has not reached, while the feed's read-ahead fills the pool. Enough for a few row blocks'
+inputs; reused, their pages are not zeroed again by the kernel."""
+
 SIZE_STEP = 1 << 18
 """Buffers of 1 MB or more are made in steps of 256 KB (smaller ones in powers of two), so that the few block sizes
 of a model's tensors each find their buffers again instead of mapping fresh memory. Not whole MB: a row block of
@@ -88,6 +93,8 @@ class BufferPool:
         self.in_use = 0
         self._free: dict[int, list[mmap.mmap]] = {}
         self._free_bytes = 0
+        self._uncounted: dict[int, list[mmap.mmap]] = {}  # spares beyond `limit` (recycle), for `spares` only
+        self._uncounted_bytes = 0
         self._cond = threading.Condition()
         self._closed = False
 
@@ -130,6 +137,46 @@ class BufferPool:
             self._drop_free(excess)
         return anonymous_buffer(capacity)
 
+    def spares(self, capacities: list[int]) -> list[mmap.mmap]:
+        """Buffers of these capacities for reads outside the pool's count (a worker that reads a block itself, ahead
+        of the feed): spares where there are some, fresh ones for the rest. A fresh buffer's pages are zeroed by
+        the kernel as the read first touches them (~0.1 ms a 2 MB huge page): on the 1b TIES bench merge, 717 such
+        buffers (1.6 GB) were mapped fresh, and the page clearing of all reads was ~0.6 CPU-s. Hand them back
+        with `recycle` (or `give`, once `adopt` counted them)."""
+        with self._cond:
+            found = [self._spare_of(c) for c in capacities]
+        return [memory if memory is not None else anonymous_buffer(c) for c, memory in zip(capacities, found)]
+
+    def _spare_of(self, capacity: int) -> mmap.mmap | None:
+        """A spare of this size, an uncounted one first (holding the lock)."""
+        for spares in (self._uncounted, self._free):
+            found = spares.get(capacity)
+            if found:
+                if spares is self._free:
+                    self._free_bytes -= capacity
+                else:
+                    self._uncounted_bytes -= capacity
+                return found.pop()
+        return None
+
+    def recycle(self, memory: mmap.mmap) -> None:
+        """Take back a buffer the pool did not count (from `spares`) as a spare: among its own where it has room
+        beside those in use and its spares, else among up to UNCOUNTED_SPARE_BYTES of uncounted ones (the feed
+        fills the pool while the workers that ran ahead of it read for themselves); unmapped otherwise."""
+        capacity = len(memory)
+        with self._cond:
+            if self._closed:
+                _unmap(memory)
+            elif self.in_use + self._free_bytes + capacity <= self.limit:
+                self._free.setdefault(capacity, []).append(memory)
+                self._free_bytes += capacity
+                self._cond.notify_all()
+            elif self._uncounted_bytes + capacity <= UNCOUNTED_SPARE_BYTES:
+                self._uncounted.setdefault(capacity, []).append(memory)
+                self._uncounted_bytes += capacity
+            else:
+                _unmap(memory)
+
     def _drop_free(self, needed: int) -> None:
         """Unmap free buffers until `needed` bytes are released (call holding the lock)."""
         for size in sorted(self._free, reverse=True):
@@ -160,24 +207,29 @@ class BufferPool:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            for spares in self._free.values():
-                for memory in spares:
-                    _unmap(memory)
-            self._free.clear()
-            self._free_bytes = 0
+            for kept in (self._free, self._uncounted):
+                for spares in kept.values():
+                    for memory in spares:
+                        _unmap(memory)
+                kept.clear()
+            self._free_bytes = self._uncounted_bytes = 0
             self._cond.notify_all()
 
 
 class ReadBuffer:
-    """The bytes of one read, inside an aligned buffer; `release` hands a pooled buffer back (once)."""
+    """The bytes of one read, inside an aligned buffer; `release` hands the buffer back to the pool (once): as one it
+    counts (`counted`: BufferPool.give) or as a spare it may keep (BufferPool.recycle)."""
 
-    __slots__ = ("memory", "start", "length", "_pool")
+    __slots__ = ("memory", "start", "length", "_pool", "_counted")
 
-    def __init__(self, memory: mmap.mmap, start: int, length: int, pool: BufferPool | None) -> None:
+    def __init__(
+        self, memory: mmap.mmap, start: int, length: int, pool: BufferPool | None, counted: bool = True
+    ) -> None:
         self.memory = memory
         self.start = start
         self.length = length
         self._pool: BufferPool | None = pool
+        self._counted = counted
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The bytes as a tensor (a view: valid until `release`)."""
@@ -189,7 +241,15 @@ class ReadBuffer:
     def release(self) -> None:
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.give(self.memory)
+            _hand_back(pool, self.memory, self._counted)
+
+
+def _hand_back(pool: BufferPool, memory: mmap.mmap, counted: bool) -> None:
+    """Give a buffer back to `pool`: one it counts, or one it may keep as a spare."""
+    if counted:
+        pool.give(memory)
+    else:
+        pool.recycle(memory)
 
 
 class _File:
@@ -253,11 +313,10 @@ class DirectReader:
         self, path: Path, offset: int, length: int, memory: mmap.mmap, pooled: bool, through_cache: bool = False
     ) -> Future[ReadBuffer]:
         """Start reading [offset, offset + length) of `path` into `memory` (at least `capacity_for(length)`
-        bytes; `pooled`: it came from this reader's pool and goes back there on release, else it is a
-        buffer of the caller's own, unmapped once unused). `through_cache`: read through the page cache
+        bytes; `pooled`: the pool counts it, else it is a buffer of the caller's own, which the pool takes back on
+        release as a spare where it has room: BufferPool.recycle). `through_cache`: read through the page cache
         (bytes that will be read again)."""
-        pool = self.pool if pooled else None
-        return self._threads.submit(self._read, path, offset, length, memory, pool, through_cache)
+        return self._threads.submit(self._read, path, offset, length, memory, pooled, through_cache)
 
     def _file(self, path: Path) -> _File:
         with self._lock:
@@ -270,7 +329,7 @@ class DirectReader:
             return file
 
     def _read(
-        self, path: Path, offset: int, length: int, memory: mmap.mmap, pool: BufferPool | None, through_cache: bool
+        self, path: Path, offset: int, length: int, memory: mmap.mmap, pooled: bool, through_cache: bool
     ) -> ReadBuffer:
         try:
             file = self._file(path)
@@ -287,10 +346,9 @@ class DirectReader:
                 if not self._read_direct(file, memory, lo, hi, offset + length):
                     _read_into(file.buffered, memoryview(memory)[offset - lo : offset - lo + length], offset, path)
         except BaseException:
-            if pool is not None:
-                pool.give(memory)
+            _hand_back(self.pool, memory, pooled)
             raise
-        return ReadBuffer(memory, offset - lo, length, pool)
+        return ReadBuffer(memory, offset - lo, length, self.pool, counted=pooled)
 
     def _read_direct(self, file: _File, memory: mmap.mmap, lo: int, hi: int, needed: int) -> bool:
         """Read [lo, hi) with O_DIRECT (a short read at the end of the file is fine once `needed` is in).

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from ..runtime import process_tuning
+
 AVAILABLE = importlib.util.find_spec("numba") is not None
 """Whether numba is installed (a dependency; the fallbacks are exercised by the tests through each module's switch).
 Asked of the import system, not by importing it: numba's import costs ~0.16 s warm, ~0.5 s cold, and is done
@@ -182,7 +184,9 @@ def load() -> Any:
     global _numba
     with _LOAD_LOCK:
         if _numba is None:
-            import numba
+            with process_tuning.numba_without_blas():
+                import numba
+                import numba.np.arraymath  # noqa: F401 - where numba asks for scipy's BLAS, inside the block
             from numba.extending import typeof_impl
 
             @typeof_impl.register(Deferred)

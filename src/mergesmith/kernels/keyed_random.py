@@ -67,8 +67,9 @@ class MaskStream:
     def __init__(self, seed: int, end: int | None = None) -> None:
         self.seed = int(seed) & ((1 << 64) - 1)
         self.end = end
-        self._bits = np.random.Philox(key=np.array([self.seed, _KEY_TAG], dtype=np.uint64))
-        self._state = self._bits.state
+        self._bits: np.random.Philox | None = None  # numpy's generator, made on first use (_chunk): the compiled
+        # draws never need it, and making it (10 us a row block, and ~60 ms for the import of numpy.random the
+        # first time) held the GIL
         self._ahead: dict[tuple[int, torch.device], tuple[int, torch.Tensor]] = {}
 
     @property
@@ -120,7 +121,9 @@ class MaskStream:
         width that does not divide CHUNK) costs its own draws only, not the chunk's prefix again."""
         first_output = lo // 2
         skip = first_output % 4
-        state = self._state
+        if self._bits is None:
+            self._bits = np.random.Philox(key=np.array([self.seed, _KEY_TAG], dtype=np.uint64))
+        state = self._bits.state
         state["state"]["counter"] = np.array([first_output // 4, chunk, stream, 0], dtype=np.uint64)
         state["buffer_pos"] = 4  # no buffered outputs: the next one is computed from the counter
         state["has_uint32"] = 0

@@ -57,7 +57,7 @@ import torch
 
 from ...io.checkpoint import Checkpoint
 from ...io.direct_read import BufferPool, DirectReader, ReadBuffer, capacity_for
-from ...io.direct_write import anonymous_buffer, direct_io_supported
+from ...io.direct_write import direct_io_supported
 from ...io.dtypes import SAFETENSORS_TO_TORCH
 from ...io.read_rate import direct_read_rate
 from ..plan import InputRef, TensorRecipe
@@ -314,7 +314,7 @@ class InputFeed:
             capacities = _capacities(block)
             # kept for the merge pass only where the pool has room for it, so the kept bytes stay in its bound
             pooled = block.keep = block.keep and self.reader.pool.adopt(sum(capacities))
-            block.reads = self._submit(block, [anonymous_buffer(c) for c in capacities], pooled=pooled)
+            block.reads = self._submit(block, self.reader.pool.spares(capacities), pooled=pooled)
         if not self._reads_submitted(block):
             raise RuntimeError("the input feed stopped before reading this block")
         tensors: list[torch.Tensor | None] = []
