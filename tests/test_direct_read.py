@@ -106,6 +106,15 @@ def test_residency_is_seen_without_reading(tmp_path: Path) -> None:
             f.read(4 * ALIGN)
         assert file.resident(8 * ALIGN + 5, 3 * ALIGN)
         assert not file.resident(0, 64 * ALIGN)  # the rest is still on disk: checking read none of it
+        _drop_cache(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: only the page read is cached
+            os.pread(fd, ALIGN, 8 * ALIGN)
+        finally:
+            os.close(fd)
+        if file.resident(8 * ALIGN, ALIGN):  # a range whose first page is cached and the rest is not
+            assert not file.resident(8 * ALIGN, 40 * ALIGN)
     finally:
         file.close()
 

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from safetensors import safe_open
 
+from mergesmith.io import safetensors_writer
 from mergesmith.io.dtypes import from_torch
 from mergesmith.io.safetensors_writer import ShardWriter, file_checksum, layout
 
@@ -179,3 +180,14 @@ def test_resume_reopens_partial_file_and_keeps_verified_tensors(tmp_path):
     w2.finish()
     back = _read_all(tmp_path / "x.safetensors")
     assert torch.equal(back["a"], torch.arange(4.0)) and torch.equal(back["c"], torch.full((4,), 2.0))
+
+
+def test_the_checksum_is_zlibs_crc32() -> None:
+    """The journal's checksums are zlib's CRC-32 whichever library computes them (zlib-ng where installed), so a
+    journal written by either resumes with the other."""
+    import zlib
+
+    data = torch.randint(0, 256, (5 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)).numpy()
+    for piece in (data[:0], data[:1], data[:4099], data, data[7:]):
+        assert safetensors_writer.crc32(memoryview(piece)) == zlib.crc32(memoryview(piece))
+        assert safetensors_writer.crc32(memoryview(piece), 123456) == zlib.crc32(memoryview(piece), 123456)

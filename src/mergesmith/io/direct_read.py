@@ -272,7 +272,12 @@ class _File:
             self.address = np.frombuffer(self.view, dtype=np.uint8).ctypes.data
 
     def resident(self, offset: int, length: int) -> bool:
-        """Whether every page of [offset, offset + length) is in the page cache (reads nothing)."""
+        """Whether every page of [offset, offset + length) is in the page cache (reads nothing).
+
+        The first page is asked alone first: mincore costs ~4 us for one page and ~30 us for a 2.25 MB row block's
+        576 (the kernel looks each one up in the file's page cache), and where the first page is not there (every
+        read of a cold merge: 3,825 on the 1b dare_ties bench merge, ~0.1 CPU-s saved) the answer is no without
+        asking about the rest."""
         if self.view is None or _MINCORE is None:
             return False
         page = mmap.PAGESIZE
@@ -280,6 +285,11 @@ class _File:
         hi = min(-(-(offset + length) // page) * page, -(-self.size // page) * page)
         if hi <= lo:
             return True
+        return self._all_resident(lo, min(hi, lo + page)) and (hi - lo <= page or self._all_resident(lo, hi))
+
+    def _all_resident(self, lo: int, hi: int) -> bool:
+        """mincore over the pages [lo, hi) (page-aligned, inside the file's map): whether all are resident."""
+        page = mmap.PAGESIZE
         pages = (hi - lo) // page
         vector = (ctypes.c_ubyte * pages)()
         if _MINCORE(ctypes.c_void_p(self.address + lo), ctypes.c_size_t(hi - lo), vector) != 0:

@@ -21,7 +21,6 @@ import os
 import struct
 import sys
 import threading
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,11 @@ from . import safe_fs
 from ._test_hooks import kill_point
 from .direct_write import DirectWriter, pwrite_all
 from .dtypes import dtype_size, from_torch
+
+try:  # zlib's CRC-32, the same numbers, by zlib-ng's vectorised code: ~37 GB/s against zlib's ~7 (AMD EPYC, 64 MB)
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - a platform without its wheel
+    from zlib import crc32
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian by definition
     raise ImportError("mergesmith's safetensors writer needs a little-endian machine")
@@ -190,7 +194,7 @@ class ShardWriter:
                 f"{list(tensor.shape)}"
             )
         data = tensor_bytes(tensor)
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         self._put(data, slot.start)
         kill_point("tensor", name)
         with self._lock:
@@ -296,7 +300,7 @@ class TensorSink:
         data = tensor_bytes(part)
         if self.pos + len(data) > self.slot.end:
             raise ValueError(f"tensor {self.slot.name!r}: more bytes than its planned shape {list(self.slot.shape)}")
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc32(data, self.crc)
         self.writer._put(data, self.pos)
         self.pos += len(data)
 
@@ -338,7 +342,7 @@ def _crc_of_range(fd: int, start: int, end: int) -> int:
         chunk = os.pread(fd, min(end - pos, 64 << 20), pos)
         if not chunk:
             break
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         pos += len(chunk)
     return crc
 
