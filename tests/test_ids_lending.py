@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from mergesmith.kernels import introsort_replay, sort_select
+from mergesmith.kernels import introsort_replay, magnitude_blocks, sort_select
+from mergesmith.kernels.selection import Window
 
 pytestmark = pytest.mark.skipif(not introsort_replay.AVAILABLE, reason="numba is not installed")
 
@@ -162,4 +164,50 @@ def test_a_merge_counts_the_ids_its_workers_keep(
         largest = max(torch.Size(f.get_slice(name).get_shape()).numel() for name in f.keys())
     expected = largest if method == "ties" and max_memory is None and introsort_replay.AVAILABLE else 0
     assert kept == [expected]
-    assert held and set(held) == {2 * expected * introsort_replay.ID_BYTES}
+    each = expected * introsort_replay.ID_BYTES + magnitude_blocks.kept_bytes(expected, 2, torch.bfloat16.itemsize)
+    assert held and set(held) == {2 * each}
+    assert magnitude_blocks.kept_bytes(0, 2, 2) == 0
+
+
+def test_a_worker_keeps_its_magnitudes_and_task_vectors_between_tensors_inside_lending() -> None:
+    """magnitude_blocks' whole-tensor magnitudes and a block's task vectors are the worker's buffers from one tensor to
+    the next inside lending(kept_ids=N) for tensors of at most N entries (no fresh memory to fault in), fresh outside
+    it; the selections and merged blocks are the same either way."""
+    from mergesmith.kernels.merge_inputs import MergeInputs
+
+    rule = lambda params, n: Window(0, n // 3, True)  # noqa: E731 - TIES' top third, descending
+
+    def run(rows: int, seed: int) -> tuple[list[int], torch.Tensor, list[Any]]:
+        g = torch.Generator().manual_seed(seed)
+        tensors = [(torch.randn(rows, 64, generator=g) * s).to(torch.bfloat16) for s in (1.0, 1.1, 0.9)]
+
+        def inputs() -> MergeInputs:
+            return MergeInputs(tensors=tensors, model_params=[{}, {}, {}], params={}, base_index=0,
+                               whole_numel=rows * 64)
+
+        state = magnitude_blocks.gather(rule, lambda params: False, None, inputs())
+        pointers = [k.data_ptr() for k in state.keys]
+        selected = magnitude_blocks.finish(rule, state)
+        deltas = magnitude_blocks.sparsified(inputs(), selected)
+        return pointers + [deltas.data_ptr()], deltas.clone(), selected.kept
+
+    def same(a: tuple[list[int], torch.Tensor, list[Any]], b: tuple[list[int], torch.Tensor, list[Any]]) -> bool:
+        return torch.equal(a[1], b[1]) and all(np.array_equal(x, y) for x, y in zip(a[2], b[2]))
+
+    mp = pytest.MonkeyPatch()
+    with mp.context() as patch:
+        patch.setattr(magnitude_blocks, "_BUFFERS", type(magnitude_blocks._BUFFERS)())
+        outside = run(3000, 1)
+        assert not magnitude_blocks._BUFFERS.pool
+        with sort_select.lending(lambda nbytes: False, lambda nbytes: None, kept_ids=3000 * 64):
+            first = run(3000, 1)
+            second = run(2000, 2)  # smaller: the same buffers
+            third = run(3000, 1)  # the same buffers, holding the second tensor's values
+            assert first[0] == second[0] == third[0]
+            assert set(magnitude_blocks._BUFFERS.pool) == {("keys0", torch.bfloat16, torch.device("cpu")),
+                                                           ("keys1", torch.bfloat16, torch.device("cpu")),
+                                                           ("deltas", torch.bfloat16, torch.device("cpu"))}
+            larger = run(4000, 3)  # over the bound: fresh, not kept
+            assert larger[0][0] != first[0][0] and magnitude_blocks._BUFFERS.pool[
+                ("keys0", torch.bfloat16, torch.device("cpu"))].numel() == 3000 * 64
+    assert same(first, outside) and same(third, outside) and not same(second, outside)

@@ -35,6 +35,7 @@ from .merge_inputs import MERGE_WHOLE, MergeInputs, TotalsPass, check_same_shape
 from .reductions import BlockedTotal, total
 from .selection import L1_EPS, ZEROS, Selection, Window
 from .sort_select import sorted_window_mask
+from .work_buffers import WorkBuffers
 
 Rule = Callable[[dict[str, Any], int], Selection]
 """(one task vector's model parameters, entries of the whole tensor) -> what of it survives."""
@@ -44,6 +45,35 @@ RescaleOf = Callable[[dict[str, Any]], bool]
 
 _CHUNK = 1 << 20
 """Entries per step of finish's rescale sum: its temporaries stay a few MB."""
+
+KEPT_DELTA_ENTRIES = 4 << 20
+"""A worker keeps the merge pass's task vectors of a row block (`sparsified`) up to this many entries, all task
+vectors together: the executor cuts blocks of ~1 M entries (2 M where a tensor is one block), so two task vectors of a
+block fit."""
+
+_BUFFERS = WorkBuffers()
+"""Each worker's magnitudes of the tensor it selects from (`keys<row>`) and task vectors of a block (`deltas`), kept
+from tensor to tensor where the running merge allows (kept_bytes, sort_select.kept_entries).
+
+Why: made afresh, each is new memory whose pages the kernel zeroes as the first difference written into them touches
+them: on the 1b TIES bench merge ~3,300 transparent huge pages (6.6 GB), ~1.9 s of CPU in `clear_page_erms`, most
+of it here (perf). Kept, ~1,150 huge pages; the merge took 10.7-11.1 s against 11.5-11.9 s, 1.7-2.5 s of system time
+against 3.7-3.9 s (two alternating cold runs, bench/README.md, issue 33)."""
+
+
+def kept_bytes(selection_entries: int, tasks: int, compute_size: int) -> int:
+    """What one worker keeps between tensors (see _BUFFERS) where the merge keeps selections of up to
+    `selection_entries` entries (sort_select.kept_entries) with at most `tasks` task vectors in `compute_size` bytes
+    an entry: their magnitudes, and a block's task vectors."""
+    if selection_entries <= 0:
+        return 0
+    return tasks * selection_entries * compute_size + KEPT_DELTA_ENTRIES * compute_size
+
+
+def _magnitudes_buffer(row: int, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """Task vector `row`'s magnitudes of a whole tensor of `numel` entries (contents undefined), the worker's kept
+    buffer where the merge keeps selections that large (else a fresh one)."""
+    return _BUFFERS.get(f"keys{row}", (numel,), like.dtype, like.device, keep_up_to=sort_select.kept_entries())
 
 
 @dataclass
@@ -77,7 +107,7 @@ def gather(rule: Rule, rescale_of: RescaleOf, state: _Gathering | None, inputs: 
         whole = inputs.whole_numel
         ranked = [isinstance(rule(p, max(whole, n)), Window) for p in params]  # the kind does not depend on n > 0
         keys: list[torch.Tensor | list[torch.Tensor] | None] = [
-            (base.new_empty(whole) if whole else []) if r else None for r in ranked
+            (_magnitudes_buffer(row, whole, base) if whole else []) if r else None for row, r in enumerate(ranked)
         ]
         state = _Gathering(params, rescale_of(inputs.params), keys)
     for row, i in enumerate(others):
@@ -151,7 +181,8 @@ def sparsified(inputs: MergeInputs, selected: Selected) -> torch.Tensor:
     check_same_shape(inputs, "magnitude selection")
     base = inputs.tensors[require_base(inputs, "magnitude selection")]
     others = inputs.others()
-    deltas = base.new_empty((len(others), *base.shape))
+    keep = KEPT_DELTA_ENTRIES if sort_select.kept_entries() else 0  # none kept where the merge keeps no selection
+    deltas = _BUFFERS.get("deltas", (len(others), *base.shape), base.dtype, base.device, keep_up_to=keep)
     for row, i in enumerate(others):
         delta, kept = deltas[row], selected.kept[row]
         if isinstance(kept, str) and kept == ZEROS:

@@ -346,6 +346,12 @@ def _ids_buffer(n: int) -> np.ndarray:
     return _IDS.array("ids", n, np.int32, keep_up_to=_lender.kept_ids)
 
 
+def kept_entries() -> int:
+    """The largest selection whose buffers a worker keeps for the next (`lending`'s kept_ids; 0: keep none, as
+    under a user's --max-memory or outside a merge): its ids here, its magnitudes in magnitude_blocks."""
+    return _lender.kept_ids
+
+
 def kept_ids_entries(selection_sizes: Iterable[int]) -> int:
     """The kept_ids (see `lending`) that lets a thread keep the ids of any of these selections that are followed by
     ids without a loan (follows_by_ids): the largest of them, 0 where none is."""

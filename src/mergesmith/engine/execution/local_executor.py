@@ -27,7 +27,7 @@ from ...io.dtypes import to_torch
 from ...io.journal import Journal
 from ...io.quantized import quantize_output
 from ...io.safetensors_writer import ShardWriter
-from ...kernels import introsort_replay, sort_select
+from ...kernels import introsort_replay, magnitude_blocks, sort_select
 from ...kernels.compiled import KernelGroup, waits
 from ...methods import require_method
 from ...methods.registry import MERGE_WHOLE
@@ -235,7 +235,7 @@ class LocalExecutor(Executor):
             feed_bytes += self.threads * staging
         self.budget.watch, self.budget.held_bytes = watch, feed_bytes
         self._kept_ids = self._kept_ids_entries([recipe for _, recipe in work])
-        self.budget.kept_bytes = self.threads * sort_select.ids_bytes(self._kept_ids)
+        self.budget.kept_bytes = self.threads * self._kept_bytes_each([recipe for _, recipe in work])
         try:
             self._feed = open_feed([recipe for _, recipe in work], self.ckpts, feed_bytes)
             # after the feed's first reads are queued: loading compiled loops holds the GIL for ~0.3-0.4 s
@@ -279,6 +279,15 @@ class LocalExecutor(Executor):
             return 0
         ranked = recipes_using(recipes, introsort_replay.KERNELS)
         return sort_select.kept_ids_entries(recipe.numel() for recipe in ranked)
+
+    def _kept_bytes_each(self, recipes: list[TensorRecipe]) -> int:
+        """What each worker keeps from one magnitude selection to the next (see _kept_ids_entries): the ids, and
+        magnitude_blocks' magnitudes and task vectors (of the most task vectors a ranked recipe has)."""
+        if not self._kept_ids:
+            return 0
+        tasks = max((len(r.inputs) - 1 for r in recipes_using(recipes, introsort_replay.KERNELS)), default=0)
+        kept = magnitude_blocks.kept_bytes(self._kept_ids, tasks, self.compute_dtype.itemsize)
+        return sort_select.ids_bytes(self._kept_ids) + kept
 
     def _device_costs(self, work: list[tuple[ShardPlan, TensorRecipe]]) -> list[int] | None:
         """On CUDA (with work to do): each recipe's device bytes, and the device budget they are admitted under
