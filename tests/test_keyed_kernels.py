@@ -115,11 +115,71 @@ def test_weights_that_sum_to_zero_and_zero_densities(monkeypatch):
             assert torch.equal(fused.view(torch.int16), plain.view(torch.int16)), (weights, densities, consensus)
 
 
+@pytest.mark.parametrize("n", [1, 7, 2048, 2049, 5003])
+def test_the_bf16_mix_equals_the_steps_it_fuses(n):
+    """keyed_kernels.mix_bf16 (bits in, packed flags, bits out) against widen_into, unpackbits, mix and narrow_into on
+    the same data: the same bits for every consensus, normalize and lambda, masked or not, with nans counted."""
+    rng = np.random.default_rng(n)
+    count = 3
+    base = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.02).to(torch.bfloat16)
+    xs = torch.stack([base.float() + torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.003)
+                      for _ in range(count)]).to(torch.bfloat16)
+    if n > 5:
+        xs[1, 3] = float("nan")
+    bits = lambda t: t.contiguous().view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+    flags = (rng.random((count, n)) < 0.6).astype(np.uint8)
+    packed = np.stack([np.packbits(f) for f in flags])
+    for masked, consensus, normalize, lam in itertools.product(
+        ([True, True, False], [False, False, False]), (0, 1, 2), (False, True), (1.0, 0.7)
+    ):
+        masked = np.array(masked)
+        constants = (np.array([1.3, 0.8, 1.0], np.float32), np.array([0.5, 0.3, -0.2], np.float32), consensus,
+                     normalize, np.float32(0.6), np.float32(lam), lam != 1)
+        fused = np.empty(n, np.uint16)
+        nans = keyed_kernels.mix_bf16(bits(base), bits(xs), packed, masked, *constants, fused)
+        base32, xs32, result, stepwise = (np.empty(n, np.float32), np.empty((count, n), np.float32),
+                                          np.empty(n, np.float32), np.empty(n, np.uint16))
+        keyed_kernels.widen_into(bits(base), base32)
+        for k in range(count):
+            keyed_kernels.widen_into(bits(xs)[k], xs32[k])
+        keyed_kernels.mix(base32, xs32, flags, masked, *constants, result)
+        assert nans == keyed_kernels.narrow_into(result, stepwise) == int(np.isnan(result).sum())
+        finite = ~np.isnan(result)
+        assert np.array_equal(fused[finite], stepwise[finite]), (masked, consensus, normalize, lam)
+
+
+def test_merged_bits_equal_the_steps_with_nans_and_infinities(monkeypatch):
+    """keyed_merge's merge pass with MERGE_BITS on and off, after a totals pass, on bf16 inputs with nan and infinite
+    entries: the same bytes (a chunk with a nan result is redone by the steps, whose nans are torch's)."""
+    tensors = _models((300, 900), torch.bfloat16, n=3, seed=17)
+    tensors[1].view(-1)[[5, 700, 262_144, 262_150]] = torch.tensor([float("nan"), float("inf"), float("-inf"), 1e30],
+                                                                   dtype=torch.bfloat16)
+    vectors = [keyed_merge.Vector(1, 0, 0.5, 0.3), keyed_merge.Vector(2, 1, 0.7, 1.0)]
+    mix = keyed_merge.Mix("sum", True, True, 1.0)
+    state = keyed_merge.gather(None, tensors, 0, vectors, MaskStream(11), 0)
+    totals = keyed_merge.finish(state)
+    results = []
+    for bits in (True, False):
+        monkeypatch.setattr(keyed_merge, "MERGE_BITS", bits)
+        results.append(keyed_merge.merge(tensors, 0, vectors, mix, MaskStream(11), 0, totals))
+    assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
+    clean = [t.clone() for t in tensors]
+    clean[1] = tensors[2].clone()
+    state = keyed_merge.gather(None, clean, 0, vectors, MaskStream(11), 0)
+    calls = []
+    real = keyed_kernels.mix_bf16
+    monkeypatch.setattr(keyed_kernels, "mix_bf16", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(keyed_merge, "MERGE_BITS", True)
+    keyed_merge.merge(clean, 0, vectors, mix, MaskStream(11), 0, keyed_merge.finish(state))
+    assert calls  # the bits path ran
+
+
 def test_the_loops_run_without_the_gil():
     """Two threads each computing chunks finish in about one thread's time on a 2-core machine only if the
     loop releases the GIL; checked directly: numba marks the dispatcher nogil."""
     assert keyed_kernels.mix.real().targetoptions.get("nogil") is True
     assert keyed_kernels.magnitudes.real().targetoptions.get("nogil") is True
+    assert keyed_kernels.mix_bf16.real().targetoptions.get("nogil") is True
 
 
 def test_compiled_philox_gives_numpys_draws(monkeypatch):

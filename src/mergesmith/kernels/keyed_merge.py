@@ -510,9 +510,11 @@ def merge(
     block = _ArrayBlock(_flat_arrays(tensors), base_index, vectors, stream, offset, shape) if _fused(tensors) else None
     constants = _mix_constants(vectors, mix, factors) if block is not None else ()
     out_array = _flat_arrays([out])[0] if block is not None and out.dtype in _ARRAY_VIEWS else None
+    bits_out = MERGE_BITS and out_array is not None and out.dtype == torch.bfloat16
     for piece in pieces(shape, offset, _by_rows(vectors), chunk_elements(base.device)):
         if block is not None:
-            _round_into(out, out_array, piece, _merge_arrays(piece, block, kept, constants))
+            if not (bits_out and _merge_bits(piece, block, kept, constants, out_array)):
+                _round_into(out, out_array, piece, _merge_arrays(piece, block, kept, constants))
             continue
         base32 = _base32(piece.of(base))
         target = piece.of(out)
@@ -577,6 +579,39 @@ def _merge_arrays(
     result = _array("out", n)
     keyed_kernels.mix(base32, xs, flags, masked, *constants, result)
     return result
+
+
+MERGE_BITS = True
+"""bf16 chunks of the merge pass by keyed_kernels.mix_bf16 (tests and benches switch it off to compare with
+_merge_arrays' steps, which give the same bytes)."""
+
+
+def _merge_bits(
+    piece: Piece, block: _ArrayBlock, kept: dict[tuple[int, int], np.ndarray], constants: tuple, out: np.ndarray
+) -> bool:
+    """One chunk of `merge` by keyed_kernels.mix_bf16, from the bfloat16 inputs' bits and the totals pass's packed
+    flags straight into the output's bits (`out`: its _flat_arrays view); False, with nothing written that counts,
+    where that does not apply (an input that is not bfloat16, a masked vector without packed flags: DELLA's or a
+    pass without totals) or where a result is nan (_merge_arrays and _round_into then do the chunk)."""
+    n = piece.end - piece.start
+    start = block.offset + piece.start
+    vectors = block.vectors
+    if any(array.dtype != np.uint16 for array in block.arrays):
+        return False
+    count = len(vectors)
+    packed = _array("packed", count * -(-n // 8), np.uint8, chunks=count).reshape(count, -(-n // 8))
+    masked = np.zeros(count, dtype=np.bool_)
+    for k, vec in enumerate(vectors):
+        flags = kept.get((k, start))
+        if flags is not None:
+            packed[k], masked[k] = flags, True
+        elif vec.density < 1:
+            return False
+    xs = _array("x_bits", count * n, np.uint16, chunks=count).reshape(count, n)
+    for k, vec in enumerate(vectors):
+        xs[k] = block.arrays[vec.index][piece.start : piece.end]
+    base = block.arrays[block.base_index][piece.start : piece.end]
+    return keyed_kernels.mix_bf16(base, xs, packed, masked, *constants, out[piece.start : piece.end]) == 0
 
 
 def _round_into(out: torch.Tensor, out_array: np.ndarray | None, piece: Piece, result: np.ndarray) -> None:
