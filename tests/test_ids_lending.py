@@ -123,6 +123,48 @@ def test_a_thread_keeps_its_ids_within_the_merges_bound_and_the_windows_stay_the
     assert sort_select.ids_bytes(300_000) == 300_000 * introsort_replay.ID_BYTES
 
 
+def test_one_tensors_selections_share_a_lent_ids_buffer_while_held() -> None:
+    """Inside holding_ids, consecutive selections over more entries than a thread keeps (lent ids) reuse one buffer,
+    borrowing its memory again each time; a refused loan drops it at once, and the end of the block drops it too."""
+    assert introsort_replay.warm()
+    buffers: list[int] = []
+    replay = introsort_replay.replay
+
+    def spying(*args: Any) -> bool:
+        ids = args[-1]
+        buffers.append(-1 if ids is None else ids.ctypes.data)
+        return replay(*args)
+
+    loans: list[int] = []
+    granted = [True]
+
+    def lend(nbytes: int) -> bool:
+        loans.append(nbytes)
+        return granted[0]
+
+    values = [_deltas(400_000), _deltas(400_000).flip(0), _deltas(400_000).roll(7)]
+    mp = pytest.MonkeyPatch()
+    with mp.context() as patch:
+        patch.setattr(introsort_replay, "replay", spying)
+        patch.setattr(introsort_replay, "IDS_MAX_ENTRIES", 100_000)  # these selections borrow their ids
+        patch.setattr(sort_select, "_IDS", type(sort_select._IDS)())
+        with sort_select.lending(lend, lambda nbytes: None, kept_ids=100_000):
+            with sort_select.holding_ids():
+                for v in values[:2]:
+                    sort_select.sorted_window_mask(v.clone(), 0, 1000, True)
+                assert [a.size for a in sort_select._IDS.arrays.values()] == [400_000]
+                granted[0] = False
+                sort_select.sorted_window_mask(values[2].clone(), 0, 1000, True)  # refused: the table, no buffer
+                assert not sort_select._IDS.arrays
+                granted[0] = True
+                sort_select.sorted_window_mask(values[0].clone(), 0, 1000, True)
+            assert not sort_select._IDS.arrays  # dropped at the end of the block
+            sort_select.sorted_window_mask(values[1].clone(), 0, 1000, True)  # not held: fresh, not kept
+            assert not sort_select._IDS.arrays
+    assert buffers[0] == buffers[1] and buffers[2] == -1 and len(loans) == 5
+    assert all(n == sort_select.ids_bytes(400_000) for n in loans)
+
+
 @pytest.mark.parametrize(("method", "max_memory"), [("ties", None), ("linear", None), ("ties", 8 << 30)])
 def test_a_merge_counts_the_ids_its_workers_keep(
     method: str, max_memory: int | None, tmp_path: Any, tiny_models: Any, monkeypatch: Any

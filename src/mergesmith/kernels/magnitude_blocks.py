@@ -138,6 +138,12 @@ def _gave_up() -> torch.Tensor:
 def finish(rule: Rule, state: _Gathering) -> Selected | str:
     """Select each task vector's survivors, one task vector at a time (its magnitudes go as its mask is made);
     MERGE_WHOLE where sort_select could not replay the sort on keys it may reorder (they are the only copy)."""
+    with sort_select.holding_ids():  # the task vectors' selections share one lent ids buffer
+        return _select_each(rule, state)
+
+
+def _select_each(rule: Rule, state: _Gathering) -> Selected | str:
+    """finish's loop over the task vectors."""
     selected = Selected()
     for row, params in enumerate(state.params):
         selection = rule(params, state.numel)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
@@ -270,6 +271,8 @@ def _keys_only_window(
     compiled_now = COMPILED and introsort_replay.KERNELS.ready(n)  # once per selection: one path throughout
     use_ids = compiled_now and follows_by_ids(n)
     lent = _borrow_ids(n) if compiled_now and not use_ids else 0
+    if not (use_ids or lent):
+        _drop_held_ids()  # no loan for a held buffer this time: its memory goes now
     if use_ids or lent or (compiled_now and tracked_count <= n * introsort_replay.MAX_TRACKED_SHARE):
         low, high = keys.dtype.type(split_keys[0]), keys.dtype.type(split_keys[-1])
         try:
@@ -334,6 +337,40 @@ _IDS = WorkBuffers()
 """Each thread's ids buffer, kept from selection to selection where `lending` allows."""
 
 
+class _Held(threading.local):
+    """Whether this thread keeps its ids buffer whatever its size until `holding_ids` ends."""
+
+    on = False
+
+
+_HELD = _Held()
+
+
+@contextmanager
+def holding_ids() -> Iterator[None]:
+    """Inside, this thread keeps the ids buffer of a selection over more than the kept entries (a lent one) for its
+    next selection, and drops it at the end: a tensor's task vectors, selected one after another, then share one.
+
+    Why: a lent buffer is fresh memory, whose pages the kernel zeroes as the replay first touches them, and on this
+    project's VM that zeroing is slow: on the 1b TIES bench merge the four selections over the embedding and output
+    matrices (262 MB of ids each) took ~1.2 s of CPU in `clear_page_erms` under `_set_ids` (perf). Between two
+    selections the buffer is repaid and borrowed again; where the second loan is refused, it is dropped at once."""
+    _HELD.on = True
+    try:
+        yield
+    finally:
+        _HELD.on = False
+        _drop_held_ids()
+
+
+def _drop_held_ids() -> None:
+    """Forget this thread's ids buffer where it is larger than a merge lets a thread keep."""
+    key = ("ids", np.dtype(np.int32))
+    held = _IDS.arrays.get(key)
+    if held is not None and held.size > _lender.kept_ids:
+        del _IDS.arrays[key]
+
+
 def _ids_buffer(n: int) -> np.ndarray:
     """An int32 id for each of n entries (contents undefined): the thread's kept buffer where it is large enough,
     else a fresh one, kept for the next selection where n is within the running merge's kept_ids.
@@ -343,7 +380,7 @@ def _ids_buffer(n: int) -> np.ndarray:
     took 14.5-16.0 s, 4.8-6.9 s of it system time); reused, 160 K faults and 13.3-14.6 s, 4.1-5.5 s (bench/README.md,
     issue 33). A fresh buffer comes from numpy, which asks for transparent huge pages where the system grants them on
     request (a 2 MB fault instead of 512)."""
-    return _IDS.array("ids", n, np.int32, keep_up_to=_lender.kept_ids)
+    return _IDS.array("ids", n, np.int32, keep_up_to=max(n, _lender.kept_ids) if _HELD.on else _lender.kept_ids)
 
 
 def kept_entries() -> int:
