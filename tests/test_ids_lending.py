@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from mergesmith.engine.execution import blocks
 from mergesmith.kernels import introsort_replay, magnitude_blocks, sort_select
 from mergesmith.kernels.selection import Window
 
@@ -165,9 +166,12 @@ def test_one_tensors_selections_share_a_lent_ids_buffer_while_held() -> None:
     assert all(n == sort_select.ids_bytes(400_000) for n in loans)
 
 
-@pytest.mark.parametrize(("method", "max_memory"), [("ties", None), ("linear", None), ("ties", 8 << 30)])
+@pytest.mark.parametrize(
+    ("method", "max_memory", "blocked"),
+    [("ties", None, False), ("linear", None, False), ("ties", 8 << 30, False), ("ties", None, True)],
+)
 def test_a_merge_counts_the_ids_its_workers_keep(
-    method: str, max_memory: int | None, tmp_path: Any, tiny_models: Any, monkeypatch: Any
+    method: str, max_memory: int | None, blocked: bool, tmp_path: Any, tiny_models: Any, monkeypatch: Any
 ) -> None:
     """The executor lets each worker keep the ids of its largest selection (a TIES merge's largest tensor) and holds
     that memory aside in its budget for every worker; a merge that ranks nothing keeps none, nor one under a user's
@@ -201,14 +205,24 @@ def test_a_merge_counts_the_ids_its_workers_keep(
         release(self, *args)
 
     monkeypatch.setattr(MemoryBudget, "release", watching)
+    if blocked:  # cut the tiny model's tensors in row blocks: TIES selects them by magnitude_blocks' totals pass
+        monkeypatch.setattr(blocks, "BLOCK_ELEMENTS", 2048)
     run_merge(str(config), tmp_path / "out", MergeOptions(threads=2, max_memory=max_memory))
     with safe_open(str(models[0] / "model.safetensors"), "pt") as f:
-        largest = max(torch.Size(f.get_slice(name).get_shape()).numel() for name in f.keys())
+        shapes = [torch.Size(f.get_slice(name).get_shape()) for name in f.keys()]
+    largest = max(shape.numel() for shape in shapes)
     expected = largest if method == "ties" and max_memory is None and introsort_replay.AVAILABLE else 0
     assert kept == [expected]
-    each = expected * introsort_replay.ID_BYTES + magnitude_blocks.kept_bytes(expected, 2, torch.bfloat16.itemsize)
-    assert held and set(held) == {2 * each}
-    assert magnitude_blocks.kept_bytes(0, 2, 2) == 0
+    magnitudes = 0
+    if blocked and expected:  # the largest tensor cut in blocks, and its largest block's two task vectors
+        cut = [shape for shape in shapes if shape.numel() > 2 * 2048 and len(shape) > 1 and shape[0] > 1]
+        biggest = max(shape.numel() for shape in cut)
+        block = max(max(1, 2048 // (shape.numel() // shape[0])) * (shape.numel() // shape[0]) for shape in cut)
+        magnitudes = magnitude_blocks.kept_bytes(biggest, 2 * block, 2, torch.bfloat16.itemsize)
+    assert held and set(held) == {2 * (expected * introsort_replay.ID_BYTES + magnitudes)}
+    assert magnitude_blocks.kept_bytes(0, 100, 2, 2) == 0
+    assert magnitude_blocks.kept_bytes(1000, 100, 2, 2) == (2 * 1000 + 100) * 2
+    assert magnitude_blocks.kept_bytes(1000, 1 << 30, 2, 2) == (2 * 1000 + magnitude_blocks.KEPT_DELTA_ENTRIES) * 2
 
 
 def test_a_worker_keeps_its_magnitudes_and_task_vectors_between_tensors_inside_lending() -> None:

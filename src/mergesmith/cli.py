@@ -463,8 +463,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def run() -> NoReturn:
     """The console script: `main`, then a quick exit (process_tuning.exit_now), since the command owns
-    its process. In-process callers (tests, notebooks) use `main`, which raises SystemExit as usual."""
-    skip_numba_blas()  # the command owns its process (process_tuning)
+    its process (which also loads numba without scipy's BLAS: process_tuning.skip_numba_blas). In-process callers
+    (tests, notebooks) use `main`, which raises SystemExit as usual."""
+    skip_numba_blas()
     try:
         main()
     except SystemExit as exc:

@@ -61,13 +61,14 @@ of it here (perf). Kept, ~1,150 huge pages; the merge took 10.7-11.1 s against 1
 against 3.7-3.9 s (two alternating cold runs, bench/README.md, issue 33)."""
 
 
-def kept_bytes(selection_entries: int, tasks: int, compute_size: int) -> int:
-    """What one worker keeps between tensors (see _BUFFERS) where the merge keeps selections of up to
-    `selection_entries` entries (sort_select.kept_entries) with at most `tasks` task vectors in `compute_size` bytes
-    an entry: their magnitudes, and a block's task vectors."""
+def kept_bytes(selection_entries: int, delta_entries: int, tasks: int, compute_size: int) -> int:
+    """What one worker keeps between tensors (see _BUFFERS), at most: the magnitudes of `tasks` task vectors of the
+    largest tensor selected in blocks whose selection it keeps (`selection_entries` entries), and the task vectors of
+    the largest block (`delta_entries` entries, all task vectors together), in `compute_size` bytes an entry; nothing
+    where it keeps no selection."""
     if selection_entries <= 0:
         return 0
-    return tasks * selection_entries * compute_size + KEPT_DELTA_ENTRIES * compute_size
+    return (tasks * selection_entries + min(delta_entries, KEPT_DELTA_ENTRIES)) * compute_size
 
 
 def _magnitudes_buffer(row: int, numel: int, like: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from ..plan import InputRef, Plan, ShardPlan, TensorRecipe
 from ..planning.device_memory import device_recipe_memory, staging_bytes
 from ..planning.shared import MergeOptions, automatic_budget, distinct_input_bytes, recipe_memory
 from .admission import ADMISSION_WINDOW, DeviceBudget, MemoryBudget
-from .blocks import row_blocks, two_pass
+from .blocks import block_numel, row_blocks, two_pass
 from .compute import Gathered, advise_inputs, compute
 from .device_transfer import PINNED_BYTES_PER_THREAD
 from .input_feed import MERGE, TOTALS, InputFeed, keeping_pool, open_feed, streamed_bytes
@@ -282,11 +282,14 @@ class LocalExecutor(Executor):
 
     def _kept_bytes_each(self, recipes: list[TensorRecipe]) -> int:
         """What each worker keeps from one magnitude selection to the next (see _kept_ids_entries): the ids, and
-        magnitude_blocks' magnitudes and task vectors (of the most task vectors a ranked recipe has)."""
+        for the recipes selected in row blocks (two_pass) magnitude_blocks' magnitudes and task vectors."""
         if not self._kept_ids:
             return 0
-        tasks = max((len(r.inputs) - 1 for r in recipes_using(recipes, introsort_replay.KERNELS)), default=0)
-        kept = magnitude_blocks.kept_bytes(self._kept_ids, tasks, self.compute_dtype.itemsize)
+        blocked = [r for r in recipes_using(recipes, introsort_replay.KERNELS) if two_pass(r)]
+        tasks = max((len(r.inputs) - 1 for r in blocked), default=0)
+        selected = max((r.numel() for r in blocked if r.numel() <= self._kept_ids), default=0)
+        deltas = max((tasks * block_numel(r) for r in blocked), default=0)
+        kept = magnitude_blocks.kept_bytes(selected, deltas, tasks, self.compute_dtype.itemsize)
         return sort_select.ids_bytes(self._kept_ids) + kept
 
     def _device_costs(self, work: list[tuple[ShardPlan, TensorRecipe]]) -> list[int] | None:
