@@ -105,6 +105,14 @@ def test_invariant_blocked_total_does_not_depend_on_cuts_or_on_the_code_that_add
     assert all(t.dtype == torch.float64 and torch.equal(t, totals[0]) for t in totals)
     exact = math.fsum(x.double().tolist())
     assert abs(totals[0].item() - exact) <= 1e-6 * exact
+    # numpy pieces (the compiled chunks' path), cut anywhere: a carry completed from a piece's head, pieces smaller
+    # than the carry's gap, pieces that end on a block: the same bits
+    for cuts in ([0, numel], [0, 17, 16_384, 16_385, numel - 1, numel], [*range(0, numel, 999), numel],
+                 sorted({0, 5, 10, 16_390, 20_000, 20_001, 40_000, numel} & set(range(numel + 1)))):
+        acc = BlockedTotal(invariant=True)
+        for a, b in zip(cuts, cuts[1:]):
+            acc.add(x[a:b].numpy().copy())
+        assert torch.equal(acc.result(), totals[0]), cuts
 
 
 def test_tree_block_sums_are_the_same_bits_compiled_and_in_torch(monkeypatch):

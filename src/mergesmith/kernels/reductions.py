@@ -164,15 +164,27 @@ class BlockedTotal:
         assert self._invariant and piece.dtype == np.float32
         flat = piece.reshape(-1)
         carry = self._carry_array
-        if carry is not None:
-            flat = np.concatenate([carry, flat])
+        if carry is not None:  # the carry's block, completed from the piece's head (the rest is not copied: a row
+            # block whose start is not on a BLOCK boundary used to copy each of its chunks whole, ~0.3 CPU-s of the 1b
+            # dare_ties merge in memmove)
+            head = min(BLOCK - carry.size, flat.size)
+            carry = np.concatenate([carry, flat[:head]])
+            flat = flat[head:]
+            if carry.size < BLOCK:
+                self._carry_array = carry
+                return
+            self._sum_blocks(carry)
         full = flat.size // BLOCK * BLOCK
         if full:
-            sums = np.empty(full // BLOCK, dtype=np.float32)
-            scratch = _SCRATCH.array("tree", BLOCK // 2, np.float32)
-            keyed_kernels.tree_block_sums(flat[:full], BLOCK, scratch, sums)
-            self._parts.extend(sums.tolist())
+            self._sum_blocks(flat[:full])
         self._carry_array = flat[full:].copy() if full < flat.size else None
+
+    def _sum_blocks(self, flat: np.ndarray) -> None:
+        """Append the block sums of `flat` (a whole number of blocks) by keyed_kernels' loop."""
+        sums = np.empty(flat.size // BLOCK, dtype=np.float32)
+        scratch = _SCRATCH.array("tree", BLOCK // 2, np.float32)
+        keyed_kernels.tree_block_sums(flat, BLOCK, scratch, sums)
+        self._parts.extend(sums.tolist())
 
     def result(self) -> torch.Tensor:
         carry = self._carry if self._carry_array is None else torch.from_numpy(self._carry_array)
