@@ -221,8 +221,9 @@ def test_a_merge_counts_the_ids_its_workers_keep(
         magnitudes = magnitude_blocks.kept_bytes(biggest, 2 * block, 2, torch.bfloat16.itemsize)
     assert held and set(held) == {2 * (expected * introsort_replay.ID_BYTES + magnitudes)}
     assert magnitude_blocks.kept_bytes(0, 100, 2, 2) == 0
-    assert magnitude_blocks.kept_bytes(1000, 100, 2, 2) == (2 * 1000 + 100) * 2
-    assert magnitude_blocks.kept_bytes(1000, 1 << 30, 2, 2) == (2 * 1000 + magnitude_blocks.KEPT_DELTA_ENTRIES) * 2
+    assert magnitude_blocks.kept_bytes(1000, 100, 2, 2) == (2 * 1000 + 100) * 2 + 1000
+    most = magnitude_blocks.KEPT_DELTA_ENTRIES
+    assert magnitude_blocks.kept_bytes(1000, 1 << 30, 2, 2) == (2 * 1000 + most) * 2 + 1000
 
 
 def test_a_worker_keeps_its_magnitudes_and_task_vectors_between_tensors_inside_lending() -> None:
@@ -263,6 +264,7 @@ def test_a_worker_keeps_its_magnitudes_and_task_vectors_between_tensors_inside_l
             assert set(magnitude_blocks._BUFFERS.pool) == {("keys0", torch.bfloat16, torch.device("cpu")),
                                                            ("keys1", torch.bfloat16, torch.device("cpu")),
                                                            ("deltas", torch.bfloat16, torch.device("cpu"))}
+            assert list(magnitude_blocks._BUFFERS.arrays) == [("mask", np.dtype(np.bool_))]
             larger = run(4000, 3)  # over the bound: fresh, not kept
             assert larger[0][0] != first[0][0] and magnitude_blocks._BUFFERS.pool[
                 ("keys0", torch.bfloat16, torch.device("cpu"))].numel() == 3000 * 64

@@ -201,3 +201,22 @@ def test_large_float32_windows_replay_the_32_bit_keys(kind, n, density):
     lo, hi = n // 100, n // 100 + k // 2
     assert torch.equal(sort_select.sorted_window_mask(values, lo, hi, False),
                        sorted_window_reference(values, lo, hi, False))
+
+
+@pytest.mark.parametrize(("lo", "hi", "run"), [(0, 30_000, 0.0), (20_000, 90_000, 0.0), (0, 99_900, 0.0),
+                                              (100, 200, 0.5)])
+def test_a_mask_written_into_a_callers_stale_buffer_is_the_sorts(lo: int, hi: int, run: float) -> None:
+    """`out`: the mask in a caller's buffer whatever it held before (all True here), for windows whose keys the
+    comparison pass covers and a window inside one key's run (which it does not: the largest, 0.5, here); the
+    result is a view of that buffer."""
+    g = torch.Generator().manual_seed(lo + hi)
+    values = (torch.randn(100_000, generator=g) * 0.01).clamp(-0.4, 0.4).bfloat16().abs()
+    values[:40_000] = run  # a run of equal keys the window may end in, or lie in
+    expected = torch.zeros(values.numel(), dtype=torch.bool)
+    expected[torch.sort(values.float(), descending=True).indices[lo:hi]] = True
+    stale = np.ones(120_000, dtype=np.bool_)
+    mask = sort_select.sorted_window_mask(values.clone(), lo, hi, True, out=stale)
+    plain = sort_select.sorted_window_mask(values.clone(), lo, hi, True)
+    assert torch.equal(mask, plain) and torch.equal(mask, expected)
+    if hi in (30_000, 200):  # the keys-only replay, which writes into `out`
+        assert np.shares_memory(mask.numpy(), stale)

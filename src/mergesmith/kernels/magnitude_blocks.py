@@ -62,13 +62,19 @@ against 3.7-3.9 s (two alternating cold runs, bench/README.md, issue 33)."""
 
 
 def kept_bytes(selection_entries: int, delta_entries: int, tasks: int, compute_size: int) -> int:
-    """What one worker keeps between tensors (see _BUFFERS), at most: the magnitudes of `tasks` task vectors of the
-    largest tensor selected in blocks whose selection it keeps (`selection_entries` entries), and the task vectors of
-    the largest block (`delta_entries` entries, all task vectors together), in `compute_size` bytes an entry; nothing
-    where it keeps no selection."""
+    """What one worker keeps between tensors (see _BUFFERS), at most: for the largest tensor selected in blocks
+    whose selection it keeps (`selection_entries` entries), the magnitudes of its `tasks` task vectors in
+    `compute_size` bytes an entry and a mask of a byte an entry; and the task vectors of the largest block
+    (`delta_entries` entries, all task vectors together). Nothing where it keeps no selection."""
     if selection_entries <= 0:
         return 0
-    return (tasks * selection_entries + min(delta_entries, KEPT_DELTA_ENTRIES)) * compute_size
+    return (tasks * selection_entries + min(delta_entries, KEPT_DELTA_ENTRIES)) * compute_size + selection_entries
+
+
+def _mask_buffer(numel: int) -> np.ndarray:
+    """A selection's mask of `numel` entries, the worker's kept buffer where the merge keeps selections that large
+    (the mask is packed at once, before the next selection)."""
+    return _BUFFERS.array("mask", numel, np.bool_, keep_up_to=sort_select.kept_entries())
 
 
 def _magnitudes_buffer(row: int, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -157,20 +163,22 @@ def _select_each(rule: Rule, state: _Gathering) -> Selected | str:
         keys = torch.cat(buffer) if isinstance(buffer, list) else buffer
         del buffer
         window = (selection.lo, selection.hi, selection.descending)
+        n = keys.numel()
         if not state.rescale:
             # the keys are ours to reorder (no copy), and the call holds the only reference, so the packed
             # replay (float32) drops them once it has packed them
             only = [keys]
             del keys
             try:
-                mask = sorted_window_mask(only.pop(), *window, remake=_gave_up, zeros_free=True)
+                mask = sorted_window_mask(only.pop(), *window, remake=_gave_up, zeros_free=True, out=_mask_buffer(n))
             except _GaveUp:
                 return MERGE_WHOLE
             selected.kept.append(np.packbits(mask.cpu().numpy()))
             selected.factors.append(None)
             continue
         before = total(keys)
-        mask = sorted_window_mask(keys, *window, zeros_free=True)  # a copy is reordered: |d * mask| needs keys
+        # a copy of the keys is reordered: |d * mask| needs them
+        mask = sorted_window_mask(keys, *window, zeros_free=True, out=_mask_buffer(n))
         after = BlockedTotal()  # total(|d * mask|) in pieces: the same bits, no tensor-sized temporary
         for start in range(0, keys.numel(), _CHUNK):
             piece = slice(start, start + _CHUNK)

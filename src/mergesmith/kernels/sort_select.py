@@ -95,9 +95,13 @@ def sorted_window_mask(
     descending: bool,
     remake: Callable[[], torch.Tensor] | None = None,
     zeros_free: bool = False,
+    out: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Boolean mask over the 1-D tensor `values`: True for the entries that
     `torch.sort(values.float(), descending=descending)` puts at positions [lo, hi).
+
+    `out`, a bool buffer of at least as many entries, may hold the mask (the result is then a view of it): a caller
+    that packs the mask at once passes its kept buffer, whose pages are not fresh (magnitude_blocks).
 
     With `remake` (which makes `values` afresh), `values`, a temporary of the caller's, may be reordered in
     place, saving a tensor-sized copy; `remake` is called if the full sort is needed after all.
@@ -120,7 +124,7 @@ def sorted_window_mask(
     if replayable:
         consume = remake is not None and values.is_contiguous()
         try:
-            mask = _keys_only_window(values, lo, hi, descending, consume, zeros_free)
+            mask = _keys_only_window(values, lo, hi, descending, consume, zeros_free, out)
         except _ReplayGaveUp:
             mask, replayable = None, False  # the packed replay would make the same moves and give up too
             if consume:
@@ -223,7 +227,13 @@ class _Tracker:
 
 
 def _keys_only_window(
-    values: torch.Tensor, lo: int, hi: int, descending: bool, consume: bool = False, zeros_free: bool = False
+    values: torch.Tensor,
+    lo: int,
+    hi: int,
+    descending: bool,
+    consume: bool = False,
+    zeros_free: bool = False,
+    out: np.ndarray | None = None,
 ) -> np.ndarray | None:
     """The window mask by replaying on the keys alone (2 or 4 bytes an entry instead of 8); None where this
     way does not apply, _ReplayGaveUp where the replay does not.
@@ -249,7 +259,12 @@ def _keys_only_window(
     tracked_count = sum(split.values())
     if tracked_count > n * KEYS_ONLY_MAX_TRACKED:
         return None
-    mask = np.zeros(n, dtype=np.bool_)
+    if out is None:
+        mask = np.zeros(n, dtype=np.bool_)
+    else:
+        mask = out[:n]
+        if inside is None:  # else the comparison below writes every entry
+            mask.fill(False)
     # both passes below go a block at a time: their temporaries stay a block big, not 2-3 bytes an entry
     if inside is not None:  # keys - first <= last - first, unsigned: one comparison instead of two and an and
         first, span = keys.dtype.type(inside[0]), inside[1] - inside[0]
