@@ -223,8 +223,10 @@ def test_bfloat16_totals_in_one_compiled_loop_give_the_separate_steps_bytes(n, d
         mags, kept = np.empty(n, np.float32), np.empty(n, np.float32)
         packed = np.full(-(-n // 8), 0xAA, np.uint8)  # every byte must be written
         scratch = np.empty(keyed_kernels.STEP, np.uint32), np.empty(keyed_kernels.STEP, np.uint8)
+        block = 2 * keyed_kernels.STEP  # the block sums of every whole block, as BlockedTotal adds them
+        sums, tree = np.full((2, n // block), np.nan, np.float32), np.empty(block // 2, np.float32)
         keyed_kernels.dare_totals(base32, bits, *stream.key, vec.stream, start, keyed_random.CHUNK, threshold,
-                                  *scratch, mags, kept, packed)
+                                  *scratch, mags, kept, packed, sums, block, tree)
         monkeypatch.setattr(keyed_random, "COMPILED", False)
         flags = keyed_merge.keep_array(MaskStream(17), vec, start, torch.from_numpy(base32))
         monkeypatch.setattr(keyed_random, "COMPILED", True)
@@ -233,6 +235,10 @@ def test_bfloat16_totals_in_one_compiled_loop_give_the_separate_steps_bytes(n, d
         assert np.array_equal(packed, np.packbits(flags)), start
         assert np.array_equal(mags.view(np.uint32), ref_mags.view(np.uint32))
         assert np.array_equal(kept.view(np.uint32), ref_kept.view(np.uint32))
+        for row, values in enumerate((ref_mags, ref_kept)):
+            expected = np.empty(n // block, np.float32)
+            keyed_kernels.tree_block_sums(values[: n // block * block], block, tree, expected)
+            assert np.array_equal(sums[row].view(np.uint32), expected.view(np.uint32))
 
     calls = []
     real = keyed_kernels.dare_totals

@@ -187,7 +187,8 @@ over them. A multiple of 8, so that each step's flags fill whole bytes of the pa
 
 
 @compiled
-def dare_totals(base, x, k0, k1, stream, start, chunk_size, threshold, draws, flags, mags, kept, packed):
+def dare_totals(base, x, k0, k1, stream, start, chunk_size, threshold, draws, flags, mags, kept, packed, sums, block,
+                tree):
     """A DARE task vector's part of one chunk of the totals pass, in one loop nest: its draws (philox_draws, from
     entry `start` of `stream`), the keep flags draw < threshold (keyed_merge._dare_keep's test), mags = |x - base|
     and kept = mags * keep (`magnitudes`' arithmetic), and the flags packed 8 to a byte, the first in the high bit,
@@ -202,7 +203,13 @@ def dare_totals(base, x, k0, k1, stream, start, chunk_size, threshold, draws, fl
     `python bench/profile_compiled.py --only "keyed totals"`; where the steps' results are fresh memory (a process
     that has not yet raised glibc's mmap threshold) the pass took 2.7-2.9 ns against 2.4. A cold 1b dare_ties merge
     made ~10% fewer context switches (`perf stat -e context-switches`: 102-108 K against 115-124 K) in about the
-    same time (7.3-7.7 s against 7.6-7.7 s, three alternating runs each)."""
+    same time (7.3-7.7 s against 7.6-7.7 s, three alternating runs each).
+
+    `sums` (float32, 2 rows, or no columns: none wanted): row 0 gets the pairwise sums (tree_block_sums, `tree` its
+    scratch) of mags over each whole `block` of entries from the chunk's first (a multiple of STEP), row 1 those of
+    kept, as each block is done, while it is in the cache: reductions.BlockedTotal's block sums, for a chunk that
+    starts on one of its blocks; an entry past the last whole block is the caller's to add. Added by the caller
+    instead, the sums were ~0.4 ns of the totals pass's ~2.5 ns an entry (a call and Python a chunk and vector)."""
     n = base.shape[0]
     one = np.uint8(1)
     for j0 in range(0, n, STEP):
@@ -227,6 +234,11 @@ def dare_totals(base, x, k0, k1, stream, start, chunk_size, threshold, draws, fl
                 (f[0] << np.uint8(7)) | (f[1] << np.uint8(6)) | (f[2] << np.uint8(5)) | (f[3] << np.uint8(4))
                 | (f[4] << np.uint8(3)) | (f[5] << np.uint8(2)) | (f[6] << one) | f[7]
             )
+        done = j0 + m
+        if sums.shape[1] > 0 and done % block == 0:
+            b = done // block - 1
+            tree_block_sums(mags[b * block : done], block, tree, sums[0, b : b + 1])
+            tree_block_sums(kept[b * block : done], block, tree, sums[1, b : b + 1])
 
 
 @compiled
@@ -435,7 +447,9 @@ def _compile_all() -> None:
     magnitudes(one, one, flags[0], one, one)
     bits = np.zeros(1, dtype=np.uint16)
     draws, step_flags = np.empty(STEP, dtype=np.uint32), np.empty(STEP, dtype=np.uint8)
-    dare_totals(one, bits, np.uint64(0), np.uint64(0), 0, 0, 8, np.uint32(1), draws, step_flags, one, one, flags[0])
+    no_sums = np.zeros((2, 0), dtype=np.float32)
+    dare_totals(one, bits, np.uint64(0), np.uint64(0), 0, 0, 8, np.uint32(1), draws, step_flags, one, one, flags[0],
+                no_sums, 2, one)
     widen_into(bits, one)
     narrow_into(one, bits)
     tree_block_sums(np.zeros(2, dtype=np.float32), 2, one, one)

@@ -45,7 +45,7 @@ import torch
 from . import keyed_kernels, keyed_random
 from .compiled import CONSENSUS_CODES
 from .keyed_random import MaskStream
-from .reductions import BlockedTotal
+from .reductions import BLOCK, BlockedTotal
 from .work_buffers import WorkBuffers
 
 F32 = torch.float32
@@ -376,8 +376,20 @@ def _gather_arrays(state: Totals, piece: Piece, block: _ArrayBlock) -> None:
             draws = _array("draws", keyed_kernels.STEP, np.uint32)
             flags = _array("step_flags", keyed_kernels.STEP, np.uint8)
             seed, tag = block.stream.key
+            summed = before.at_block_start() and after.at_block_start()  # the loop adds the whole blocks' sums
+            whole = n // BLOCK if summed else 0
+            sums = _array("block_sums", 2 * whole, np.float32).reshape(2, whole)
+            tree = _array("tree", BLOCK // 2, np.float32)
             keyed_kernels.dare_totals(base32, bits, seed, tag, vec.stream, start, keyed_random.CHUNK,
-                                      threshold, draws, flags, mags, kept, packed)
+                                      threshold, draws, flags, mags, kept, packed, sums, BLOCK, tree)
+            if summed:
+                before.add_block_sums(sums[0])
+                after.add_block_sums(sums[1])
+                if whole * BLOCK < n:
+                    before.add(mags[whole * BLOCK :])
+                    after.add(kept[whole * BLOCK :])
+                state.masks[(k, start)] = packed
+                continue
         else:
             x = block.float32("x", vec.index, piece)
             keep = _keep_of(block.stream, vec, start, x, base32, _piece_shape(piece, block.shape))

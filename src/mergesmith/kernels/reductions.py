@@ -157,6 +157,17 @@ class BlockedTotal:
                 self._on_device.append(sums)
         self._carry = flat[full:].clone() if full < flat.numel() else None
 
+    def at_block_start(self) -> bool:
+        """Whether what was added so far is a whole number of blocks (no carry): the next piece's blocks start at its
+        first entry (add_block_sums)."""
+        return self._invariant and self._carry_array is None and (self._carry is None or not self._carry.numel())
+
+    def add_block_sums(self, sums: np.ndarray) -> None:
+        """Add the next whole blocks by their sums (tree_block_sums' bits, as keyed_kernels.dare_totals makes them
+        while the blocks are in the cache); only at_block_start."""
+        assert self.at_block_start()
+        self._parts.extend(sums.tolist())
+
     def _add_array(self, piece: np.ndarray) -> None:
         """`add` for a contiguous float32 numpy array (keyed_merge's compiled chunks, invariant sums only): the
         same block sums by keyed_kernels' loop, with no torch call (see work_buffers on why that matters); the
