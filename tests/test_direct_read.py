@@ -222,11 +222,11 @@ def test_buffers_read_outside_the_pools_count_come_back_as_spares(monkeypatch: p
     mapped: list[int] = []
     real = direct_read.anonymous_buffer
     monkeypatch.setattr(direct_read, "anonymous_buffer", lambda size: mapped.append(size) or real(size))
-    pool = BufferPool(4 << 20)
-    counted = pool.take_all([2 << 20, 2 << 20])  # the feed fills the pool
+    pool = BufferPool(16 << 20)
+    counted = pool.take_all([8 << 20, 8 << 20])  # the feed fills the pool
     assert counted is not None and len(mapped) == 2
     own = pool.spares([2 << 20, 2 << 20, 2 << 20])  # no spare yet: fresh
-    assert len(mapped) == 5 and pool.in_use == 4 << 20
+    assert len(mapped) == 5 and pool.in_use == 16 << 20
     for memory in own:
         pool.recycle(memory)  # the pool is full: two kept beyond its limit, the third unmapped
     assert pool._uncounted_bytes == 4 << 20 and pool._free_bytes == 0
@@ -234,18 +234,27 @@ def test_buffers_read_outside_the_pools_count_come_back_as_spares(monkeypatch: p
     assert len(mapped) == 5 and {id(m) for m in again} <= {id(m) for m in own}  # reused, nothing mapped
     assert pool._uncounted_bytes == 0
     for memory in counted:
-        pool.give(memory)  # 4 MB of spares: the limit
+        pool.give(memory)  # 16 MB of spares: the limit
     pool.recycle(again[0])
-    assert pool._free_bytes == 4 << 20 and pool._uncounted_bytes == 2 << 20
+    assert pool._free_bytes == 16 << 20 and pool._uncounted_bytes == 2 << 20
     pool.close()
     assert pool._free_bytes == 0 and pool._uncounted_bytes == 0 and not pool._free and not pool._uncounted
 
+    small = BufferPool(16 << 20)  # beyond its limit a quarter of it: 4 MB, not UNCOUNTED_SPARE_BYTES
+    monkeypatch.setattr(direct_read, "UNCOUNTED_SPARE_BYTES", 32 << 20)
+    assert small.take_all([16 << 20]) is not None
+    for memory in small.spares([2 << 20] * 3):
+        small.recycle(memory)
+    assert small._uncounted_bytes == 4 << 20
+    small.close()
+
     roomy = BufferPool(4 << 20)
     (own_one,) = roomy.spares([2 << 20])
+    before = len(mapped)
     roomy.recycle(own_one)  # room within the limit: a spare the pool counts, which the feed's next take reuses
     assert roomy._free_bytes == 2 << 20 and roomy._uncounted_bytes == 0
     taken = roomy.take_all([2 << 20])
-    assert taken is not None and taken[0] is own_one and len(mapped) == 6
+    assert taken is not None and taken[0] is own_one and len(mapped) == before
     roomy.close()
 
 

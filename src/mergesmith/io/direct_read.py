@@ -52,7 +52,8 @@ MIN_POOL_BYTES = 16 << 20
 UNCOUNTED_SPARE_BYTES = 32 << 20
 """Spare buffers a pool keeps beyond its limit for the reads it does not count (BufferPool.recycle): a worker's own
 reads of blocks the feed has not reached, while the feed's read-ahead fills the pool. Enough for a few row blocks'
-inputs; reused, their pages are not zeroed again by the kernel."""
+inputs; reused, their pages are not zeroed again by the kernel. At most a quarter of the pool's limit, which a user's
+--max-memory sizes (pool_bytes): a small budget keeps few."""
 
 SIZE_STEP = 1 << 18
 """Buffers of 1 MB or more are made in steps of 256 KB (smaller ones in powers of two), so that the few block sizes
@@ -161,7 +162,7 @@ class BufferPool:
 
     def recycle(self, memory: mmap.mmap) -> None:
         """Take back a buffer the pool did not count (from `spares`) as a spare: among its own where it has room
-        beside those in use and its spares, else among up to UNCOUNTED_SPARE_BYTES of uncounted ones (the feed
+        beside those in use and its spares, else among a few uncounted ones (UNCOUNTED_SPARE_BYTES; the feed
         fills the pool while the workers that ran ahead of it read for themselves); unmapped otherwise."""
         capacity = len(memory)
         with self._cond:
@@ -171,7 +172,7 @@ class BufferPool:
                 self._free.setdefault(capacity, []).append(memory)
                 self._free_bytes += capacity
                 self._cond.notify_all()
-            elif self._uncounted_bytes + capacity <= UNCOUNTED_SPARE_BYTES:
+            elif self._uncounted_bytes + capacity <= min(UNCOUNTED_SPARE_BYTES, self.limit // 4):
                 self._uncounted.setdefault(capacity, []).append(memory)
                 self._uncounted_bytes += capacity
             else:
