@@ -129,10 +129,9 @@ class BufferPool:
 
     def _reuse_or_map(self, capacity: int) -> mmap.mmap:
         """A free buffer of this size, or a new one once spares of other sizes make room (holding the lock)."""
-        spare = self._free.get(capacity)
-        if spare:
-            self._free_bytes -= capacity
-            return spare.pop()
+        spare = self._free_spare(capacity)
+        if spare is not None:
+            return spare
         excess = self.in_use + self._free_bytes - self.limit
         if excess > 0:
             self._drop_free(excess)
@@ -150,15 +149,29 @@ class BufferPool:
 
     def _spare_of(self, capacity: int) -> mmap.mmap | None:
         """A spare of this size, an uncounted one first (holding the lock)."""
-        for spares in (self._uncounted, self._free):
-            found = spares.get(capacity)
-            if found:
-                if spares is self._free:
-                    self._free_bytes -= capacity
-                else:
-                    self._uncounted_bytes -= capacity
-                return found.pop()
-        return None
+        found = self._uncounted.get(capacity)
+        if found:
+            self._uncounted_bytes -= capacity
+            return found.pop()
+        return self._free_spare(capacity)
+
+    def _free_spare(self, capacity: int) -> mmap.mmap | None:
+        """A spare of this size among those the pool counts, None where there is none (holding the lock)."""
+        found = self._free.get(capacity)
+        if not found:
+            return None
+        self._free_bytes -= capacity
+        return found.pop()
+
+    def _keep_within_limit(self, memory: mmap.mmap) -> bool:
+        """Keep `memory` among the spares the pool counts where it has room for it beside those in use and its
+        spares (holding the lock); whether it did."""
+        capacity = len(memory)
+        if self._closed or self.in_use + self._free_bytes + capacity > self.limit:
+            return False
+        self._free.setdefault(capacity, []).append(memory)
+        self._free_bytes += capacity
+        return True
 
     def recycle(self, memory: mmap.mmap) -> None:
         """Take back a buffer the pool did not count (from `spares`) as a spare: among its own where it has room
@@ -166,13 +179,9 @@ class BufferPool:
         fills the pool while the workers that ran ahead of it read for themselves); unmapped otherwise."""
         capacity = len(memory)
         with self._cond:
-            if self._closed:
-                _unmap(memory)
-            elif self.in_use + self._free_bytes + capacity <= self.limit:
-                self._free.setdefault(capacity, []).append(memory)
-                self._free_bytes += capacity
+            if self._keep_within_limit(memory):
                 self._cond.notify_all()
-            elif self._uncounted_bytes + capacity <= min(UNCOUNTED_SPARE_BYTES, self.limit // 4):
+            elif not self._closed and self._uncounted_bytes + capacity <= min(UNCOUNTED_SPARE_BYTES, self.limit // 4):
                 self._uncounted.setdefault(capacity, []).append(memory)
                 self._uncounted_bytes += capacity
             else:
@@ -198,11 +207,8 @@ class BufferPool:
         capacity = len(memory)
         with self._cond:
             self.in_use -= capacity
-            if self._closed or self.in_use + self._free_bytes + capacity > self.limit:
+            if not self._keep_within_limit(memory):
                 _unmap(memory)
-            else:
-                self._free.setdefault(capacity, []).append(memory)
-                self._free_bytes += capacity
             self._cond.notify_all()
 
     def close(self) -> None:

@@ -371,32 +371,29 @@ def _gather_arrays(state: Totals, piece: Piece, block: _ArrayBlock) -> None:
         mags, kept = _array("abs", n), _array("kept", n)
         bits = block.arrays[vec.index][piece.start : piece.end]
         threshold = _dare_threshold(vec)
+        summed = 0  # entries whose block sums the compiled loop added
         if threshold is not None and bits.dtype == np.uint16:  # bfloat16: one compiled call for all of it
             packed = np.empty(-(-n // 8), dtype=np.uint8)
             draws = _array("draws", keyed_kernels.STEP, np.uint32)
             flags = _array("step_flags", keyed_kernels.STEP, np.uint8)
             seed, tag = block.stream.key
-            summed = before.at_block_start() and after.at_block_start()  # the loop adds the whole blocks' sums
-            whole = n // BLOCK if summed else 0
+            # the loop adds the sums of the whole blocks where the chunk starts on one
+            whole = n // BLOCK if before.at_block_start() and after.at_block_start() else 0
             sums = _array("block_sums", 2 * whole, np.float32).reshape(2, whole)
             tree = _array("tree", BLOCK // 2, np.float32)
             keyed_kernels.dare_totals(base32, bits, seed, tag, vec.stream, start, keyed_random.CHUNK,
                                       threshold, draws, flags, mags, kept, packed, sums, BLOCK, tree)
-            if summed:
+            if whole:
                 before.add_block_sums(sums[0])
                 after.add_block_sums(sums[1])
-                if whole * BLOCK < n:
-                    before.add(mags[whole * BLOCK :])
-                    after.add(kept[whole * BLOCK :])
-                state.masks[(k, start)] = packed
-                continue
+                summed = whole * BLOCK
         else:
             x = block.float32("x", vec.index, piece)
             keep = _keep_of(block.stream, vec, start, x, base32, _piece_shape(piece, block.shape))
             keyed_kernels.magnitudes(base32, x, keep.view(np.uint8), mags, kept)
             packed = np.packbits(keep)
-        before.add(mags)
-        after.add(kept)
+        before.add(mags[summed:])
+        after.add(kept[summed:])
         state.masks[(k, start)] = packed
 
 
@@ -522,7 +519,10 @@ def merge(
     block = _ArrayBlock(_flat_arrays(tensors), base_index, vectors, stream, offset, shape) if _fused(tensors) else None
     constants = _mix_constants(vectors, mix, factors) if block is not None else ()
     out_array = _flat_arrays([out])[0] if block is not None and out.dtype in _ARRAY_VIEWS else None
-    bits_out = MERGE_BITS and out_array is not None and out.dtype == torch.bfloat16
+    bits_out = (  # bfloat16 in and out: _merge_bits
+        MERGE_BITS and block is not None and out_array is not None and out.dtype == torch.bfloat16
+        and all(array.dtype == np.uint16 for array in block.arrays)
+    )
     for piece in pieces(shape, offset, _by_rows(vectors), chunk_elements(base.device)):
         if block is not None:
             if not (bits_out and _merge_bits(piece, block, kept, constants, out_array)):
@@ -602,14 +602,12 @@ def _merge_bits(
     piece: Piece, block: _ArrayBlock, kept: dict[tuple[int, int], np.ndarray], constants: tuple, out: np.ndarray
 ) -> bool:
     """One chunk of `merge` by keyed_kernels.mix_bf16, from the bfloat16 inputs' bits and the totals pass's packed
-    flags straight into the output's bits (`out`: its _flat_arrays view); False, with nothing written that counts,
-    where that does not apply (an input that is not bfloat16, a masked vector without packed flags: DELLA's or a
-    pass without totals) or where a result is nan (_merge_arrays and _round_into then do the chunk)."""
+    flags straight into the output's bits (`out`: its _flat_arrays view), for bfloat16 inputs; False, with nothing
+    written that counts, where that does not apply (a masked vector without packed flags: DELLA's or a pass without
+    totals) or where a result is nan (_merge_arrays and _round_into then do the chunk)."""
     n = piece.end - piece.start
     start = block.offset + piece.start
     vectors = block.vectors
-    if any(array.dtype != np.uint16 for array in block.arrays):
-        return False
     count = len(vectors)
     packed = _array("packed", count * -(-n // 8), np.uint8, chunks=count).reshape(count, -(-n // 8))
     masked = np.zeros(count, dtype=np.bool_)

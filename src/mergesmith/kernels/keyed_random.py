@@ -70,6 +70,7 @@ class MaskStream:
         self._bits: np.random.Philox | None = None  # numpy's generator, made on first use (_chunk): the compiled
         # draws never need it, and making it (10 us a row block, and ~60 ms for the import of numpy.random the
         # first time) held the GIL
+        self._state: dict = {}  # its state, read once and changed in place by every _chunk
         self._ahead: dict[tuple[int, torch.device], tuple[int, torch.Tensor]] = {}
 
     @property
@@ -123,7 +124,8 @@ class MaskStream:
         skip = first_output % 4
         if self._bits is None:
             self._bits = np.random.Philox(key=np.array([self.seed, _KEY_TAG], dtype=np.uint64))
-        state = self._bits.state
+            self._state = self._bits.state
+        state = self._state
         state["state"]["counter"] = np.array([first_output // 4, chunk, stream, 0], dtype=np.uint64)
         state["buffer_pos"] = 4  # no buffered outputs: the next one is computed from the counter
         state["has_uint32"] = 0

@@ -380,10 +380,7 @@ def holding_ids() -> Iterator[None]:
 
 def _drop_held_ids() -> None:
     """Forget this thread's ids buffer where it is larger than a merge lets a thread keep."""
-    key = ("ids", np.dtype(np.int32))
-    held = _IDS.arrays.get(key)
-    if held is not None and held.size > _lender.kept_ids:
-        del _IDS.arrays[key]
+    _IDS.forget_array("ids", np.int32, above=_lender.kept_ids)
 
 
 def _ids_buffer(n: int) -> np.ndarray:

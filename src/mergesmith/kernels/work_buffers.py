@@ -39,6 +39,13 @@ class WorkBuffers(threading.local):
                 self.arrays[key] = buf
         return buf[:numel]
 
+    def forget_array(self, name: str, dtype: type | np.dtype, above: int) -> None:
+        """Stop keeping this thread's numpy buffer `name` of `dtype` where it has more than `above` entries."""
+        key = (name, np.dtype(dtype))
+        buf = self.arrays.get(key)
+        if buf is not None and buf.size > above:
+            del self.arrays[key]
+
     def get(
         self,
         name: str,
