@@ -59,9 +59,11 @@ def test_strided_chunks_of_a_large_mix(monkeypatch):
 @pytest.mark.parametrize("consensus", [None, "sum", "count"])
 def test_infinities_nans_and_negative_zeros_round_as_torch_does(monkeypatch, consensus):
     """The loop's rounding and sign have no branches (so they vectorise): nan must stay nan, inf * 0 must give
-    nan where the consensus drops an infinite entry, and -0 must not vote; across a block boundary too."""
-    base, deltas = _inputs(3, 3 * bf16_mix.BLOCK + 7, 11)
-    for at in (5, bf16_mix.BLOCK - 1, bf16_mix.BLOCK, 2 * bf16_mix.BLOCK + 3):
+    nan where the consensus drops an infinite entry, and -0 must not vote; in the vector loop's lanes, at the ends
+    of its vectors and in the scalar tail after the last whole vector."""
+    n = 3 * 1024 + 7
+    base, deltas = _inputs(3, n, 11)
+    for at in (5, 15, 16, 63, 1024, n - 4):
         deltas[0, at], deltas[1, at + 1], deltas[2, at + 2] = float("inf"), float("nan"), -0.0
         deltas[1, at + 3], deltas[2, at + 3] = -float("inf"), float("inf")
     base[9] = float("nan")

@@ -119,9 +119,10 @@ def _compiled_mix(
 ) -> torch.Tensor:
     out = torch.empty(base.shape, dtype=base.dtype)
     rounded = torch.tensor(list(weights), dtype=torch.bfloat16).float().numpy()
+    rows = deltas.reshape(deltas.shape[0], -1)
     bf16_mix.mix(
         bf16_mix.bits_of(base.reshape(-1)),
-        bf16_mix.bits_of(deltas.reshape(deltas.shape[0], -1)),
+        tuple(bf16_mix.bits_of(row) for row in rows),
         rounded,
         CONSENSUS_CODES[consensus],
         normalize,
