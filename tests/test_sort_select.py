@@ -220,3 +220,30 @@ def test_a_mask_written_into_a_callers_stale_buffer_is_the_sorts(lo: int, hi: in
     assert torch.equal(mask, plain) and torch.equal(mask, expected)
     if hi in (30_000, 200):  # the keys-only replay, which writes into `out`
         assert np.shares_memory(mask.numpy(), stale)
+
+
+@pytest.mark.skipif(not sort_select.introsort_replay.AVAILABLE, reason="numba is not installed")
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 1 << 16, (1 << 20) + 3])
+def test_compiled_key_counts_equal_bincount_and_refuse_what_min_and_max_refuse(n):
+    """introsort_replay.key_counts (the 16-bit selections' one-pass histogram) against numpy's bincount, with the
+    range check numpy's min and max made: a key with the sign bit or a nan's bits, at any place of the four
+    partial histograms or in the tail, refuses the keys (the selection then sorts whole)."""
+    sort_select.introsort_replay.warm()
+    rng = np.random.default_rng(n)
+    keys = (torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.01).bfloat16().view(torch.int16)
+            & 0x7FFF).numpy()
+    keys[: n // 3] = 0  # a long run of one key
+    limit = 0x7F80
+    counts = np.zeros(1 << 15, dtype=np.int64)
+    assert sort_select.introsort_replay.key_counts(keys, limit, counts)
+    assert np.array_equal(counts, np.bincount(keys.astype(np.int64), minlength=1 << 15))
+    for at in {i for i in (0, 1, 2, 3, n // 2, n - 1) if 0 <= i < n}:
+        for bad in (-1, -32768, limit + 1, 0x7FFF):
+            spoiled = keys.copy()
+            spoiled[at] = bad
+            assert not sort_select.introsort_replay.key_counts(spoiled, limit, np.zeros(1 << 15, dtype=np.int64))
+            assert sort_select._narrow_key_counts(spoiled, limit) is None
+    if n:
+        spoiled = keys.copy()
+        spoiled[-1] = limit  # infinity's bits: in range
+        assert sort_select.introsort_replay.key_counts(spoiled, limit, np.zeros(1 << 15, dtype=np.int64))

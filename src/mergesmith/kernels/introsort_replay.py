@@ -439,6 +439,41 @@ def replay(entries, lo, hi, descending, key_shift, followed_low, followed_high, 
     return True
 
 
+@compiled
+def key_counts(keys, limit, counts):
+    """counts[k] += the number of entries of `keys` (16-bit magnitude keys) equal to k; False, with `counts` left
+    partial, where a key lies outside [0, limit] (a negative key or a nan's: the caller then does not select by keys).
+
+    Why compiled: sort_select's histogram of a selection's keys was numpy's min and max (the range check) and
+    torch's bincount, three passes: 0.74 ns an entry against 0.33 here (one thread, the 11.5 M bf16 magnitudes of
+    an MLP task vector of the 1 B bench, AMD EPYC family 25), ~0.9 CPU-s of the 1b TIES merge's selections over
+    2.2 G entries. Four partial histograms, merged at the end: a run of equal keys (zeros, clustered magnitudes)
+    then adds to four counters in turn instead of waiting on one."""
+    n = keys.shape[0]
+    size = counts.shape[0]
+    parts = np.zeros((4, size), dtype=np.int64)
+    p0, p1, p2, p3 = parts[0], parts[1], parts[2], parts[3]
+    top = np.uint16(limit)  # a negative key, seen unsigned, is above any limit
+    quads = n // 4
+    for q in range(quads):
+        i = 4 * q
+        a, b, c, d = np.uint16(keys[i]), np.uint16(keys[i + 1]), np.uint16(keys[i + 2]), np.uint16(keys[i + 3])
+        if a > top or b > top or c > top or d > top:
+            return False
+        p0[a] += 1
+        p1[b] += 1
+        p2[c] += 1
+        p3[d] += 1
+    for i in range(4 * quads, n):
+        a = np.uint16(keys[i])
+        if a > top:
+            return False
+        p0[a] += 1
+    for k in range(size):
+        counts[k] += p0[k] + p1[k] + p2[k] + p3[k]
+    return True
+
+
 def _compile_all() -> None:
     """Compile (or load from numba's cache) the replay for the key arrays sort_select gives it (16- and 32-bit
     keys, packed 64-bit entries) and each way of following, on tiny inputs."""
@@ -450,6 +485,7 @@ def _compile_all() -> None:
         both = np.arange(2, dtype=np.int64)  # the positions of every entry equal to the followed key (0)
         for ids in (np.empty(2, dtype=np.int32), None):
             replay(np.zeros(2, dtype=dtype), 0, 1, True, 0, dtype(0), dtype(0), both, window, 0, ids)
+    key_counts(np.zeros(5, dtype=np.int16), 1, np.zeros(2, dtype=np.int64))
 
 
 KERNELS = KernelGroup("introsort_replay", _compile_all)
@@ -462,4 +498,4 @@ def warm() -> bool:
     return KERNELS.wait()
 
 
-__all__ = ["AVAILABLE", "KERNELS", "ID_BYTES", "IDS_MAX_ENTRIES", "MAX_TRACKED_SHARE", "replay", "warm"]
+__all__ = ["AVAILABLE", "KERNELS", "ID_BYTES", "IDS_MAX_ENTRIES", "MAX_TRACKED_SHARE", "key_counts", "replay", "warm"]

@@ -249,10 +249,15 @@ def _keys_only_window(
         return None  # the tracker packs positions into 32 bits, and kept stop positions are int32
     n = values.numel()
     keys = values.contiguous().view(view).numpy()
-    if keys.min() < 0 or keys.max() > _INFINITY_BITS[values.dtype]:
-        return None
-    find = _narrow_window_keys if view is torch.int16 else _wide_window_keys
-    inside, split = find(keys, lo, hi, descending)
+    if view is torch.int16:
+        counts = _narrow_key_counts(keys, _INFINITY_BITS[values.dtype])
+        if counts is None:
+            return None
+        inside, split = _narrow_window_keys(counts, lo, hi, descending)
+    else:
+        if keys.min() < 0 or keys.max() > _INFINITY_BITS[values.dtype]:
+            return None
+        inside, split = _wide_window_keys(keys, lo, hi, descending)
     if zeros_free:
         split.pop(0, None)  # free zeros: all out
     split_keys = sorted(split)
@@ -429,16 +434,26 @@ def follows_by_ids(n: int) -> bool:
     return COMPILED and n <= introsort_replay.IDS_MAX_ENTRIES
 
 
-def _narrow_window_keys(keys: np.ndarray, lo: int, hi: int, descending: bool) -> tuple[tuple[int, int] | None,
-                                                                                   dict[int, int]]:
-    """16-bit keys: the interval of key values wholly inside [lo, hi) (None: none is) and the keys the window's
-    ends cut, with their counts, from one histogram of all 32768 keys."""
-    n = keys.size
-    counts = torch.zeros(1 << 15, dtype=torch.int64)
+def _narrow_key_counts(keys: np.ndarray, limit: int) -> np.ndarray | None:
+    """The histogram of 16-bit keys over all 32768 values, None where a key lies outside [0, limit] (a sign bit or
+    a nan's bits). Compiled where the replay's kernels are ready (introsort_replay.key_counts: one pass), else
+    numpy's min and max and torch's bincount."""
+    counts = np.zeros(1 << 15, dtype=np.int64)
+    if COMPILED and introsort_replay.KERNELS.ready(keys.size):
+        return counts if introsort_replay.key_counts(keys, limit, counts) else None
+    if keys.min() < 0 or keys.max() > limit:
+        return None
+    total = torch.from_numpy(counts)
     key_tensor = torch.from_numpy(keys)
-    for start in range(0, n, _BLOCK):  # torch's bincount takes int16 as it is; numpy's widens it first (2x slower)
-        counts += torch.bincount(key_tensor[start : start + _BLOCK], minlength=1 << 15)
-    counts = counts.numpy()
+    for start in range(0, keys.size, _BLOCK):  # torch's bincount takes int16 as it is; numpy's widens it first
+        total += torch.bincount(key_tensor[start : start + _BLOCK], minlength=1 << 15)
+    return counts
+
+
+def _narrow_window_keys(counts: np.ndarray, lo: int, hi: int, descending: bool) -> tuple[tuple[int, int] | None,
+                                                                                     dict[int, int]]:
+    """16-bit keys, from their histogram (`counts`, _narrow_key_counts): the interval of key values wholly inside
+    [lo, hi) (None: none is) and the keys the window's ends cut, with their counts."""
     in_order = counts[::-1] if descending else counts
     first_rank = np.concatenate(([0], np.cumsum(in_order)[:-1]))
     last_rank = first_rank + in_order
