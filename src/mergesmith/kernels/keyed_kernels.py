@@ -25,6 +25,8 @@ Its output is numpy's, bit for bit (tests/test_keyed_kernels.py compares them at
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from .compiled import AVAILABLE as AVAILABLE  # the switch callers read (keyed_random, keyed_merge)
@@ -186,6 +188,14 @@ STEP = 2048
 over them. A multiple of 8, so that each step's flags fill whole bytes of the packed mask."""
 
 
+_PACK_FLAGS = np.uint64(0x8040201008040201 if sys.byteorder == "little" else 0x0102040810204080)
+"""Eight flag bytes (0 or 1) read as one native word w: the top byte of w * _PACK_FLAGS holds flag i at bit 7 - i
+(numpy's packbits order). Little-endian, flag i is bit 8i of w, and the multiplier has bits 9j (j = 0..7), so the
+flag lands on bits 8i + 9j: in the top byte only where i + j = 7, at bit 63 - i; no two product terms share a bit,
+so nothing carries into the top byte (big-endian, flag i is bit 8(7 - i) and bits 7k, k = 1..8, do the same).
+dare_totals on a cached 1 M-entry chunk, one thread: 1.86 against 2.05 ns an entry with a shift a flag."""
+
+
 @compiled
 def dare_totals(base, x, k0, k1, stream, start, chunk_size, threshold, draws, flags, mags, kept, packed, sums, block,
                 tree):
@@ -211,7 +221,7 @@ def dare_totals(base, x, k0, k1, stream, start, chunk_size, threshold, draws, fl
     starts on one of its blocks; an entry past the last whole block is the caller's to add. Added by the caller
     instead, the sums were ~0.4 ns of the totals pass's ~2.5 ns an entry (a call and Python a chunk and vector)."""
     n = base.shape[0]
-    one = np.uint8(1)
+    words = flags.view(np.uint64)
     for j0 in range(0, n, STEP):
         m = min(STEP, n - j0)
         philox_draws(k0, k1, stream, start + j0, chunk_size, draws[:m])
@@ -228,12 +238,8 @@ def dare_totals(base, x, k0, k1, stream, start, chunk_size, threshold, draws, fl
         for i in range(m, -(-m // 8) * 8):
             flags[i] = 0
         out = packed[j0 // 8 :]
-        for q in range(-(-m // 8)):
-            f = flags[8 * q : 8 * q + 8]
-            out[q] = (
-                (f[0] << np.uint8(7)) | (f[1] << np.uint8(6)) | (f[2] << np.uint8(5)) | (f[3] << np.uint8(4))
-                | (f[4] << np.uint8(3)) | (f[5] << np.uint8(2)) | (f[6] << one) | f[7]
-            )
+        for q in range(-(-m // 8)):  # eight 0/1 flag bytes to one byte by a multiplication (_PACK_FLAGS)
+            out[q] = np.uint8((words[q] * _PACK_FLAGS) >> np.uint64(56))
         done = j0 + m
         if sums.shape[1] > 0 and done % block == 0:
             b = done // block - 1
