@@ -88,6 +88,12 @@ _KEY_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.floa
 _INFINITY_BITS = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 
+def _keys_in_range(keys: np.ndarray, limit: int) -> bool:
+    """Whether every key (a float's bits as a signed integer) lies in [0, limit]: no sign bit (a negative value or
+    -0.0) and no nan's bits, so that the keys order like the values (numpy's min and max)."""
+    return bool(keys.min() >= 0 and keys.max() <= limit)
+
+
 def sorted_window_mask(
     values: torch.Tensor,
     lo: int,
@@ -255,7 +261,7 @@ def _keys_only_window(
             return None
         inside, split = _narrow_window_keys(counts, lo, hi, descending)
     else:
-        if keys.min() < 0 or keys.max() > _INFINITY_BITS[values.dtype]:
+        if not _keys_in_range(keys, _INFINITY_BITS[values.dtype]):
             return None
         inside, split = _wide_window_keys(keys, lo, hi, descending)
     if zeros_free:
@@ -441,7 +447,7 @@ def _narrow_key_counts(keys: np.ndarray, limit: int) -> np.ndarray | None:
     counts = np.zeros(1 << 15, dtype=np.int64)
     if COMPILED and introsort_replay.KERNELS.ready(keys.size):
         return counts if introsort_replay.key_counts(keys, limit, counts) else None
-    if keys.min() < 0 or keys.max() > limit:
+    if not _keys_in_range(keys, limit):
         return None
     total = torch.from_numpy(counts)
     key_tensor = torch.from_numpy(keys)
@@ -510,8 +516,8 @@ def _packed_keys(values: torch.Tensor) -> np.ndarray | None:
     if values.device.type != "cpu" or values.dim() != 1 or values.dtype not in _KEY_VIEW or values.numel() >= 2**31:
         return None
     bits = values.contiguous().view(_KEY_VIEW[values.dtype]).numpy()
-    if bits.min() < 0 or bits.max() > _INFINITY_BITS[values.dtype]:
-        return None  # a sign bit (negative value or -0.0) or a NaN
+    if not _keys_in_range(bits, _INFINITY_BITS[values.dtype]):
+        return None
     packed = bits.astype(np.int64)
     packed <<= _INDEX_BITS
     for start in range(0, packed.size, _BLOCK):
