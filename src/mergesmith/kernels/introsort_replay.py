@@ -6,8 +6,9 @@ selection, bit-equal to mergekit). In numpy each Hoare partition is vectorised b
 scans' stops, and the entries the window's ends cut are followed by a sorted tracker that numpy searches per
 exchange: on the 1 B TIES bench merge that was 56% of the workers' time (bench/README.md, issue 21). Compiled,
 the partition is what libstdc++ does, with the scans' stops gathered 64 entries at a time without a branch per
-entry (the i-th stop from the left is exchanged with the i-th from the right, as in Hoare's loop, so the pairs
-and the cut are Hoare's). On tensors of up to IDS_MAX_ENTRIES the followed entries carry their starting position
+entry (block_stops: by a compare and a compress where the CPU has AVX-512; the i-th stop from the left is
+exchanged with the i-th from the right, as in Hoare's loop, so the pairs and the cut are Hoare's). On tensors of
+up to IDS_MAX_ENTRIES the followed entries carry their starting position
 in an int32 array beside the keys, swapped with every exchange, whether the entries are followed or not: 4 bytes
 an entry, and no test per swap. Timed ad hoc on `model.layers.3.mlp.up_proj.weight`'s two task vectors of the 1 B
 bench (~1.9% of their entries followed; the replay alone, one thread, ns an entry; `python
@@ -30,10 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .block_stops import BLOCK, SPILL, backward_stops, forward_stops
 from .compiled import AVAILABLE, KernelGroup, compiled, numba_extension
-
-BLOCK = 64
-"""Entries whose stops one scan gathers at a time."""
 
 INSERTION_THRESHOLD = 16
 """libstdc++'s `_S_threshold` (sort_select's numpy replay uses this one too)."""
@@ -252,28 +251,16 @@ def _gathered_exchanges(entries, low, high, pivot, descending, key_shift, track,
             if high - low + 1 < 2 * BLOCK:
                 break
             left_start, left_count, left_used = low, 0, 0
-            if descending:  # a forward stop: an entry the pivot does not follow
-                for t in range(BLOCK):
-                    left[left_count] = t
-                    left_count += (entries[left_start + t] >> key_shift) <= pivot
-            else:
-                for t in range(BLOCK):
-                    left[left_count] = t
-                    left_count += (entries[left_start + t] >> key_shift) >= pivot
+            # a forward stop: an entry the pivot does not precede (descending: key <= pivot)
+            left_count = forward_stops(entries, left_start, pivot, key_shift, descending, left)
             left_follows = _block_follows(entries, left_start, track)
             low += BLOCK
         if right_used == right_count:
             if high - low + 1 < BLOCK:
                 break
             right_start, right_count, right_used = high, 0, 0
-            if descending:  # a backward stop: an entry that does not follow the pivot
-                for t in range(BLOCK):
-                    right[right_count] = t
-                    right_count += (entries[right_start - t] >> key_shift) >= pivot
-            else:
-                for t in range(BLOCK):
-                    right[right_count] = t
-                    right_count += (entries[right_start - t] >> key_shift) <= pivot
+            # a backward stop: an entry that does not precede the pivot (descending: key >= pivot)
+            right_count = backward_stops(entries, right_start, pivot, key_shift, not descending, right)
             right_follows = _block_follows(entries, right_start - BLOCK + 1, track)
             high -= BLOCK
         pairs = min(left_count - left_used, right_count - right_used)
@@ -352,7 +339,7 @@ def _sort_leaf(entries, first, last, descending, key_shift, track):
 @compiled
 def _introsort(entries, lo, hi, descending, key_shift, depth_budget, track):
     """The replay's moves (see replay), following entries by `track`."""
-    buffers = (np.empty(BLOCK, dtype=np.int64), np.empty(BLOCK, dtype=np.int64))
+    buffers = (np.empty(BLOCK + SPILL, dtype=np.int32), np.empty(BLOCK + SPILL, dtype=np.int32))
     stack = np.empty((2 * depth_budget + 8, 3), dtype=np.int64)  # (first, last, depth budget left)
     stack[0, 0], stack[0, 1], stack[0, 2] = 0, entries.shape[0], depth_budget
     top = 1

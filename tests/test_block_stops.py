@@ -1,0 +1,61 @@
+"""block_stops: a scan step's stops, by compress and by the loop, are the same offsets in the same order.
+
+The replay's exchanges (and so TIES' selection, bit-equal to mergekit) depend on every stop and its order: both
+ways must give numpy's answer for every key width the replay takes (16-bit and 32-bit keys, 64-bit packed
+entries shifted), both comparisons, both scan directions, keys equal to the pivot, negative keys, and blocks that
+start anywhere in the array.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from mergesmith.kernels import block_stops, compiled
+
+pytestmark = pytest.mark.skipif(not compiled.AVAILABLE, reason="numba is not installed")
+
+WAYS = ["loop", "compress"]
+
+
+def _expected(keys: np.ndarray, first: int, pivot: int, at_most: bool, backward: bool) -> np.ndarray:
+    positions = first - np.arange(block_stops.BLOCK) if backward else first + np.arange(block_stops.BLOCK)
+    block = keys[positions]
+    return np.flatnonzero(block <= pivot if at_most else block >= pivot).astype(np.int32)
+
+
+def _gather(way: str):
+    compiled.load()
+    if way == "compress":
+        import llvmlite.binding as llvm
+
+        if llvm.llvm_version_info < (19,):
+            pytest.skip("LLVM older than 19 has no generic compress")
+        return block_stops.stops_by_compress
+    return block_stops.stops_by_loop
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("dtype,shift", [(np.int16, 0), (np.int32, 0), (np.int64, 0), (np.int64, 30)])
+def test_stops_are_numpys(way, dtype, shift):
+    gather = _gather(way)
+    rng = np.random.default_rng(7)
+    n = 1000
+    # few distinct keys, so that many equal the pivot; some negative (packed entries' signed keys)
+    keys = rng.integers(-3, 9, size=n).astype(dtype)
+    entries = (keys.astype(np.int64) << shift | rng.integers(0, 1 << shift, size=n) if shift else keys).astype(dtype)
+    out = np.full(block_stops.BLOCK + block_stops.SPILL, -1, dtype=np.int32)
+    for first, at_most, backward in itertools.product([0, 1, 5, 63, 200, n - 64], [True, False], [True, False]):
+        start = first + block_stops.BLOCK - 1 if backward else first
+        for pivot in (-3, 0, 4, 8):
+            count = gather(entries, start, dtype(pivot), shift, at_most, backward, out)
+            expected = _expected(keys, start, pivot, at_most, backward)
+            assert count == expected.size
+            np.testing.assert_array_equal(out[:count], expected)
+
+
+def test_the_replay_uses_compress_where_the_target_has_avx512():
+    compiled.load()
+    assert block_stops.COMPRESS == block_stops.target_compresses()
