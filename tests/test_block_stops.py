@@ -59,3 +59,18 @@ def test_stops_are_numpys(way, dtype, shift):
 def test_the_replay_uses_compress_where_the_target_has_avx512():
     compiled.load()
     assert block_stops.COMPRESS == block_stops.target_compresses()
+
+
+def test_the_stops_compile_when_numba_was_loaded_first():
+    """compiled.numba_extension runs a module's typing hook at its import when numba is loaded already (a process
+    that loaded the kernel groups of other modules first): the hook must find everything it uses defined."""
+    import subprocess
+    import sys
+
+    code = ("from mergesmith.kernels import compiled; compiled.load()\n"
+            "from mergesmith.kernels import block_stops, introsort_replay\n"
+            "assert introsort_replay.warm(), introsort_replay.KERNELS.error\n"
+            "print(block_stops.COMPRESS)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() in ("True", "False")

@@ -97,31 +97,6 @@ def stops_by_compress(entries, first, pivot, key_shift, at_most, backward, out):
     return _forward_compress(entries, first, pivot, key_shift, at_most, out)
 
 
-@numba_extension
-def _typing() -> None:
-    """The compress intrinsics (LLVM 19 or later) and the overloads of forward_stops and backward_stops, by
-    compress where the target has AVX-512, else by the loop (see the module docstring), registered once numba is
-    loaded (compiled.numba_extension)."""
-    global COMPRESS, _forward_compress, _backward_compress
-    import llvmlite.binding as llvm
-    from numba.extending import overload
-
-    if llvm.llvm_version_info >= (19,):
-        _forward_compress, _backward_compress = _compress_intrinsic(reverse=False), _compress_intrinsic(reverse=True)
-    COMPRESS = target_compresses()
-    gather = stops_by_compress if COMPRESS else stops_by_loop
-
-    @overload(forward_stops)
-    def _forward(entries, first, pivot, key_shift, at_most, out):
-        return lambda entries, first, pivot, key_shift, at_most, out: gather(entries, first, pivot, key_shift,
-                                                                             at_most, False, out)
-
-    @overload(backward_stops)
-    def _backward(entries, last, pivot, key_shift, at_most, out):
-        return lambda entries, last, pivot, key_shift, at_most, out: gather(entries, last, pivot, key_shift,
-                                                                            at_most, True, out)
-
-
 def _compress_intrinsic(reverse: bool) -> Any:
     """An intrinsic (entries, first, pivot, key_shift, at_most, out) -> count over the BLOCK entries from `first`:
     their keys compared with the pivot into a BLOCK-bit mask (reversed for a backward scan, so that offset t is
@@ -188,3 +163,28 @@ def _compress_intrinsic(reverse: bool) -> Any:
 
     stops.__name__ = "backward_stops_by_compress" if reverse else "forward_stops_by_compress"
     return intrinsic(stops)
+
+
+@numba_extension
+def _typing() -> None:
+    """The compress intrinsics (LLVM 19 or later) and the overloads of forward_stops and backward_stops, by
+    compress where the target has AVX-512, else by the loop (see the module docstring), registered once numba is
+    loaded (compiled.numba_extension)."""
+    global COMPRESS, _forward_compress, _backward_compress
+    import llvmlite.binding as llvm
+    from numba.extending import overload
+
+    if llvm.llvm_version_info >= (19,):
+        _forward_compress, _backward_compress = _compress_intrinsic(reverse=False), _compress_intrinsic(reverse=True)
+    COMPRESS = target_compresses()
+    gather = stops_by_compress if COMPRESS else stops_by_loop
+
+    @overload(forward_stops)
+    def _forward(entries, first, pivot, key_shift, at_most, out):
+        return lambda entries, first, pivot, key_shift, at_most, out: gather(entries, first, pivot, key_shift,
+                                                                             at_most, False, out)
+
+    @overload(backward_stops)
+    def _backward(entries, last, pivot, key_shift, at_most, out):
+        return lambda entries, last, pivot, key_shift, at_most, out: gather(entries, last, pivot, key_shift,
+                                                                            at_most, True, out)
