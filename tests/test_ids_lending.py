@@ -166,6 +166,48 @@ def test_one_tensors_selections_share_a_lent_ids_buffer_while_held() -> None:
     assert all(n == sort_select.ids_bytes(400_000) for n in loans)
 
 
+def test_a_dropped_lent_ids_buffer_is_the_next_large_tensors_on_any_thread_until_the_merge_ends() -> None:
+    """At the end of holding_ids a lent buffer (over the kept size) is left as the spare, its pages lazily freed; the
+    next large tensor's selections take it, on another thread too, and their windows stay the sort's. Under a
+    bound that keeps nothing (a user's --max-memory) there is no spare, and none outlives the merge."""
+    import threading
+
+    assert introsort_replay.warm()
+    buffers: list[int] = []
+    replay = introsort_replay.replay
+
+    def spying(*args: Any) -> bool:
+        buffers.append(args[-1].ctypes.data)
+        return replay(*args)
+
+    def select_held(values: torch.Tensor) -> None:
+        with sort_select.holding_ids():
+            expected = torch.zeros(values.numel(), dtype=torch.bool)
+            expected[torch.sort(values.float(), descending=True).indices[:1000]] = True
+            assert torch.equal(sort_select.sorted_window_mask(values.clone(), 0, 1000, True), expected)
+
+    def on_a_thread(values: torch.Tensor) -> None:
+        thread = threading.Thread(target=select_held, args=(values,))
+        thread.start()
+        thread.join()
+
+    mp = pytest.MonkeyPatch()
+    with mp.context() as patch:
+        patch.setattr(introsort_replay, "replay", spying)
+        patch.setattr(introsort_replay, "IDS_MAX_ENTRIES", 100_000)  # these selections borrow their ids
+        patch.setattr(sort_select, "_IDS", type(sort_select._IDS)())
+        with sort_select.lending(lambda nbytes: True, lambda nbytes: None, kept_ids=100_000):
+            select_held(_deltas(400_000))
+            assert not sort_select._IDS.arrays and sort_select._SPARE._buffer is not None
+            on_a_thread(_deltas(300_000).flip(0))  # smaller: the spare's memory
+            select_held(_deltas(500_000))  # larger than the spare: fresh, and the new spare
+        assert sort_select._SPARE._buffer is None  # the merge's end drops it
+        with sort_select.lending(lambda nbytes: True, lambda nbytes: None, kept_ids=0):
+            select_held(_deltas(400_000))
+            assert sort_select._SPARE._buffer is None
+    assert buffers[0] == buffers[1] != buffers[2]
+
+
 @pytest.mark.parametrize(
     ("method", "max_memory", "blocked"),
     [("ties", None, False), ("linear", None, False), ("ties", 8 << 30, False), ("ties", None, True)],

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import mmap
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -357,6 +358,7 @@ def lending(lend: Callable[[int], bool], repay: Callable[[int], None], kept_ids:
         yield
     finally:
         _lender.lend, _lender.repay, _lender.kept_ids = before
+        _SPARE.clear()
 
 
 _IDS = WorkBuffers()
@@ -390,8 +392,76 @@ def holding_ids() -> Iterator[None]:
 
 
 def _drop_held_ids() -> None:
-    """Forget this thread's ids buffer where it is larger than a merge lets a thread keep."""
-    _IDS.forget_array("ids", np.int32, above=_lender.kept_ids)
+    """Forget this thread's ids buffer where it is larger than a merge lets a thread keep: left as the spare (see
+    _SpareIds) where the merge lets threads keep buffers at all."""
+    held = _IDS.arrays.get(_IDS_KEY)
+    if held is not None and held.size > _lender.kept_ids:
+        if _lender.kept_ids > 0:
+            _SPARE.put(held)
+        _IDS.forget_array("ids", np.int32, above=_lender.kept_ids)
+
+
+class _SpareIds:
+    """One large ids buffer (a lent one, over the kept size) left by a tensor's selections for the next large
+    tensor's, whichever thread runs them, with its pages lazily freed meanwhile.
+
+    Why: a lent buffer is fresh memory, and on this project's VMs the kernel's zeroing of fresh pages runs at ~0.5-1
+    GB/s (the host backs them as they are first touched). The 1b TIES merge's embedding and output matrix each took
+    a 262 MB buffer: `perf` put ~1.0 CPU-s of the merge in `clear_page_erms` under `_set_ids` (4.1% of its samples),
+    ~0.55 CPU-s with the second reusing the first's pages; the merge's wall time, three alternating cold pairs,
+    stayed within the VM's noise (11.9-13.2 s against 12.3-12.7 s; bench/README.md, ninth session of issue 33).
+
+    The spare is held outside the memory budget, so its pages are handed to the kernel as lazily freeable
+    (MADV_FREE): under memory pressure the kernel takes them back instead of swapping or killing, and the next user
+    finds zeros there, which it may (an ids buffer's contents are undefined); until then reusing them costs no
+    fault. Kept only in a merge that lets threads keep buffers (not under a user's --max-memory), one at a time
+    (the larger), and dropped when the merge ends (`lending`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffer: np.ndarray | None = None
+
+    def put(self, buffer: np.ndarray) -> None:
+        """Keep `buffer` (from _mapped_ids) as the spare where it is larger than the one kept."""
+        base = buffer.base
+        mapping = base.obj if isinstance(base, memoryview) else base
+        if not isinstance(mapping, mmap.mmap) or not hasattr(mmap, "MADV_FREE"):
+            return
+        with self._lock:
+            if self._buffer is not None and self._buffer.size >= buffer.size:
+                return
+            mapping.madvise(mmap.MADV_FREE)
+            self._buffer = buffer
+
+    def take(self, n: int) -> np.ndarray | None:
+        """The spare, no longer kept, where it holds n entries; else None."""
+        with self._lock:
+            if self._buffer is None or self._buffer.size < n:
+                return None
+            buffer, self._buffer = self._buffer, None
+            return buffer
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buffer = None
+
+
+_SPARE = _SpareIds()
+_IDS_KEY = ("ids", np.dtype(np.int32))
+_HUGE_PAGE = 2 << 20
+
+
+def _mapped_ids(n: int) -> np.ndarray:
+    """A fresh int32 buffer of n entries in its own anonymous map of whole huge pages, transparent huge pages asked
+    for (as numpy asks for its large allocations), which _SpareIds can lazily free."""
+    size = -(-n * introsort_replay.ID_BYTES // _HUGE_PAGE) * _HUGE_PAGE
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            memory.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: 4 KB pages
+            pass
+    return np.frombuffer(memory, dtype=np.int32, count=n)
 
 
 def _ids_buffer(n: int) -> np.ndarray:
@@ -403,7 +473,16 @@ def _ids_buffer(n: int) -> np.ndarray:
     took 14.5-16.0 s, 4.8-6.9 s of it system time); reused, 160 K faults and 13.3-14.6 s, 4.1-5.5 s (bench/README.md,
     issue 33). A fresh buffer comes from numpy, which asks for transparent huge pages where the system grants them on
     request (a 2 MB fault instead of 512)."""
-    return _IDS.array("ids", n, np.int32, keep_up_to=max(n, _lender.kept_ids) if _HELD.on else _lender.kept_ids)
+    if n > _lender.kept_ids:  # a lent buffer: the thread's held one, the spare or a fresh map
+        held = _IDS.arrays.get(_IDS_KEY)
+        if held is None or held.size < n:
+            held = _SPARE.take(n)
+            if held is None:
+                held = _mapped_ids(n)
+            if _HELD.on:
+                _IDS.arrays[_IDS_KEY] = held
+        return held[:n]
+    return _IDS.array("ids", n, np.int32, keep_up_to=_lender.kept_ids)
 
 
 def kept_entries() -> int:
