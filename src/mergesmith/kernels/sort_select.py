@@ -44,11 +44,14 @@ introsort_replay.MAX_TRACKED_SHARE of the entries. Tests compare both against `t
 from __future__ import annotations
 
 import bisect
+import ctypes
+import ctypes.util
 import itertools
 import mmap
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -422,16 +425,12 @@ class _SpareIds:
         self._buffer: np.ndarray | None = None
 
     def put(self, buffer: np.ndarray) -> None:
-        """Keep `buffer` (from _mapped_ids) as the spare where it is larger than the one kept."""
-        base = buffer.base
-        mapping = base.obj if isinstance(base, memoryview) else base
-        if not isinstance(mapping, mmap.mmap) or not hasattr(mmap, "MADV_FREE"):
-            return
+        """Keep `buffer` as the spare where it is larger than the one kept (and the system can lazily free it)."""
         with self._lock:
             if self._buffer is not None and self._buffer.size >= buffer.size:
                 return
-            mapping.madvise(mmap.MADV_FREE)
-            self._buffer = buffer
+            if _lazily_free(buffer):
+                self._buffer = buffer
 
     def take(self, n: int) -> np.ndarray | None:
         """The spare, no longer kept, where it holds n entries; else None."""
@@ -448,20 +447,31 @@ class _SpareIds:
 
 _SPARE = _SpareIds()
 _IDS_KEY = ("ids", np.dtype(np.int32))
-_HUGE_PAGE = 2 << 20
 
 
-def _mapped_ids(n: int) -> np.ndarray:
-    """A fresh int32 buffer of n entries in its own anonymous map of whole huge pages, transparent huge pages asked
-    for (as numpy asks for its large allocations), which _SpareIds can lazily free."""
-    size = -(-n * introsort_replay.ID_BYTES // _HUGE_PAGE) * _HUGE_PAGE
-    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+def _lazily_free(buffer: np.ndarray) -> bool:
+    """madvise(MADV_FREE) over the whole pages inside `buffer`'s memory (Linux); whether it was done. numpy's
+    buffer stays allocated: the kernel may take the pages back, which then read as zeros."""
+    if not hasattr(mmap, "MADV_FREE"):
+        return False
+    global _madvise
+    if _madvise is None:
         try:
-            memory.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages: 4 KB pages
-            pass
-    return np.frombuffer(memory, dtype=np.int32, count=n)
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _madvise = libc.madvise
+            _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            _madvise.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _madvise = False
+    if not _madvise:
+        return False
+    page = mmap.PAGESIZE
+    start = -(-buffer.ctypes.data // page) * page
+    end = (buffer.ctypes.data + buffer.nbytes) // page * page
+    return end <= start or _madvise(start, end - start, mmap.MADV_FREE) == 0
+
+
+_madvise: Any = None  # libc's madvise, found on first use (False: none)
 
 
 def _ids_buffer(n: int) -> np.ndarray:
@@ -478,7 +488,7 @@ def _ids_buffer(n: int) -> np.ndarray:
         if held is None or held.size < n:
             held = _SPARE.take(n)
             if held is None:
-                held = _mapped_ids(n)
+                held = np.empty(n, dtype=np.int32)
             if _HELD.on:
                 _IDS.arrays[_IDS_KEY] = held
         return held[:n]
