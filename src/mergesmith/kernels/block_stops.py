@@ -52,6 +52,19 @@ def backward_stops(entries, last, pivot, key_shift, at_most, out):  # noqa: ARG0
     raise NotImplementedError
 
 
+def matching_bits(entries, first, low, high):  # noqa: ARG001 - typed by its overload below
+    """The BLOCK-bit mask (a uint64) of the entries from `first` equal to `low` or to `high`: bit t for the entry at
+    first + t. A comparison of the block and a move of its mask bits on any CPU with vector compares (LLVM lowers
+    it with AVX-512's mask registers or SSE/AVX2's movemask), so no loop version is needed; a caller walks the set
+    bits (numba's trailing_zeros) where matches are rare: ~0.1 ns an entry to find them (see introsort_replay)."""
+    raise NotImplementedError
+
+
+def lowest_bit(bits):  # noqa: ARG001 - typed by its overload below
+    """The index of the lowest set bit of a nonzero uint64 (one instruction: numba's trailing_zeros)."""
+    raise NotImplementedError
+
+
 def target_compresses() -> bool:
     """Whether numba compiles for a CPU with AVX-512 (its own host, unless NUMBA_CPU_NAME names another) with an
     LLVM that has the generic compress (19 or later)."""
@@ -97,6 +110,51 @@ def stops_by_compress(entries, first, pivot, key_shift, at_most, backward, out):
     return _forward_compress(entries, first, pivot, key_shift, at_most, out)
 
 
+def _splat(context: Any, builder: Any, value: Any, value_type: Any, element_type: Any) -> Any:
+    """A BLOCK-lane vector of `value` (of numba type value_type) cast to element_type (a numba integer type)."""
+    from llvmlite import ir
+
+    element = context.get_data_type(element_type)
+    block_type = ir.VectorType(element, BLOCK)
+    cast = context.cast(builder, value, value_type, element_type)
+    one = builder.insert_element(ir.Constant(block_type, ir.Undefined), cast, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(block_type, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), BLOCK), [0] * BLOCK))
+
+
+def _load_block(context: Any, builder: Any, array_type: Any, array: Any, first: Any) -> Any:
+    """The BLOCK entries of a contiguous array from index `first`, as one vector."""
+    from llvmlite import ir
+
+    element = context.get_data_type(array_type.dtype)
+    block_type = ir.VectorType(element, BLOCK)
+    data = context.make_array(array_type)(context, builder, value=array).data
+    return builder.load(builder.bitcast(builder.gep(data, [first]), block_type.as_pointer()), align=element.width // 8)
+
+
+def _matching_intrinsic() -> Any:
+    """An intrinsic (entries, first, low, high) -> uint64: matching_bits."""
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    def matching(typingctx, entries, first, low, high):
+        signature = types.uint64(entries, first, low, high)
+
+        def codegen(context, builder, sig, args):
+            entries_value, first_value, low_value, high_value = args
+            element_type = sig.args[0].dtype
+            block = _load_block(context, builder, sig.args[0], entries_value, first_value)
+            equal_low = builder.icmp_signed("==", block, _splat(context, builder, low_value, sig.args[2], element_type))
+            equal_high = builder.icmp_signed("==", block,
+                                             _splat(context, builder, high_value, sig.args[3], element_type))
+            return builder.bitcast(builder.or_(equal_low, equal_high), ir.IntType(BLOCK))
+
+        return signature, codegen
+
+    return intrinsic(matching)
+
+
 def _compress_intrinsic(reverse: bool) -> Any:
     """An intrinsic (entries, first, pivot, key_shift, at_most, out) -> count over the BLOCK entries from `first`:
     their keys compared with the pivot into a BLOCK-bit mask (reversed for a backward scan, so that offset t is
@@ -114,25 +172,10 @@ def _compress_intrinsic(reverse: bool) -> Any:
 
         def codegen(context, builder, sig, args):
             entries_value, first_value, pivot_value, shift_value, at_most_value, out_value = args
-            element = context.get_data_type(sig.args[0].dtype)
-            block_type = ir.VectorType(element, BLOCK)
-
-            def as_element(value):
-                if value.type.width > element.width:
-                    return builder.trunc(value, element)
-                return builder.sext(value, element) if value.type.width < element.width else value
-
-            def splat(value):
-                undefined = ir.Constant(block_type, ir.Undefined)
-                one = builder.insert_element(undefined, as_element(value), ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, ir.Constant(block_type, ir.Undefined),
-                                              ir.Constant(ir.VectorType(i32, BLOCK), [0] * BLOCK))
-
-            array = context.make_array(sig.args[0])(context, builder, value=entries_value)
-            start = builder.gep(array.data, [first_value])
-            block = builder.load(builder.bitcast(start, block_type.as_pointer()), align=element.width // 8)
-            keys = builder.ashr(block, splat(shift_value))
-            pivots = splat(pivot_value)
+            element_type = sig.args[0].dtype
+            block = _load_block(context, builder, sig.args[0], entries_value, first_value)
+            keys = builder.ashr(block, _splat(context, builder, shift_value, sig.args[3], element_type))
+            pivots = _splat(context, builder, pivot_value, sig.args[2], element_type)
             at_most_flag = context.cast(builder, at_most_value, sig.args[4], types.boolean)
             mask = builder.select(at_most_flag, builder.icmp_signed("<=", keys, pivots),
                                   builder.icmp_signed(">=", keys, pivots))
@@ -178,6 +221,17 @@ def _typing() -> None:
         _forward_compress, _backward_compress = _compress_intrinsic(reverse=False), _compress_intrinsic(reverse=True)
     COMPRESS = target_compresses()
     gather = stops_by_compress if COMPRESS else stops_by_loop
+    matching = _matching_intrinsic()
+
+    @overload(matching_bits)
+    def _matching(entries, first, low, high):
+        return lambda entries, first, low, high: matching(entries, first, low, high)
+
+    from numba.cpython.unsafe.numbers import trailing_zeros
+
+    @overload(lowest_bit)
+    def _lowest(bits):
+        return lambda bits: trailing_zeros(bits)
 
     @overload(forward_stops)
     def _forward(entries, first, pivot, key_shift, at_most, out):

@@ -280,25 +280,22 @@ def _keys_only_window(
         mask = out[:n]
         if inside is None:  # else the comparison below writes every entry
             mask.fill(False)
-    # both passes below go a block at a time: their temporaries stay a block big, not 2-3 bytes an entry
-    if inside is not None:  # keys - first <= last - first, unsigned: one comparison instead of two and an and
-        first, span = keys.dtype.type(inside[0]), inside[1] - inside[0]
-        unsigned = np.uint16 if view is torch.int16 else np.uint32
-        for start in range(0, n, _BLOCK):
-            part = slice(start, start + _BLOCK)
-            np.less_equal(np.subtract(keys[part], first).view(unsigned), span, out=mask[part])
+    compiled_now = COMPILED and introsort_replay.KERNELS.ready(n)  # once per selection: one path throughout
+    tracked = np.empty(tracked_count, dtype=np.int64)
+    if compiled_now:  # the mask and the tracked positions in one compiled pass
+        first, span = (inside[0], inside[1] - inside[0]) if inside is not None else (0, 0)
+        none = keys.dtype.type(-1)  # no key: every key is in [0, limit]
+        low, high = (keys.dtype.type(split_keys[0]), keys.dtype.type(split_keys[-1])) if split_keys else (none, none)
+        width_mask = 0xFFFF if view is torch.int16 else 0xFFFFFFFF
+        found = introsort_replay.window_and_followed(keys, keys.dtype.type(first), span, width_mask,
+                                                     inside is not None, low, high, mask, tracked)
+        assert found == tracked_count, (found, tracked_count)
+    else:
+        _numpy_window_and_tracked(keys, inside, split_keys, mask, tracked, view)
     if not split_keys:
         return mask
-    tracked = np.empty(tracked_count, dtype=np.int64)
-    filled = 0
-    for start in range(0, n, _BLOCK):
-        found = np.flatnonzero(_Tracker.of_keys(keys[start : start + _BLOCK], split_keys))
-        found += start
-        tracked[filled : filled + found.size] = found
-        filled += found.size
     if not consume:
         keys = keys.copy()  # the replay reorders them
-    compiled_now = COMPILED and introsort_replay.KERNELS.ready(n)  # once per selection: one path throughout
     use_ids = compiled_now and follows_by_ids(n)
     lent = _borrow_ids(n) if compiled_now and not use_ids else 0
     if not (use_ids or lent):
@@ -321,6 +318,28 @@ def _keys_only_window(
         raise _ReplayGaveUp
     mask[tracker.originals_in(lo, hi)] = True
     return mask
+
+
+def _numpy_window_and_tracked(keys: np.ndarray, inside: tuple[int, int] | None, split_keys: list[int],
+                              mask: np.ndarray, tracked: np.ndarray, view: torch.dtype) -> None:
+    """introsort_replay.window_and_followed by numpy (its kernels not ready): mask[i] where keys[i] lies inside
+    [inside[0], inside[1]], and the positions of the split keys into `tracked`, a block at a time (the temporaries
+    stay a block big, not 2-3 bytes an entry)."""
+    n = keys.size
+    if inside is not None:  # keys - first <= last - first, unsigned: one comparison instead of two and an and
+        first, span = keys.dtype.type(inside[0]), inside[1] - inside[0]
+        unsigned = np.uint16 if view is torch.int16 else np.uint32
+        for start in range(0, n, _BLOCK):
+            part = slice(start, start + _BLOCK)
+            np.less_equal(np.subtract(keys[part], first).view(unsigned), span, out=mask[part])
+    if not split_keys:
+        return
+    filled = 0
+    for start in range(0, n, _BLOCK):
+        found = np.flatnonzero(_Tracker.of_keys(keys[start : start + _BLOCK], split_keys))
+        found += start
+        tracked[filled : filled + found.size] = found
+        filled += found.size
 
 
 LENT_IDS_MAX_ENTRIES = 1 << 28
