@@ -430,7 +430,7 @@ class _SpareIds:
     Why: a lent buffer is fresh memory, and on this project's VMs the kernel's zeroing of fresh pages runs at ~0.5-1
     GB/s (the host backs them as they are first touched). The 1b TIES merge's embedding and output matrix each took
     a 262 MB buffer: `perf` put ~1.0 CPU-s of the merge in `clear_page_erms` under `_set_ids` (4.1% of its samples),
-    ~0.55 CPU-s with the second reusing the first's pages; the merge's wall time, three alternating cold pairs,
+    ~0.55-0.65 CPU-s with the second reusing the first's pages; the merge's wall time, three alternating cold pairs,
     stayed within the VM's noise (11.9-13.2 s against 12.3-12.7 s; bench/README.md, ninth session of issue 33).
 
     The spare is held outside the memory budget, so its pages are handed to the kernel as lazily freeable
