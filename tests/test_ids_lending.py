@@ -21,6 +21,25 @@ def _deltas(n: int) -> torch.Tensor:
     return (torch.randn(n, generator=g) * 0.003).bfloat16().abs()
 
 
+def _spy_on_ids(patch: pytest.MonkeyPatch, buffers: list[int]) -> None:
+    """Record the address of each replay's ids buffer in `buffers` (-1 for a replay without ids: the table)."""
+    replay = introsort_replay.replay
+
+    def spying(*args: Any) -> bool:
+        ids = args[-1]
+        buffers.append(-1 if ids is None else ids.ctypes.data)
+        return replay(*args)
+
+    patch.setattr(introsort_replay, "replay", spying)
+
+
+def _select_checked(values: torch.Tensor, hi: int) -> None:
+    """Select the top `hi` of `values` and check the window against torch.sort's."""
+    expected = torch.zeros(values.numel(), dtype=torch.bool)
+    expected[torch.sort(values.float(), descending=True).indices[:hi]] = True
+    assert torch.equal(sort_select.sorted_window_mask(values.clone(), 0, hi, True), expected)
+
+
 @pytest.mark.parametrize("granted", [True, False])
 def test_a_lent_selection_follows_by_ids_and_gives_the_sorts_window(granted: bool, monkeypatch: Any) -> None:
     assert introsort_replay.warm()
@@ -91,21 +110,14 @@ def test_a_thread_keeps_its_ids_within_the_merges_bound_and_the_windows_stay_the
     whose stale ids for entries it does not follow must not matter; a larger one, or any outside lending, is fresh."""
     assert introsort_replay.warm()
     buffers: list[int] = []
-    replay = introsort_replay.replay
-
-    def spying(*args: Any) -> bool:
-        buffers.append(args[-1].ctypes.data)
-        return replay(*args)
 
     def select(values: torch.Tensor) -> None:
-        expected = torch.zeros(values.numel(), dtype=torch.bool)
-        expected[torch.sort(values.float(), descending=True).indices[: values.numel() // 3]] = True
-        assert torch.equal(sort_select.sorted_window_mask(values.clone(), 0, values.numel() // 3, True), expected)
+        _select_checked(values, values.numel() // 3)
 
     first, second, larger = _deltas(300_000), _deltas(200_000).flip(0), _deltas(400_000)
     mp = pytest.MonkeyPatch()
     with mp.context() as patch:
-        patch.setattr(introsort_replay, "replay", spying)
+        _spy_on_ids(patch, buffers)
         patch.setattr(sort_select, "_IDS", type(sort_select._IDS)())  # no buffer left by an earlier test
         select(first)
         select(second)  # outside lending: nothing kept
@@ -129,13 +141,6 @@ def test_one_tensors_selections_share_a_lent_ids_buffer_while_held() -> None:
     borrowing its memory again each time; a refused loan drops it at once, and the end of the block drops it too."""
     assert introsort_replay.warm()
     buffers: list[int] = []
-    replay = introsort_replay.replay
-
-    def spying(*args: Any) -> bool:
-        ids = args[-1]
-        buffers.append(-1 if ids is None else ids.ctypes.data)
-        return replay(*args)
-
     loans: list[int] = []
     granted = [True]
 
@@ -146,7 +151,7 @@ def test_one_tensors_selections_share_a_lent_ids_buffer_while_held() -> None:
     values = [_deltas(400_000), _deltas(400_000).flip(0), _deltas(400_000).roll(7)]
     mp = pytest.MonkeyPatch()
     with mp.context() as patch:
-        patch.setattr(introsort_replay, "replay", spying)
+        _spy_on_ids(patch, buffers)
         patch.setattr(introsort_replay, "IDS_MAX_ENTRIES", 100_000)  # these selections borrow their ids
         patch.setattr(sort_select, "_IDS", type(sort_select._IDS)())
         with sort_select.lending(lend, lambda nbytes: None, kept_ids=100_000):
@@ -174,17 +179,10 @@ def test_a_dropped_lent_ids_buffer_is_the_next_large_tensors_on_any_thread_until
 
     assert introsort_replay.warm()
     buffers: list[int] = []
-    replay = introsort_replay.replay
-
-    def spying(*args: Any) -> bool:
-        buffers.append(args[-1].ctypes.data)
-        return replay(*args)
 
     def select_held(values: torch.Tensor) -> None:
         with sort_select.holding_ids():
-            expected = torch.zeros(values.numel(), dtype=torch.bool)
-            expected[torch.sort(values.float(), descending=True).indices[:1000]] = True
-            assert torch.equal(sort_select.sorted_window_mask(values.clone(), 0, 1000, True), expected)
+            _select_checked(values, 1000)
 
     def on_a_thread(values: torch.Tensor) -> None:
         thread = threading.Thread(target=select_held, args=(values,))
@@ -193,7 +191,7 @@ def test_a_dropped_lent_ids_buffer_is_the_next_large_tensors_on_any_thread_until
 
     mp = pytest.MonkeyPatch()
     with mp.context() as patch:
-        patch.setattr(introsort_replay, "replay", spying)
+        _spy_on_ids(patch, buffers)
         patch.setattr(introsort_replay, "IDS_MAX_ENTRIES", 100_000)  # these selections borrow their ids
         patch.setattr(sort_select, "_IDS", type(sort_select._IDS)())
         with sort_select.lending(lambda nbytes: True, lambda nbytes: None, kept_ids=100_000):
