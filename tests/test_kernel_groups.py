@@ -1,5 +1,6 @@
 """No merge waits for a kernel compile (issue 29, item 4): compiled.KernelGroup answers at once, and a merge run
-while the groups are still compiling takes the uncompiled paths and writes the same bytes as one run compiled.
+while the groups are still compiling takes the uncompiled paths and writes the same bytes as one run compiled. A
+large merge waits for a group's *load* from numba's cache (issue 33), never longer than LOAD_WAIT_SECONDS.
 
 Outside the tests a group that is not ready is never waited for; the suite sets MERGESMITH_KERNELS=wait
 (conftest.py), so the tests here that need the default remove it.
@@ -186,3 +187,92 @@ def test_numba_is_imported_only_when_a_group_starts(tmp_path, tiny_models):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
     assert (tmp_path / "out" / "config.json").exists()
+
+
+def test_a_group_told_to_wait_for_its_load_waits_once_and_at_most_the_limit(monkeypatch):
+    """wait_for_load: where the loops are on disk, uses wait for the group (a load); a 'load' that outlasts
+    LOAD_WAIT_SECONDS is a compile after all: that use goes on uncompiled, and no later one waits."""
+    monkeypatch.delenv(compiled.WAIT_ENV, raising=False)
+    quick = compiled.KernelGroup("quick", lambda: threading.Event().wait(0.2) and None)
+    monkeypatch.setattr(quick, "on_disk", lambda: True)
+    assert quick.wait_for_load() is True
+    assert quick.ready(compiled.START_ENTRIES) is True  # waited the 0.2 s
+    monkeypatch.setattr(compiled, "LOAD_WAIT_SECONDS", 0.1)
+    group, release = _held("slow")
+    monkeypatch.setattr(group, "on_disk", lambda: True)
+    assert group.wait_for_load() is True
+    assert group.ready(compiled.START_ENTRIES) is False  # waited 0.1 s, then the uncompiled path
+    assert group._wait_for_load is False
+    release.set()
+    assert group.wait() is True
+    cold = compiled.KernelGroup("cold", lambda: None)
+    monkeypatch.setattr(cold, "on_disk", lambda: False)
+    assert cold.wait_for_load() is False  # not cached: a compile, never waited for
+
+
+def test_a_cache_index_counts_only_where_it_is_newer_than_its_source(tmp_path, monkeypatch):
+    """_cache_index_current reads numba's index file name and place from the function alone (no numba import):
+    beside the source in __pycache__, or under NUMBA_CACHE_DIR; older than the source, it is stale."""
+    import os
+    import sys
+
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    source = tmp_path / "loops.py"
+    source.write_text("def add(a, b):\n    return a + b\n")
+    namespace: dict = {}
+    exec(compile(source.read_text(), str(source), "exec"), namespace)
+    add = namespace["add"]
+    index = tmp_path / "__pycache__" / f"loops.add-1.py{sys.version_info[0]}{sys.version_info[1]}{sys.abiflags}.nbi"
+    assert compiled._cache_index_current(add) is False
+    index.parent.mkdir()
+    index.write_bytes(b"")
+    os.utime(source, (1_000_000, 1_000_000))
+    assert compiled._cache_index_current(add) is True
+    os.utime(source, None)  # edited after the cache was written
+    os.utime(index, (1_000_000, 1_000_000))
+    assert compiled._cache_index_current(add) is False
+    index.unlink()
+    elsewhere = tmp_path / "numba-cache"
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(elsewhere))
+    import hashlib
+
+    mirrored = elsewhere / f"{tmp_path.name}_{hashlib.sha1(str(tmp_path).encode()).hexdigest()}" / index.name
+    mirrored.parent.mkdir(parents=True)
+    mirrored.write_bytes(b"")
+    assert compiled._cache_index_current(add) is True
+
+
+def test_a_large_merge_waits_for_the_groups_numbas_cache_holds(monkeypatch):
+    """The executor tells a group to wait for its load where the merge's tensors using it reach LOAD_WAIT_ENTRIES,
+    not for a smaller merge."""
+    from mergesmith.engine.execution import local_executor
+    from mergesmith.engine.plan import TensorRecipe
+
+    told: list[str] = []
+    started: list[str] = []
+
+    class _Group(compiled.KernelGroup):
+        def wait_for_load(self) -> bool:
+            told.append(self.name)
+            return True
+
+        def start(self) -> None:
+            started.append(self.name)
+
+    group = _Group("group", lambda: None)
+    monkeypatch.setattr(local_executor, "kernel_groups", lambda recipes: [group])
+    monkeypatch.setattr(local_executor, "recipes_using", lambda recipes, g: recipes)
+    monkeypatch.setattr(local_executor, "LOAD_WAIT_ENTRIES", 3 * compiled.START_ENTRIES)
+
+    class _Executor:
+        device = __import__("torch").device("cpu")
+        _kernel_groups: list = []
+
+    def recipe(entries: int) -> TensorRecipe:
+        return TensorRecipe(f"t{entries}", (entries,), "bfloat16", "merge", (), "dare_ties", 0, (), (), 3)
+
+    executor = _Executor()
+    local_executor.LocalExecutor._warm_kernels(executor, [recipe(compiled.START_ENTRIES)] * 2)
+    assert told == [] and started == ["group"]
+    local_executor.LocalExecutor._warm_kernels(executor, [recipe(compiled.START_ENTRIES)] * 3)
+    assert told == ["group"] and started == ["group", "group"]

@@ -18,10 +18,13 @@ them with the method registry, and most never compile anything.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -69,7 +72,28 @@ class KernelGroup:
         self._ready = False
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._wait_for_load = False
         self.error: BaseException | None = None
+
+    def wait_for_load(self) -> bool:
+        """Have the uses of this group wait for it to get ready (up to LOAD_WAIT_SECONDS, once) instead of taking
+        the uncompiled path, where numba's on-disk cache holds its loops (on_disk: a sub-second load, not a
+        compile of seconds); whether they will. For a merge with enough work for the group (the executor decides:
+        LOAD_WAIT_ENTRIES), where running the uncompiled path meanwhile costs more than the wait: the uncompiled
+        workers hold the GIL the load needs, and do a fraction of the work. Measured on the 1b bench merges, cold,
+        three alternating pairs each with and without waiting (MERGESMITH_KERNELS=wait then): dare_ties 9.2-10.1 s
+        against 9.3-10.8 s, ties 12.8-14.0 s against 14.3-14.9 s (bench/README.md, ninth session of issue 33)."""
+        if not AVAILABLE or self._ready:
+            return self._ready
+        self._wait_for_load = self.on_disk()
+        return self._wait_for_load
+
+    def on_disk(self) -> bool:
+        """Whether numba's cache index of every loop of this group is on disk and newer than the loop's source file
+        (read from the file system, without importing numba: see _cache_index_current). An index can still lack
+        this CPU's compiled variant (a cache shared between machines): the wait is then cut at LOAD_WAIT_SECONDS."""
+        loops = loops_of(self._compile_all.__module__)
+        return bool(loops) and all(_cache_index_current(loop.function) for loop in loops)
 
     def cached(self) -> bool:
         """Whether numba's on-disk cache holds loops of this group for their current source, so that getting ready
@@ -114,6 +138,9 @@ class KernelGroup:
         self.start()
         if waits():
             self._done.wait()
+        elif self._wait_for_load:
+            if not self._done.wait(LOAD_WAIT_SECONDS):
+                self._wait_for_load = False  # a compile after all: the uncompiled path from now on
         return self._ready
 
     def wait(self) -> bool:
@@ -123,6 +150,38 @@ class KernelGroup:
         if self._thread is not None:
             self._done.wait()
         return self._ready
+
+
+LOAD_WAIT_SECONDS = 3.0
+"""The longest a use of a group that waits for its load (KernelGroup.wait_for_load) waits: a load from numba's
+cache took 0.3-1.1 s on the 1b bench merges (numba's import included); past this it is a compile, not waited for."""
+
+LOAD_WAIT_ENTRIES = 1 << 28
+"""Entries (of the tensors a group's loops would merge) from which a merge waits for the group's load rather than
+starting uncompiled: 268 M, a quarter of a 1 B-parameter model, whose compiled merge lasts seconds beside a load of
+~0.5-1 s; a smaller merge would finish (or nearly) on the uncompiled path before the load."""
+
+
+def _cache_index_current(function: Callable[..., Any]) -> bool:
+    """Whether numba's cache index file of `function` (cache=True) exists, in one of the places numba's locators
+    put it (beside the source in __pycache__, under NUMBA_CACHE_DIR, or in the user's cache), and is at least as new
+    as the source file (numba invalidates an index older than its source). numba's own naming: the module file's
+    stem, the qualified name, the first line, the Python version."""
+    try:
+        code = function.__code__
+        source = Path(os.path.abspath(code.co_filename))
+        name = (f"{source.stem}.{function.__qualname__}-{code.co_firstlineno}"
+                f".py{sys.version_info[0]}{sys.version_info[1]}{getattr(sys, 'abiflags', '')}.nbi")
+        name = name.replace("<", "").replace(">", "")
+        subpath = f"{source.parent.name}_{hashlib.sha1(str(source.parent).encode()).hexdigest()}"
+        user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "numba"
+        places = [source.parent / "__pycache__", user_cache / subpath]
+        if os.environ.get("NUMBA_CACHE_DIR"):
+            places.insert(0, Path(os.environ["NUMBA_CACHE_DIR"]) / subpath)
+        newest_source = source.stat().st_mtime
+        return any((place / name).is_file() and (place / name).stat().st_mtime >= newest_source for place in places)
+    except (OSError, AttributeError, ValueError):
+        return False
 
 
 CONSENSUS_CODES = {None: 0, "sum": 1, "count": 2}

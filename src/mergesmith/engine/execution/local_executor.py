@@ -10,6 +10,7 @@ of a large recipe, the page-cache advice (read-ahead, release), the kernel warm-
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,7 +29,7 @@ from ...io.journal import Journal
 from ...io.quantized import quantize_output
 from ...io.safetensors_writer import ShardWriter
 from ...kernels import introsort_replay, magnitude_blocks, sort_select
-from ...kernels.compiled import KernelGroup, waits
+from ...kernels.compiled import LOAD_WAIT_ENTRIES, KernelGroup, waits
 from ...methods import require_method
 from ...methods.registry import MERGE_WHOLE
 from ...runtime import intra_op_threads
@@ -182,12 +183,15 @@ class LocalExecutor(Executor):
         """Start compiling (or loading) the compiled loops the recipes will use, in the background, while the feed
         probes the disk and reads ahead, not in the first worker to need them (~0.3-0.4 s each from numba's cache,
         2-20 s to compile on a fresh install): DARE's and DELLA's (keyed_kernels), and the task-vector family's
-        bf16 steps and TIES' replay. No worker waits for them: until a group is ready, the methods take their
-        uncompiled path (the same bytes; compiled.KernelGroup)."""
+        bf16 steps and TIES' replay. Until a group is ready, the methods take their uncompiled path (the same bytes;
+        compiled.KernelGroup), except in a merge with enough work for the group (compiled.LOAD_WAIT_ENTRIES) whose
+        loops numba's cache holds: its workers wait for that sub-second load (KernelGroup.wait_for_load)."""
         if self.device.type != "cpu":
             return
         groups = kernel_groups(recipes)
         for group in groups:
+            if sum(math.prod(r.shape) for r in recipes_using(recipes, group)) >= LOAD_WAIT_ENTRIES:
+                group.wait_for_load()  # a load from numba's cache, not a compile: worth waiting for here
             group.start()
         self._kernel_groups = groups
 
