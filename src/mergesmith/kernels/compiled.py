@@ -81,8 +81,9 @@ class KernelGroup:
         compile of seconds); whether they will. For a merge with enough work for the group (the executor decides:
         LOAD_WAIT_ENTRIES), where running the uncompiled path meanwhile costs more than the wait: the uncompiled
         workers hold the GIL the load needs, and do a fraction of the work. Measured on the 1b bench merges, cold,
-        three alternating pairs each with and without waiting (MERGESMITH_KERNELS=wait then): dare_ties 9.2-10.1 s
-        against 9.3-10.8 s, ties 12.8-14.0 s against 14.3-14.9 s (bench/README.md, ninth session of issue 33)."""
+        six alternating pairs against the code before (bench/README.md, ninth session of issue 33): ties 12.7-14.7 s
+        (median 13.8) against 13.7-15.5 s (14.5); dare_ties 8.2-11.5 s (10.4) against 9.3-11.1 s (10.2), no gain:
+        its group is ready 0.3-0.45 s after the first chunk asks, and the uncompiled chunks cost little more."""
         if not AVAILABLE or self._ready:
             return self._ready
         self._wait_for_load = self.on_disk()
