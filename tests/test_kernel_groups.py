@@ -194,19 +194,19 @@ def test_a_group_told_to_wait_for_its_load_waits_once_and_at_most_the_limit(monk
     LOAD_WAIT_SECONDS is a compile after all: that use goes on uncompiled, and no later one waits."""
     monkeypatch.delenv(compiled.WAIT_ENV, raising=False)
     quick = compiled.KernelGroup("quick", lambda: threading.Event().wait(0.2) and None)
-    monkeypatch.setattr(quick, "on_disk", lambda: True)
+    monkeypatch.setattr(quick, "cached", lambda: True)
     assert quick.wait_for_load() is True
     assert quick.ready(compiled.START_ENTRIES) is True  # waited the 0.2 s
     monkeypatch.setattr(compiled, "LOAD_WAIT_SECONDS", 0.1)
     group, release = _held("slow")
-    monkeypatch.setattr(group, "on_disk", lambda: True)
+    monkeypatch.setattr(group, "cached", lambda: True)
     assert group.wait_for_load() is True
     assert group.ready(compiled.START_ENTRIES) is False  # waited 0.1 s, then the uncompiled path
     assert group._wait_for_load is False
     release.set()
     assert group.wait() is True
     cold = compiled.KernelGroup("cold", lambda: None)
-    monkeypatch.setattr(cold, "on_disk", lambda: False)
+    monkeypatch.setattr(cold, "cached", lambda: False)
     assert cold.wait_for_load() is False  # not cached: a compile, never waited for
 
 

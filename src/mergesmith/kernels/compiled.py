@@ -77,7 +77,7 @@ class KernelGroup:
 
     def wait_for_load(self) -> bool:
         """Have the uses of this group wait for it to get ready (up to LOAD_WAIT_SECONDS, once) instead of taking
-        the uncompiled path, where numba's on-disk cache holds its loops (on_disk: a sub-second load, not a
+        the uncompiled path, where numba's on-disk cache holds its loops (cached: a sub-second load, not a
         compile of seconds); whether they will. For a merge with enough work for the group (the executor decides:
         LOAD_WAIT_ENTRIES), where running the uncompiled path meanwhile costs more than the wait: the uncompiled
         workers hold the GIL the load needs, and do a fraction of the work. Measured on the 1b bench merges, cold,
@@ -86,27 +86,19 @@ class KernelGroup:
         its group is ready 0.3-0.45 s after the first chunk asks, and the uncompiled chunks cost little more."""
         if not AVAILABLE or self._ready:
             return self._ready
-        self._wait_for_load = self.on_disk()
+        self._wait_for_load = self.cached()
         return self._wait_for_load
-
-    def on_disk(self) -> bool:
-        """Whether numba's cache index of every loop of this group is on disk and newer than the loop's source file
-        (read from the file system, without importing numba: see _cache_index_current). An index can still lack
-        this CPU's compiled variant (a cache shared between machines): the wait is then cut at LOAD_WAIT_SECONDS."""
-        loops = loops_of(self._compile_all.__module__)
-        return bool(loops) and all(_cache_index_current(loop.function) for loop in loops)
 
     def cached(self) -> bool:
         """Whether numba's on-disk cache holds loops of this group for their current source, so that getting ready
-        is a sub-second load rather than a compile (`plan` adds a compile's cost to its estimate otherwise). Read
-        from numba's cache index files (numba internals: anything unexpected answers True, no extra)."""
+        is a sub-second load rather than a compile (`plan` adds a compile's cost to its estimate otherwise; a large
+        merge waits for the load: wait_for_load). Read from the file system, without importing numba: every loop's
+        cache index is there and newer than its source (_cache_index_current). An index can still lack this CPU's
+        compiled variant (a cache shared between machines): a wait for it is then cut at LOAD_WAIT_SECONDS."""
         if not AVAILABLE or self._ready:
             return True
-        try:
-            loops = loops_of(self._compile_all.__module__)
-            return all(bool(loop.real()._cache._cache_file._load_index()) for loop in loops)
-        except Exception:  # noqa: BLE001 - an estimate's detail, never an error
-            return True
+        loops = loops_of(self._compile_all.__module__)
+        return bool(loops) and all(_cache_index_current(loop.function) for loop in loops)
 
     def start(self) -> None:
         """Begin compiling (or loading from numba's cache) in a daemon thread, once; nothing where numba is
