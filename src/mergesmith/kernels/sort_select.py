@@ -44,18 +44,15 @@ introsort_replay.MAX_TRACKED_SHARE of the entries. Tests compare both against `t
 from __future__ import annotations
 
 import bisect
-import ctypes
-import ctypes.util
 import itertools
-import mmap
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 import torch
 
+from ..runtime import memory_release
 from . import introsort_replay
 from .work_buffers import WorkBuffers
 
@@ -448,7 +445,7 @@ class _SpareIds:
         with self._lock:
             if self._buffer is not None and self._buffer.size >= buffer.size:
                 return
-            if _lazily_free(buffer):
+            if memory_release.lazily_free(buffer.ctypes.data, buffer.nbytes):
                 self._buffer = buffer
 
     def take(self, n: int) -> np.ndarray | None:
@@ -466,31 +463,6 @@ class _SpareIds:
 
 _SPARE = _SpareIds()
 _IDS_KEY = ("ids", np.dtype(np.int32))
-
-
-def _lazily_free(buffer: np.ndarray) -> bool:
-    """madvise(MADV_FREE) over the whole pages inside `buffer`'s memory (Linux); whether it was done. numpy's
-    buffer stays allocated: the kernel may take the pages back, which then read as zeros."""
-    if not hasattr(mmap, "MADV_FREE"):
-        return False
-    global _madvise
-    if _madvise is None:
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _madvise = libc.madvise
-            _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-            _madvise.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            _madvise = False
-    if not _madvise:
-        return False
-    page = mmap.PAGESIZE
-    start = -(-buffer.ctypes.data // page) * page
-    end = (buffer.ctypes.data + buffer.nbytes) // page * page
-    return end <= start or _madvise(start, end - start, mmap.MADV_FREE) == 0
-
-
-_madvise: Any = None  # libc's madvise, found on first use (False: none)
 
 
 def _ids_buffer(n: int) -> np.ndarray:

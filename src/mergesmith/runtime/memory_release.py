@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -67,3 +68,18 @@ def release_free_heap(keep: int = 0) -> None:
         if free is not None and free <= keep:
             return
     _MALLOC_TRIM(0)
+
+
+_MADVISE = _glibc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
+
+
+def lazily_free(address: int, nbytes: int) -> bool:
+    """madvise(MADV_FREE) over the whole pages inside [address, address + nbytes) (Linux 4.5 and later); whether it
+    was done. The memory stays allocated: the kernel may take those pages back under memory pressure, and they then
+    read as zeros; written again before that, they are kept, with no fault (sort_select's spare ids buffer)."""
+    if _MADVISE is None or not hasattr(mmap, "MADV_FREE"):
+        return False
+    page = mmap.PAGESIZE
+    start = -(-address // page) * page
+    end = (address + nbytes) // page * page
+    return end <= start or _MADVISE(start, end - start, mmap.MADV_FREE) == 0
