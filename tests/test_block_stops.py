@@ -81,19 +81,16 @@ def test_the_stops_compile_when_numba_was_loaded_first():
 def test_the_compiled_window_pass_gives_numpys_mask_and_positions(dtype, n):
     """introsort_replay.window_and_followed (matching_bits a block at a time, the tail entry by entry) against
     sort_select's numpy path: the inside mask with keys wrapped below `first`, and the split keys' positions."""
-    import torch
-
     from mergesmith.kernels import introsort_replay, sort_select
 
     assert introsort_replay.warm()
     rng = np.random.default_rng(n)
     keys = rng.integers(0, 40, size=n).astype(dtype)
-    view = torch.int16 if dtype == np.int16 else torch.int32
     width = 0xFFFF if dtype == np.int16 else 0xFFFFFFFF
     for inside, split_keys in [((10, 20), [9, 21]), ((0, 39), []), (None, [7]), (None, [3, 30]), ((5, 5), [4])]:
         count = int(np.isin(keys, split_keys).sum())
         expected_mask, expected = np.zeros(n, dtype=np.bool_), np.empty(count, dtype=np.int64)
-        sort_select._numpy_window_and_tracked(keys, inside, split_keys, expected_mask, expected, view)
+        sort_select._numpy_window_and_tracked(keys, inside, split_keys, expected_mask, expected)
         mask, followed = np.zeros(n, dtype=np.bool_), np.empty(count, dtype=np.int64)
         low, high = (dtype(split_keys[0]), dtype(split_keys[-1])) if split_keys else (dtype(-1), dtype(-1))
         first, span = inside if inside is not None else (0, 0)

@@ -403,7 +403,7 @@ def window_and_followed(keys, first, span, width_mask, inside, low, high, mask, 
     for q in range(whole, n):
         if inside:
             mask[q] = ((np.int64(keys[q]) - base) & width_mask) <= span
-        if keys[q] == low or keys[q] == high:
+        if _followed(keys[q], low, high):
             followed[count] = q
             count += 1
     return count

@@ -283,12 +283,12 @@ def _keys_only_window(
         first, span = (inside[0], inside[1] - inside[0]) if inside is not None else (0, 0)
         none = keys.dtype.type(-1)  # no key: every key is in [0, limit]
         low, high = (keys.dtype.type(split_keys[0]), keys.dtype.type(split_keys[-1])) if split_keys else (none, none)
-        width_mask = 0xFFFF if view is torch.int16 else 0xFFFFFFFF
+        width_mask = (1 << 8 * keys.itemsize) - 1  # keys - first wraps to the keys' width, as numpy's does
         found = introsort_replay.window_and_followed(keys, keys.dtype.type(first), span, width_mask,
                                                      inside is not None, low, high, mask, tracked)
         assert found == tracked_count, (found, tracked_count)
     else:
-        _numpy_window_and_tracked(keys, inside, split_keys, mask, tracked, view)
+        _numpy_window_and_tracked(keys, inside, split_keys, mask, tracked)
     if not split_keys:
         return mask
     if not consume:
@@ -318,14 +318,14 @@ def _keys_only_window(
 
 
 def _numpy_window_and_tracked(keys: np.ndarray, inside: tuple[int, int] | None, split_keys: list[int],
-                              mask: np.ndarray, tracked: np.ndarray, view: torch.dtype) -> None:
+                              mask: np.ndarray, tracked: np.ndarray) -> None:
     """introsort_replay.window_and_followed by numpy (its kernels not ready): mask[i] where keys[i] lies inside
     [inside[0], inside[1]], and the positions of the split keys into `tracked`, a block at a time (the temporaries
     stay a block big, not 2-3 bytes an entry)."""
     n = keys.size
     if inside is not None:  # keys - first <= last - first, unsigned: one comparison instead of two and an and
         first, span = keys.dtype.type(inside[0]), inside[1] - inside[0]
-        unsigned = np.uint16 if view is torch.int16 else np.uint32
+        unsigned = np.dtype(f"u{keys.itemsize}")
         for start in range(0, n, _BLOCK):
             part = slice(start, start + _BLOCK)
             np.less_equal(np.subtract(keys[part], first).view(unsigned), span, out=mask[part])
