@@ -229,7 +229,7 @@ def test_cpu_dry_run_goes_from_a_wheel_folder_to_the_table_and_json(tmp_path: Pa
     out = tmp_path / "check.json"
     proc = _run("bench/gpu_check.sh", str(wheels), "--cpu-dry-run", "--python", sys.executable, "--work",
                 str(tmp_path / "work"), "--minutes", "4", "--json", str(out), "--",
-                "--models-root", str(tmp_path / "models"), "--cases", "linear",
+                "--models-root", str(tmp_path / "models"), "--cases", "linear", "--commands-size", "tiny",
                 "--test-files", "tests/test_magnitude_blocks.py", timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     venv_python = tmp_path / "work" / "venv-mergesmith" / "bin" / "python"
@@ -241,7 +241,8 @@ def test_cpu_dry_run_goes_from_a_wheel_folder_to_the_table_and_json(tmp_path: Pa
     assert "CUDA tests: " in text and ("3 skipped" in text or "3 passed" in text)
     assert any(line.startswith("linear ") for line in text.splitlines())
     assert "omp N=4000 D=256 k=16 B=" in text
-    for row in ("tokensurgeon 4000->6000 D=1024 ", "extract-lora D=1024 r=8 "):  # the commands, quick size
+    for row in ("tokensurgeon 300->400 D=128 ", "extract-lora D=128 r=4 "):  # the commands, at their tiny size (the
+        # dry run's default, quick, takes 20 s more and runs the same code)
         assert any(line.startswith(row) and "  ok: " in line for line in text.splitlines()), text
     assert "note: mergekit not run (no mergekit wheels): mergesmith figures only" in text
     data = json.loads(out.read_text())
@@ -265,7 +266,7 @@ def test_cpu_dry_run_without_venvs_runs_the_checkout_on_the_machines_python_and_
     proc = _run("bench/gpu_check.sh", str(wheels), "--no-venv", "--cpu-dry-run", "--python", sys.executable,
                 "--work", str(tmp_path / "work"), "--minutes", "3", "--json", str(out), "--",
                 "--models-root", str(tmp_path / "models"), "--cases", "linear", "--sample", "linear",
-                "--test-files", "tests/test_magnitude_blocks.py", timeout=400)
+                "--commands-size", "none", "--test-files", "tests/test_magnitude_blocks.py", timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert not (tmp_path / "work" / "venv-mergesmith").exists()
     data = json.loads(out.read_text())
