@@ -5,10 +5,11 @@
 Why: bench/compare_mergekit.py's I/O floor reads the inputs and writes the output one after the other, inside a
 process that is already running. A merge also starts a Python process, and it reads while it writes, which on this
 project's VM is slower than the two apart (benchlib.overlap_floor). This script is the plainest program that does
-what a streaming linear merge must, and nothing else: a fresh Python process that imports numpy and numba only (no
-torch, no mergesmith) reads every input tensor in 8 MB row chunks by O_DIRECT (IO_THREADS threads, AHEAD chunks read
-ahead by each of two workers), sums them weighted in float32 in a compiled loop and rounds to bfloat16, and writes
-each chunk by O_DIRECT from one writer thread, then fsyncs. No journal, no plan, no checks, no safetensors header:
+what a streaming linear merge must, and nothing else: a fresh Python process that imports numpy, numba and
+mergesmith's buffer helper only (no torch: `io.direct_write.anonymous_buffer`, huge-page buffers as the merge's own)
+reads every input tensor in 8 MB row chunks by O_DIRECT (IO_THREADS threads, AHEAD chunks read ahead by each of two
+workers), sums them weighted in float32 in a compiled loop and rounds to bfloat16, and writes each chunk by O_DIRECT
+from one writer thread, then fsyncs. No journal, no plan, no checks, no safetensors header:
 its output is not a model (each chunk lands at the next aligned offset) and is deleted. What mergesmith's linear merge
 takes beyond it is what its own machinery costs, torch's import above all (bench/README.md, issue 33, tenth session).
 
@@ -124,6 +125,8 @@ def _child(models: list[Path], weights: list[float], out_path: Path, check: bool
     import numba
     import numpy as np
 
+    from mergesmith.io.direct_write import anonymous_buffer  # mergesmith's own buffers: huge pages where granted
+
     @numba.njit(nogil=True, cache=True)
     def accumulate(bits, weight, first, widened, total):  # total (+)= weight * bits widened to float32
         as_bits = widened.view(np.uint32)
@@ -167,18 +170,12 @@ def _child(models: list[Path], weights: list[float], out_path: Path, check: bool
             raise OSError(f"{ref[0]}: short read at {lo}")
         return start - lo
 
-    def buffer(size: int) -> mmap.mmap:  # private, advised as huge pages: a direct read or write then takes fewer,
-        memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # larger requests
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            memory.madvise(mmap.MADV_HUGEPAGE)
-        return memory
-
     out_fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     reader = ThreadPoolExecutor(IO_THREADS)
     writes: queue.Queue = queue.Queue(maxsize=4)
     free: queue.Queue = queue.Queue()
     for _ in range(6):
-        free.put(buffer(CHUNK))
+        free.put(anonymous_buffer(CHUNK))
     first_read: list[float] = []
     failed: list[BaseException] = []
 
@@ -192,7 +189,7 @@ def _child(models: list[Path], weights: list[float], out_path: Path, check: bool
             free.put(buffer)
 
     def work(mine: list[int]) -> None:
-        sets = [[buffer(CHUNK + 2 * ALIGN) for _ in models] for _ in range(AHEAD + 1)]
+        sets = [[anonymous_buffer(CHUNK + 2 * ALIGN) for _ in models] for _ in range(AHEAD + 1)]
         widened = np.empty(CHUNK // 2, np.float32)
         total = np.empty(CHUNK // 2, np.float32)
         pending = []

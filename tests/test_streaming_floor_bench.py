@@ -1,5 +1,5 @@
 """bench/streaming_floor.py, the torch-free floor quoted in bench/README.md (issue 33, tenth session), runs end to end
-and sums right: bf16 models with a tensor over several 8 MB chunks and unaligned lengths, two shards each, its
+and sums right: bf16 models with a tensor over two 8 MB chunks and unaligned lengths, two shards each, its
 first and last chunks checked against numpy's sum (--check), warm cache, one run."""
 
 from __future__ import annotations
