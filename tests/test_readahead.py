@@ -131,15 +131,23 @@ def test_warm_start_reads_torch_libraries_largest_first() -> None:
 def test_executor_read_ahead_stays_a_window_past_the_admitted_recipe() -> None:
     """The executor's read-ahead is counted from the recipe being admitted: admitting recipes one by one moves
     the window one recipe on, instead of adding a whole window each time (which queued the whole model)."""
+    from itertools import accumulate
+
     from mergesmith.engine.execution.local_executor import read_ahead_end
+
+    def before(sizes: list[int]) -> list[int]:
+        return list(accumulate(sizes, initial=0))
 
     sizes = [100] * 20
     end = 0
     ends = []
     for index in range(20):
-        end = read_ahead_end(sizes.__getitem__, len(sizes), index, end, 250)
+        end = read_ahead_end(before(sizes), index, end, 250)
         ends.append(end)
         assert sum(sizes[index:end]) <= 250 + max(sizes)  # never more than the window (and the recipe that fills it)
     assert ends[:4] == [3, 4, 5, 6] and ends[-1] == 20
-    assert read_ahead_end(sizes.__getitem__, 20, 2, 10, 250) == 10  # what is advised stays advised
-    assert read_ahead_end([0, 0, 500, 5].__getitem__, 4, 0, 0, 250) == 3  # empty (streamed) recipes cost nothing
+    assert read_ahead_end(before(sizes), 2, 10, 250) == 10  # what is advised stays advised
+    assert read_ahead_end(before([0, 0, 500, 5]), 0, 0, 250) == 3  # empty (streamed) recipes cost nothing
+    assert read_ahead_end(before([0] * 5), 1, 0, 250) == 5  # nothing mapped: the end at once
+    assert read_ahead_end(before([300, 10]), 0, 0, 250) == 1  # a recipe over the window is its own window
+    assert read_ahead_end(before([10, 10]), 2, 0, 250) == 2 and read_ahead_end(before([10]), 0, 0, 0) == 0

@@ -1,0 +1,107 @@
+"""A merge's work per tensor must not grow with the number of tensors: checkpoints with tens of thousands of
+tensors are common (a mixture of experts stored one expert per tensor: ~18,900 in Qwen3-30B-A3B, ~91,000 in
+DeepSeek-V3), and a step that looks at every recipe once per recipe turns them into hours.
+
+Found on a merge of three 18,003-tensor checkpoints (llama-shaped, 2,000 layers of hidden 16; 10 MB of output):
+358 s, then 26 s once the read-ahead's end was a binary search instead of a walk over every later recipe, the
+progress events stopped rebuilding the plan's recipe list, and a resume stopped comparing every recipe with
+every written one (41.8 s for 14,700 tensors left, then 22.1 s). The test counts mergesmith's own Python calls
+(a count, not a time, so a slow machine cannot fail it) for a merge of n and 2n layers, fresh and resumed: they
+must grow about linearly (1.99x here). With the walk and the comparisons back (the commit before) they grew 3.07x
+fresh and 2.59x resumed. (The progress events' rebuilt list was one call each, so no count shows it.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mergesmith import python_api
+from mergesmith.errors import MergeInterrupted
+
+HIDDEN, INTERMEDIATE, VOCAB = 16, 32, 64
+SMALL, LARGE = 40, 80
+"""Layers of the two sizes compared (9 tensors a layer): large enough that a quadratic step dominates the count."""
+
+
+def _llama(root: Path, layers: int, seed: int) -> Path:
+    """A llama-shaped bf16 checkpoint with many tiny tensors, written directly (transformers' random init of
+    hundreds of layers would take longer than the merge)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "lm_head.weight": (VOCAB, HIDDEN)}
+    shapes["model.norm.weight"] = (HIDDEN,)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes[f"{p}self_attn.{name}.weight"] = (HIDDEN, HIDDEN)
+        shapes[f"{p}mlp.gate_proj.weight"] = shapes[f"{p}mlp.up_proj.weight"] = (INTERMEDIATE, HIDDEN)
+        shapes[f"{p}mlp.down_proj.weight"] = (HIDDEN, INTERMEDIATE)
+        shapes[f"{p}input_layernorm.weight"] = shapes[f"{p}post_attention_layernorm.weight"] = (HIDDEN,)
+    tensors = {name: torch.randn(*shape, generator=g).to(torch.bfloat16) for name, shape in shapes.items()}
+    root.mkdir(parents=True)
+    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+              "intermediate_size": INTERMEDIATE, "num_hidden_layers": layers, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "vocab_size": VOCAB, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def _config(tmp: Path, layers: int) -> dict[str, Any]:
+    models = [_llama(tmp / f"L{layers}" / f"m{seed}", layers, seed) for seed in range(3)]
+    return {"merge_method": "ties", "base_model": str(models[0]), "dtype": "bfloat16",
+            "models": [{"model": str(m), "parameters": {"weight": 1.0, "density": 0.5}} for m in models]}
+
+
+def _counted(run: Callable[[], object]) -> int:
+    """mergesmith's Python calls (in every thread) while `run` runs."""
+    calls = itertools.count()
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        if event == "call" and "mergesmith" in frame.f_code.co_filename:
+            next(calls)
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    return next(calls)
+
+
+def _fresh_and_resumed(tmp: Path, layers: int) -> tuple[int, int]:
+    """(calls of a whole merge, calls of a rerun that resumes one stopped halfway). The stopped merge runs first,
+    uncounted: it also loads the compiled kernels, whose load would otherwise be counted in the first size only."""
+    config = _config(tmp, layers)
+    stop = threading.Event()
+
+    def halfway(event: Any) -> None:
+        if event.tensors_done * 2 >= event.tensors_total:
+            stop.set()
+
+    with pytest.raises(MergeInterrupted):
+        python_api.merge(config, tmp / f"resumed{layers}", threads=2, progress=halfway, stop=stop)
+    resumed = _counted(lambda: python_api.merge(config, tmp / f"resumed{layers}", threads=2))
+    fresh = _counted(lambda: python_api.merge(config, tmp / f"fresh{layers}", threads=2))
+    assert (tmp / f"resumed{layers}" / "model.safetensors").read_bytes() == (
+        tmp / f"fresh{layers}" / "model.safetensors").read_bytes()
+    return fresh, resumed
+
+
+def test_a_merge_costs_about_the_same_per_tensor_at_any_tensor_count(tmp_path: Path) -> None:
+    small_fresh, small_resumed = _fresh_and_resumed(tmp_path, SMALL)
+    large_fresh, large_resumed = _fresh_and_resumed(tmp_path, LARGE)
+    # twice the tensors: about twice the calls (a little less: the fixed cost of a merge is in both)
+    assert large_fresh / small_fresh < 2.25, (small_fresh, large_fresh)
+    assert large_resumed / small_resumed < 2.25, (small_resumed, large_resumed)
