@@ -7,14 +7,15 @@ Found on a merge of three 18,003-tensor checkpoints (llama-shaped, 2,000 layers 
 progress events stopped rebuilding the plan's recipe list, and a resume stopped comparing every recipe with
 every written one (41.8 s for 14,700 tensors left, then 22.1 s). The test counts mergesmith's own Python calls
 (a count, not a time, so a slow machine cannot fail it) for a merge of n and 2n layers, fresh and resumed: they
-must grow about linearly (1.99x here). With the walk and the comparisons back (the commit before) they grew 3.07x
-fresh and 2.59x resumed. (The progress events' rebuilt list was one call each, so no count shows it.)
+must grow about linearly (1.99x here). With the walk and the comparisons back (the commit before) they grew
+3.07x fresh and 2.59x resumed. (The progress events' rebuilt list was one call each, so no count shows it.)
+`python bench/many_tensors.py` times such merges against mergekit.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
-import json
 import sys
 import threading
 from collections.abc import Callable
@@ -22,42 +23,30 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
+import mergesmith
 from mergesmith import python_api
 from mergesmith.errors import MergeInterrupted
 
-HIDDEN, INTERMEDIATE, VOCAB = 16, 32, 64
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+PACKAGE = str(Path(mergesmith.__file__).parent) + "/"
 SMALL, LARGE = 40, 80
 """Layers of the two sizes compared (9 tensors a layer): large enough that a quadratic step dominates the count."""
 
 
-def _llama(root: Path, layers: int, seed: int) -> Path:
-    """A llama-shaped bf16 checkpoint with many tiny tensors, written directly (transformers' random init of
-    hundreds of layers would take longer than the merge)."""
-    g = torch.Generator().manual_seed(seed)
-    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "lm_head.weight": (VOCAB, HIDDEN)}
-    shapes["model.norm.weight"] = (HIDDEN,)
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            shapes[f"{p}self_attn.{name}.weight"] = (HIDDEN, HIDDEN)
-        shapes[f"{p}mlp.gate_proj.weight"] = shapes[f"{p}mlp.up_proj.weight"] = (INTERMEDIATE, HIDDEN)
-        shapes[f"{p}mlp.down_proj.weight"] = (HIDDEN, INTERMEDIATE)
-        shapes[f"{p}input_layernorm.weight"] = shapes[f"{p}post_attention_layernorm.weight"] = (HIDDEN,)
-    tensors = {name: torch.randn(*shape, generator=g).to(torch.bfloat16) for name, shape in shapes.items()}
-    root.mkdir(parents=True)
-    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-              "intermediate_size": INTERMEDIATE, "num_hidden_layers": layers, "num_attention_heads": 2,
-              "num_key_value_heads": 2, "vocab_size": VOCAB, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
-    (root / "config.json").write_text(json.dumps(config))
-    return root
+def _bench() -> Any:
+    """bench/many_tensors.py, whose checkpoints these are (the bench times what this test counts)."""
+    if str(BENCH) not in sys.path:  # the bench modules import each other by name, as scripts do
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("many_tensors_under_test", BENCH / "many_tensors.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _config(tmp: Path, layers: int) -> dict[str, Any]:
-    models = [_llama(tmp / f"L{layers}" / f"m{seed}", layers, seed) for seed in range(3)]
+    models = _bench().models_of(tmp, layers)
     return {"merge_method": "ties", "base_model": str(models[0]), "dtype": "bfloat16",
             "models": [{"model": str(m), "parameters": {"weight": 1.0, "density": 0.5}} for m in models]}
 
@@ -67,7 +56,7 @@ def _counted(run: Callable[[], object]) -> int:
     calls = itertools.count()
 
     def profile(frame: Any, event: str, _arg: Any) -> None:
-        if event == "call" and "mergesmith" in frame.f_code.co_filename:
+        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
             next(calls)
 
     threading.setprofile(profile)
@@ -105,3 +94,19 @@ def test_a_merge_costs_about_the_same_per_tensor_at_any_tensor_count(tmp_path: P
     # twice the tensors: about twice the calls (a little less: the fixed cost of a merge is in both)
     assert large_fresh / small_fresh < 2.25, (small_fresh, large_fresh)
     assert large_resumed / small_resumed < 2.25, (small_resumed, large_resumed)
+
+
+def test_the_bench_prints_a_row_per_size(tmp_path: Path) -> None:
+    """bench/many_tensors.py end to end at two tiny sizes, mergesmith only: its models, its merges, its table."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "many_tensors.py"), "--layers", "2,4", "--models-root", str(tmp_path / "models"),
+         "--out-root", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line[:1].isdigit()]
+    assert [row[:2] for row in rows] == [["2", "21"], ["4", "39"]], done.stdout
+    assert all("ms/tensor" in " ".join(row) and row[-2:] == ["not", "run"] for row in rows), done.stdout
+    assert not list((tmp_path / "out").glob("many-mergesmith-*"))  # the outputs are removed
