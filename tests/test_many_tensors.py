@@ -110,3 +110,18 @@ def test_the_bench_prints_a_row_per_size(tmp_path: Path) -> None:
     assert [row[:2] for row in rows] == [["2", "21"], ["4", "39"]], done.stdout
     assert all("ms/tensor" in " ".join(row) and row[-2:] == ["not", "run"] for row in rows), done.stdout
     assert not list((tmp_path / "out").glob("many-mergesmith-*"))  # the outputs are removed
+
+
+def test_a_moe_assembly_costs_about_the_same_per_tensor_at_any_layer_count(tmp_path: Path) -> None:
+    """`moe` too: its planner asked the router weights for one layer's tensor at a time, and each ask built every
+    layer's (2,000 -> 9,503 -> 19,003 output tensors: 15.5 s, then 55.7 s; now 5.0 and 11.0 s)."""
+
+    def assembly(layers: int) -> dict[str, Any]:
+        models = _bench().models_of(tmp_path, layers)
+        return {"base_model": str(models[0]), "gate_mode": "random", "dtype": "bfloat16",
+                "experts": [{"source_model": str(m)} for m in (models[1], models[2], models[0], models[1])]}
+
+    python_api.moe(assembly(SMALL // 2), tmp_path / "warm", random_seed=1)  # loads what a first run loads
+    small = _counted(lambda: python_api.moe(assembly(SMALL), tmp_path / "small", random_seed=1))
+    large = _counted(lambda: python_api.moe(assembly(LARGE), tmp_path / "large", random_seed=1))
+    assert large / small < 2.25, (small, large)
