@@ -82,22 +82,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.layers.split(",") if x]
     mergekit = args.mergekit_yaml or (cm.install_mergekit() if args.with_mergekit else None)
+    # both tools' command lines as compare_mergekit runs them (its defaults: 5B shards, no tokenizer, seed 0)
+    tools = cm.Tools(cm.build_parser().parse_args(["--mergekit-yaml", str(mergekit)] if mergekit else []))
     rows = []
     for layers in sizes:
         models = models_of(args.models_root, layers)
         tensors = layers * TENSORS_A_LAYER + 3
         config = bl.write_config(bl.make_config(args.method, models), args.out_root / "configs" / f"many-{layers}.yml")
         times: dict[str, str] = {}
-        for tool in ["mergesmith"] + (["mergekit"] if mergekit else []):
+        for tool in tools.names:
             if tool == "mergekit" and layers > args.mergekit_max_layers:
                 times[tool] = "-"
                 continue
             out = args.out_root / f"many-{tool}-{layers}"
-            if tool == "mergesmith":
-                cmd = bl.mergesmith_cmd(config, out, "5B")
-            else:
-                cmd = [str(mergekit), str(config), str(out), "--lazy-unpickle", "--no-copy-tokenizer", "--quiet",
-                       "--random-seed", "0"]
+            cmd = tools.command(tool, args.method, config, out)
             walls = []
             for _ in range(max(1, args.runs)):
                 bl.rm_out(out)

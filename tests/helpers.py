@@ -7,7 +7,9 @@ tests that never touch a model do not pay for the import.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +18,8 @@ import torch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 DEFAULT_TOKEN_IDS: tuple[int, ...] = (1, 5, 6, 7, 8, 2)
 """bos, four ordinary tokens, eos: valid for every tiny vocabulary (>= 9 tokens)."""
@@ -178,3 +182,16 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def bench_module(name: str) -> Any:
+    """bench/<name>.py as a module (`<name>_under_test`), bench/ first on sys.path: the bench scripts import each
+    other by name, as they do when run."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -11,7 +11,6 @@ step's own tests, at the tiny size: tests/test_gpu_check_commands.py.)
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -24,19 +23,9 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import bench_module
+
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-
-
-def _load(name: str):
-    if str(BENCH) not in sys.path:  # the bench modules import each other by name, as scripts do
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"{name}_under_test", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _result() -> dict:
@@ -63,7 +52,7 @@ def _result() -> dict:
 
 
 def test_the_table_has_one_row_per_case_and_omp_with_ratios_floor_and_cuts() -> None:
-    table = _load("gpu_table")
+    table = bench_module("gpu_table")
     text = table.render(_result())
     lines = text.splitlines()
     assert lines[0].startswith("bench/gpu_check: cuda on NVIDIA H100, torch 2.13.0+cu128, 1b bench models, "
@@ -92,7 +81,7 @@ def test_the_table_has_one_row_per_case_and_omp_with_ratios_floor_and_cuts() -> 
 
 
 def test_the_json_holds_the_figures_and_the_printed_rows_with_nan_as_null() -> None:
-    table = _load("gpu_table")
+    table = bench_module("gpu_table")
     result = _result()
     data = json.loads(table.to_json(result))  # allow_nan=False inside: a NaN left in would raise
     assert data["cases"][2]["floor_s"] is None
@@ -104,7 +93,7 @@ def test_the_json_holds_the_figures_and_the_printed_rows_with_nan_as_null() -> N
 
 
 def test_omp_and_tests_rows_say_what_did_not_run() -> None:
-    table = _load("gpu_table")
+    table = bench_module("gpu_table")
     assert table.omp_row({"mergesmith": None, "cut": "out of time (3 s left)"})[-1] == "not run: out of time (3 s left)"
     assert table.tests_line(None) == "CUDA tests: not run"
     cut = table.tests_line({"passed": 3, "seconds": 20.0, "cut": True})
@@ -112,7 +101,7 @@ def test_omp_and_tests_rows_say_what_did_not_run() -> None:
 
 
 def test_test_results_are_counted_by_outcome_and_phase() -> None:
-    check = _load("gpu_check")
+    check = bench_module("gpu_check")
     lines = [
         json.dumps({"nodeid": "t.py::a", "when": "call", "outcome": "passed"}),
         json.dumps({"nodeid": "t.py::b", "when": "setup", "outcome": "skipped"}),
@@ -131,7 +120,7 @@ def test_test_results_are_counted_by_outcome_and_phase() -> None:
 def test_device_tests_are_selected_and_stopped_at_their_limit_with_what_finished_counted(tmp_path: Path) -> None:
     """bench/cuda_select.py keeps the device tests only; a pytest still running at the limit is killed, and the
     tests it finished are reported, not lost."""
-    check = _load("gpu_check")
+    check = bench_module("gpu_check")
     (tmp_path / "test_fake.py").write_text(
         "import time\n\nimport pytest\n\n\n"
         "def test_on_cuda_quick():\n    pass\n\n\n"
@@ -147,13 +136,13 @@ def test_device_tests_are_selected_and_stopped_at_their_limit_with_what_finished
 
 
 def test_the_device_test_files_are_found_by_what_they_say() -> None:
-    files = {p.name for p in _load("gpu_check").cuda_test_files(ROOT / "tests")}
+    files = {p.name for p in bench_module("gpu_check").cuda_test_files(ROOT / "tests")}
     assert {"test_methods_math.py", "test_keyed_masks.py", "test_python_api.py"} <= files
     assert "test_layers.py" not in files
 
 
 def test_omp_batch_fits_the_budget_in_whole_warmup_batches() -> None:
-    omp = _load("omp_device")
+    omp = bench_module("omp_device")
     assert omp.targets_within(10.0, 0.1, 2048) == 2048  # 64 targets in 0.1 s: 6,400 fit, capped at 2,048
     assert omp.targets_within(1.0, 0.1, 2048) == 640
     assert omp.targets_within(0.01, 5.0, 2048) == 64  # never below the warm-up batch
@@ -162,7 +151,7 @@ def test_omp_batch_fits_the_budget_in_whole_warmup_batches() -> None:
 
 def test_compare_mergekit_passes_the_device_flag_to_both_tools(tmp_path: Path) -> None:
     """gpu_check.py runs its cases through compare_mergekit.py with `--cuda` and a mergekit venv made offline."""
-    cm = _load("compare_mergekit")
+    cm = bench_module("compare_mergekit")
     yaml_exe = tmp_path / "venv" / "bin" / "mergekit-yaml"
     args = cm.build_parser().parse_args(["--cuda", "--mergekit-yaml", str(yaml_exe), "--mergekit-args=--x"])
     tools = cm.Tools(args)  # a given mergekit-yaml: scripts/mergekit_venv.sh is not run
@@ -280,7 +269,7 @@ def test_cpu_dry_run_without_venvs_runs_the_checkout_on_the_machines_python_and_
 def test_the_gpu_path_is_set_against_the_same_machines_cpu_path() -> None:
     """Issue 33, item 4: the GPU path never slower than the CPU path on the same machine. A case with a CPU-path run
     gets a line with both times, their ratio and which is faster; a case without one gets none."""
-    table = _load("gpu_table")
+    table = bench_module("gpu_table")
     result = _result()
     result["cases"][0]["cpu_path"] = {"total_s": 12.5, "wall_s": 12.4, "cpu_s": 30.0, "maxrss": 9e8}
     result["cases"][2]["cpu_path"] = {"total_s": 20.0, "wall_s": 19.9, "cpu_s": 30.0, "maxrss": 9e8}
@@ -301,7 +290,7 @@ def test_the_gpu_path_is_set_against_the_same_machines_cpu_path() -> None:
 def test_the_cpu_path_runs_are_cut_when_they_would_not_fit(tmp_path: Path, monkeypatch: Any) -> None:
     """The CPU-path step keeps the later steps' reserves: with too little time left it runs nothing and says so in
     one cut line per case; off CUDA (the dry run) it does nothing at all."""
-    check = _load("gpu_check")
+    check = bench_module("gpu_check")
     args = check.build_parser().parse_args(["--work", str(tmp_path), "--commands-size", "none"])
     cases = [{"case": "linear", "mergesmith": {"total_s": 15.0}}, {"case": "ties", "mergesmith": {"total_s": 9.0}}]
     cut: list[str] = []

@@ -14,7 +14,6 @@ must grow about linearly (1.99x here). With the walk and the comparisons back (t
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import sys
 import threading
@@ -27,26 +26,15 @@ import pytest
 import mergesmith
 from mergesmith import python_api
 from mergesmith.errors import MergeInterrupted
+from tests.helpers import BENCH, bench_module
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 PACKAGE = str(Path(mergesmith.__file__).parent) + "/"
 SMALL, LARGE = 40, 80
 """Layers of the two sizes compared (9 tensors a layer): large enough that a quadratic step dominates the count."""
 
 
-def _bench() -> Any:
-    """bench/many_tensors.py, whose checkpoints these are (the bench times what this test counts)."""
-    if str(BENCH) not in sys.path:  # the bench modules import each other by name, as scripts do
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("many_tensors_under_test", BENCH / "many_tensors.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _config(tmp: Path, layers: int) -> dict[str, Any]:
-    models = _bench().models_of(tmp, layers)
+    models = bench_module("many_tensors").models_of(tmp, layers)
     return {"merge_method": "ties", "base_model": str(models[0]), "dtype": "bfloat16",
             "models": [{"model": str(m), "parameters": {"weight": 1.0, "density": 0.5}} for m in models]}
 
@@ -114,10 +102,10 @@ def test_the_bench_prints_a_row_per_size(tmp_path: Path) -> None:
 
 def test_a_moe_assembly_costs_about_the_same_per_tensor_at_any_layer_count(tmp_path: Path) -> None:
     """`moe` too: its planner asked the router weights for one layer's tensor at a time, and each ask built every
-    layer's (2,000 -> 9,503 -> 19,003 output tensors: 15.5 s, then 55.7 s; now 5.0 and 11.0 s)."""
+    layer's (assemblies of 9,503 and 19,003 output tensors took 15.5 and 55.7 s; now 5.0 and 11.0 s)."""
 
     def assembly(layers: int) -> dict[str, Any]:
-        models = _bench().models_of(tmp_path, layers)
+        models = bench_module("many_tensors").models_of(tmp_path, layers)
         return {"base_model": str(models[0]), "gate_mode": "random", "dtype": "bfloat16",
                 "experts": [{"source_model": str(m)} for m in (models[1], models[2], models[0], models[1])]}
 

@@ -194,7 +194,7 @@ class RayExecutor(Executor):
 
     def run(self) -> None:
         pending = [(i, s) for i, s in enumerate(self.plan.shards) if s.filename not in self.journal.finished]
-        self._done = len(self.plan.recipes) - sum(len(s.recipes) for _, s in pending)
+        self._done = self._total - sum(len(s.recipes) for _, s in pending)
         self._bytes = self.plan.total_size - sum(s.data_bytes for _, s in pending)  # a resume starts at what is done
         # plus the tensors a local run journaled inside an unfinished shard, which its task reuses once their
         # checksums match (the driver cannot see that check: the journal's word is the count reported)
@@ -326,4 +326,4 @@ class RayExecutor(Executor):
 
     def _emit(self) -> None:
         if self.on_progress is not None:
-            self.on_progress(ProgressEvent(self._done, len(self.plan.recipes), self._bytes, None))
+            self.on_progress(ProgressEvent(self._done, self._total, self._bytes, None))
