@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_gpu_check import _load
+from tests.helpers import bench_module
 
 TINY_OMP = ["--omp-shared", "500", "--omp-hidden", "64", "--omp-k", "4", "--omp-targets", "64"]
 
@@ -28,7 +28,7 @@ def bench_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _check(tmp_path: Path, bench_models: Path, *extra: str) -> tuple[int, str, dict]:
     """bench/gpu_check.py's dry run with no merge, no tests, no sample: the commands step at the tiny size."""
-    check = _load("gpu_check")
+    check = bench_module("gpu_check")
     out = tmp_path / "check.json"
     code = check.main(["--mode", "cpu-dry-run", "--size", "tiny", "--minutes", "3", "--cases", "", "--test-files", "",
                        "--sample", "", *TINY_OMP, "--commands-size", "tiny", "--work", str(tmp_path / "work"),
@@ -77,7 +77,7 @@ def test_a_failing_command_is_a_failed_row_and_the_check_exits_1(
 
 
 def test_a_step_that_does_not_fit_is_cut_with_a_line_and_its_row_says_so() -> None:
-    check, table = _load("gpu_check"), _load("gpu_table")
+    check, table = bench_module("gpu_check"), bench_module("gpu_table")
     args = check.build_parser().parse_args(["--mode", "cpu-dry-run", "--commands-size", "quick"])
     cut: list[str] = []
     clock = check.Clock(time.time() + check.OMP_RESERVE_S + 10)  # 10 s for a step that needs about 40
@@ -110,7 +110,7 @@ def _commands() -> dict:
 
 
 def test_command_rows_the_cpu_line_and_a_failed_check() -> None:
-    table = _load("gpu_table")
+    table = bench_module("gpu_table")
     commands = _commands()
     rows = table.command_rows(commands)
     assert [r[0] for r in rows] == ["tokensurgeon 32000->50000 D=4096", "extract-lora D=4096 r=16"]  # device runs
@@ -132,7 +132,7 @@ def test_a_timed_command_past_its_timeout_is_killed_with_what_it_started(tmp_pat
     (a CPU transplant at the realistic size would otherwise run for hours after the check has printed its table)."""
     import subprocess
 
-    bl = _load("benchlib")
+    bl = bench_module("benchlib")
     pid_file = tmp_path / "pid"
     started = time.perf_counter()
     with pytest.raises(subprocess.TimeoutExpired):
